@@ -1,0 +1,26 @@
+from setuptools import setup
+
+setup(
+    name="vlrl",
+    version="0.1.0",
+    description="Reinforcement learning (GRPO) and SFT for vision-language models in one torchrun trainer",
+    python_requires=">=3.10",
+    packages=["grpo", "models", "rollout", "data", "tools"],
+    py_modules=["train"],
+    install_requires=[
+        "torch>=2.11,<2.14",
+        "transformers>=5.5,<6",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "pillow>=10",
+        "pyarrow>=15",
+        "pyyaml>=6",
+        "numpy>=1.26",
+        "sympy>=1.12",
+        "tensorboard>=2.15",
+    ],
+    extras_require={
+        "vllm": ["vllm>=0.26.0"],
+        "dev": ["pytest>=8"],
+    },
+)

@@ -1,0 +1,64 @@
+"""The engine interface every rollout engine implements.
+
+Prompts arrive as token ids whose image placeholders are already expanded (one `<|image_pad|>`
+per merged patch, exactly as the policy sees them) plus the canonical images and the processor
+outputs for them. Each engine returns, per response, the sampled token ids and the logprob of
+each sampled token under the distribution the trainer evaluates (after temperature, before
+top-p/top-k truncation), and a finish reason.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    banned_token_ids: list[int] = field(default_factory=list)  # never sampled (image placeholders)
+    seed: int | None = None
+
+
+@dataclass
+class PromptInput:
+    """One prompt: expanded token ids, the canonical images, and the processor outputs for them."""
+
+    input_ids: list[int]
+    images: list = field(default_factory=list)  # canonical RGB PIL images (already resized)
+    pixel_values: torch.Tensor | None = None  # (patches, dim) for all images of this prompt
+    image_grid_thw: torch.Tensor | None = None  # (num_images, 3)
+
+
+@dataclass
+class Generation:
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+
+
+class Engine(ABC):
+    """Generates responses; sleeps to give the GPU back to training; takes new weights by refit."""
+
+    @abstractmethod
+    def generate(self, prompts: list[PromptInput], params: SamplingParams) -> list[Generation]:
+        """n responses per prompt, ordered prompt-major: [p0 r0, p0 r1, ..., p1 r0, ...]."""
+
+    @abstractmethod
+    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors named with the transformers checkpoint names into the engine."""
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory (weights offloaded, KV cache dropped)."""
+
+    def wake(self) -> None:
+        """Undo `sleep`."""

@@ -1,0 +1,319 @@
+"""Vision-language datasets read from disk in the public schemas.
+
+Accepted files:
+  - parquet as published for hiyouga/geometry3k and BUAADreamer/clevr_count_70k:
+    `images` is a list of {bytes, path} structs, `problem` holds the question with one
+    `<image>` tag per image, `answer` the gold answer. `images` may also be a single
+    {bytes, path} struct, a list of path strings, or one path string;
+  - JSONL, one object per line with the same keys; image paths are absolute or relative
+    to the JSONL file's folder (relative parquet paths resolve against the parquet's folder).
+
+Column aliases: some public files name the columns differently, so `question` is read as
+`problem`, `solution` as `answer` and `image` as `images` when the canonical name is absent.
+A gold answer wrapped whole in `<answer> ... </answer>` (as in the CLEVR CoGenT files) is
+unwrapped. A problem with no `<image>` tag but with images gets the images before its text.
+
+Images stay encoded in the arrow table and are decoded per access, so host memory does not
+grow with the dataset's pixel count. A bad row raises BadSample from `get` and is skipped
+and counted by `iter_samples`.
+
+CLI: python -m data.datasets inspect FILE --task T [--model DIR] [--max-rows N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from data.images import DEFAULT_MAX_IMAGE_PIXELS, BadSample, canonicalize_image, decode_image
+from data.prompts import IMAGE_TAG, build_messages, check_task, render_messages_plain
+
+logger = logging.getLogger(__name__)
+
+# Canonical column name -> names accepted for it, in order of preference.
+COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
+    "images": ("images", "image"),
+    "problem": ("problem", "question"),
+    "answer": ("answer", "solution"),
+}
+
+_WRAPPED_ANSWER = re.compile(r"^\s*<answer>(.*)</answer>\s*$", re.DOTALL)
+
+
+@dataclass
+class Sample:
+    """One usable row: canonical RGB images and a problem with one `<image>` tag per image."""
+
+    index: int
+    images: list[Image.Image]
+    problem: str
+    answer: str
+
+
+class SkipStats:
+    """Counts skipped rows by reason and logs one warning line per skip."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def record(self, index: int, reason: str, path: str | Path, detail: str = "") -> None:
+        """Count one skipped row and log where it was and why."""
+        self.counts[reason] += 1
+        suffix = f" ({detail})" if detail else ""
+        logger.warning("skipping row %d of %s: %s%s", index, path, reason, suffix)
+
+    @property
+    def total(self) -> int:
+        """Number of rows skipped so far."""
+        return sum(self.counts.values())
+
+    def as_dict(self) -> dict[str, int]:
+        """Reason -> number of skipped rows, sorted by reason."""
+        return dict(sorted(self.counts.items()))
+
+
+def _read_jsonl(path: Path) -> pa.Table:
+    """Read a JSONL file into an arrow table; a malformed line fails with its line number."""
+    rows: list[dict] = []
+    with path.open("r", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: invalid JSON ({err.msg})") from err
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    names = sorted({key for row in rows for key in row})
+    columns = {name: [row.get(name) for row in rows] for name in names}
+    for name in COLUMN_ALIASES["images"]:
+        if name in columns:
+            columns[name] = [_jsonl_image_paths(value) for value in columns[name]]
+    return pa.table({name: _jsonl_column(values) for name, values in columns.items()})
+
+
+def _jsonl_image_paths(value: Any) -> list[str | None]:
+    """A JSONL images cell as a list of paths; an unusable entry becomes None (skipped later)."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    paths: list[str | None] = []
+    for item in items:
+        if isinstance(item, dict):
+            item = item.get("path")
+        paths.append(item if isinstance(item, str) else None)
+    return paths
+
+
+def _jsonl_column(values: list) -> pa.Array:
+    """One JSONL column as arrow; rows that mix types (3 and "3") are stored as strings."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values])
+
+
+def read_table(path: str | Path) -> pa.Table:
+    """Read a parquet (.parquet) or JSONL (.jsonl/.json) file as an arrow table."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return pq.read_table(path, memory_map=True)
+    if suffix in (".jsonl", ".json"):
+        return _read_jsonl(path)
+    raise ValueError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
+
+
+def resolve_columns(table: pa.Table, path: str | Path) -> dict[str, str]:
+    """Map each canonical column to the name it has in `table`, or raise naming what is missing."""
+    present = table.column_names
+    resolved = {}
+    for canonical, aliases in COLUMN_ALIASES.items():
+        found = next((name for name in aliases if name in present), None)
+        if found is None:
+            also = f" (also accepted: {', '.join(repr(a) for a in aliases[1:])})" if len(aliases) > 1 else ""
+            raise ValueError(
+                f"{path}: missing required column {canonical!r}{also}; columns present: {present}"
+            )
+        resolved[canonical] = found
+    return resolved
+
+
+def _image_refs(value: Any) -> list[tuple[bytes | None, str | None]]:
+    """Normalise an images cell to a list of (bytes, path) pairs."""
+    if value is None:
+        return []
+    if isinstance(value, (dict, str, bytes)):
+        value = [value]
+    refs = []
+    for item in value:
+        if isinstance(item, dict):
+            refs.append((item.get("bytes"), item.get("path")))
+        elif isinstance(item, str):
+            refs.append((None, item))
+        elif isinstance(item, bytes):
+            refs.append((item, None))
+        elif item is None:
+            refs.append((None, None))
+        else:
+            raise BadSample("missing_image", f"unrecognised image entry of type {type(item).__name__}")
+    return refs
+
+
+def _answer_text(value: Any) -> str:
+    """The gold answer as a non-empty string, unwrapped from <answer> tags if needed."""
+    if isinstance(value, bool) or value is None:
+        raise BadSample("missing_answer", f"answer is {value!r}")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    if not isinstance(value, str):
+        raise BadSample("missing_answer", f"answer has type {type(value).__name__}")
+    wrapped = _WRAPPED_ANSWER.match(value)
+    text = (wrapped.group(1) if wrapped else value).strip()
+    if not text:
+        raise BadSample("missing_answer", "answer is empty")
+    return text
+
+
+def _problem_text(value: Any, n_images: int) -> str:
+    """The problem with exactly one <image> tag per image (tags prepended if it has none)."""
+    if not isinstance(value, str) or not value.replace(IMAGE_TAG, "").strip():
+        raise BadSample("empty_problem", f"problem is {value!r}")
+    n_tags = value.count(IMAGE_TAG)
+    if n_tags == 0 and n_images > 0:
+        return IMAGE_TAG * n_images + value
+    if n_tags != n_images:
+        raise BadSample("image_count_mismatch", f"{n_tags} {IMAGE_TAG} tags, {n_images} images")
+    return value
+
+
+class VLDataset:
+    """Rows of a parquet/JSONL file, decoded and canonicalized one at a time on access."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        task: str,
+        *,
+        min_pixels: int = 28 * 28,
+        max_pixels: int = 512 * 28 * 28,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ):
+        if min_pixels > max_pixels:
+            raise ValueError(f"min_pixels={min_pixels} is larger than max_pixels={max_pixels}")
+        self.path = Path(path)
+        self.task = check_task(task)
+        self.min_pixels = min_pixels
+        self.max_pixels = max_pixels
+        self.max_image_pixels = max_image_pixels
+        self._table = read_table(self.path)
+        self._columns = resolve_columns(self._table, self.path)
+        self._base_dir = self.path.resolve().parent
+
+    def __len__(self) -> int:
+        return self._table.num_rows
+
+    def _cell(self, canonical: str, index: int) -> Any:
+        return self._table.column(self._columns[canonical])[index].as_py()
+
+    def _load_image(self, data: bytes | None, path: str | None) -> Image.Image:
+        if data:
+            img = decode_image(data, max_image_pixels=self.max_image_pixels)
+        elif path:
+            full = Path(path) if Path(path).is_absolute() else self._base_dir / path
+            img = decode_image(full, max_image_pixels=self.max_image_pixels)
+        else:
+            raise BadSample("missing_image", "image entry has neither bytes nor path")
+        return canonicalize_image(img, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+    def get(self, index: int) -> Sample:
+        """Row `index` as a Sample; raises BadSample (with a reason) if the row is unusable."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range for {self.path} with {len(self)} rows")
+        refs = _image_refs(self._cell("images", index))
+        # Text fields first: they are cheap to check and save decoding a doomed row's images.
+        problem = _problem_text(self._cell("problem", index), len(refs))
+        answer = _answer_text(self._cell("answer", index))
+        images = [self._load_image(data, path) for data, path in refs]
+        return Sample(index=index, images=images, problem=problem, answer=answer)
+
+    def iter_samples(self, indices: Iterable[int], stats: SkipStats) -> Iterator[Sample]:
+        """Yield the good samples among `indices`, recording each bad one in `stats`."""
+        for index in indices:
+            try:
+                yield self.get(index)
+            except BadSample as bad:
+                stats.record(index, bad.reason, self.path, bad.detail)
+
+
+def _render_prompt(sample: Sample, task: str, model_dir: str | None) -> str:
+    """The prompt text the model sees: its chat template if a model folder is given."""
+    messages = build_messages(sample, task)
+    if model_dir is None:
+        return render_messages_plain(messages)
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"--model must be a local folder, got {model_dir}")
+    from transformers import AutoProcessor  # only the CLI needs transformers
+
+    processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text[0] if isinstance(text, list) else text
+
+
+def inspect_file(path: str, task: str, model_dir: str | None = None, max_rows: int | None = None) -> dict:
+    """Load (up to `max_rows` of) a dataset file and summarise rows, skips and the first prompt."""
+    dataset = VLDataset(path, task)
+    stats = SkipStats()
+    scanned = len(dataset) if max_rows is None else min(max_rows, len(dataset))
+    loaded, first = 0, None
+    for sample in dataset.iter_samples(range(scanned), stats):
+        loaded += 1
+        if first is None:
+            first = sample
+    return {
+        "file": str(path),
+        "task": task,
+        "rows": len(dataset),
+        "scanned": scanned,
+        "loaded": loaded,
+        "skipped": stats.total,
+        "skip_reasons": stats.as_dict(),
+        "first_prompt": _render_prompt(first, task, model_dir) if first is not None else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; see the module docstring."""
+    parser = argparse.ArgumentParser(prog="python -m data.datasets", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="load a file and print one JSON summary line")
+    inspect.add_argument("file")
+    inspect.add_argument("--task", required=True)
+    inspect.add_argument("--model", default=None, help="local model folder whose chat template to apply")
+    inspect.add_argument("--max-rows", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
+    summary = inspect_file(args.file, args.task, args.model, args.max_rows)
+    print(json.dumps(summary, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,472 @@
+"""Rewards: one number per response, from a format check and an accuracy check.
+
+Tasks (`TASKS`), each scored as ``weights["accuracy"] * accuracy + weights["format"] * format``:
+
+- ``geo3k`` (default 0.9 / 0.1). Format is 1 when the response is ``<think>...</think>`` then a
+  final answer, either ``\\boxed{...}`` or ``<answer>...</answer>``, with only whitespace around
+  (exactly one think block). The final answer is looked for after the last ``</think>`` (the
+  whole response when there is none): the last ``\\boxed{...}`` (content up to its matching
+  brace), else the content of the last ``<answer>...</answer>``. Accuracy compares it with the
+  gold answer as math (`data.mathparse.answers_equivalent`): ``\\frac{7}{2}`` = ``3.5`` = ``7/2``,
+  ``2\\sqrt{3}`` = ``\\sqrt{12}`` ≈ ``3.4641`` (relative tolerance 1e-4), ``60^\\circ`` = ``60``,
+  units and ``x =`` stripped. Rounding rule: when the gold answer is a decimal written with d >= 1
+  places ("25.1"), a prediction within half a unit of the last place (|pred - 25.1| <= 0.05)
+  also counts, since such gold answers are rounded values.
+- ``clevr`` (0.8 / 0.2). Format is 1 when an ``<answer>...</answer>`` pair exists (think tags
+  optional). Accuracy is an exact integer match of the last answer's stripped content: "3" and
+  "3.0" both count as 3; words ("three") and non-integers do not.
+- ``generic`` (0.8 / 0.2). Format as clevr. Accuracy: loose string equality (case, spaces,
+  ``$``, ``\\text{}`` ignored; a content that is exactly ``\\boxed{...}`` is unwrapped), falling
+  back to the numeric comparison of geo3k.
+- ``grounding`` (0.8 / 0.2). Format as clevr. The gold answer is a box "[x1, y1, x2, y2]"; the
+  first box of four numbers in ``[...]`` or ``(...)`` inside the last answer is the prediction.
+  Accuracy is their IoU, or — with ``iou_threshold`` — 1.0 when IoU >= threshold, else 0.0.
+
+Every result carries a ``reason``: "" on full success, otherwise one of "no_answer_found",
+"unparseable_answer", "wrong_answer", "invalid_box", "invalid_gold_answer", "bad_format",
+"answer_too_long", "limit_exceeded: ..." or "timeout".
+
+Guarantee: no text is ever run as code; math goes through the bounded parser in
+`data.mathparse`. Scanning a response uses only C-level string searches (``find``/``rfind``/
+``count``, linear in its length, a few milliseconds per megabyte); every Python-level loop runs
+over at most `MAX_ANSWER_CHARS` characters. Each `score` call carries a deadline of ``timeout_s``
+seconds, checked between phases and inside the parser's step loop (no signals, so any thread
+works). Hitting any bound — an answer longer than `MAX_ANSWER_CHARS`, an exponent or value too
+large, the deadline — gives score, accuracy and format all 0 with the reason set.
+
+CLI: ``python -m data.rewards --task T --response R --answer A`` prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+from data.mathparse import (
+    MAX_RAW_CHARS,
+    MathLimitError,
+    MathParseError,
+    MathTimeout,
+    MathTooLong,
+    answers_equivalent,
+    check_deadline,
+    normalize_text,
+)
+
+TASKS = ("geo3k", "clevr", "generic", "grounding")
+DEFAULT_WEIGHTS = {
+    "geo3k": {"accuracy": 0.9, "format": 0.1},
+    "clevr": {"accuracy": 0.8, "format": 0.2},
+    "generic": {"accuracy": 0.8, "format": 0.2},
+    "grounding": {"accuracy": 0.8, "format": 0.2},
+}
+MAX_ANSWER_CHARS = MAX_RAW_CHARS
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
+_BOXED = "\\boxed"
+_BRACE_OPEN = re.compile(r"\s*\{")
+_INTEGER = re.compile(r"[+-]?[0-9]+(?:\.0*)?")
+_NUM = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+_BOX = re.compile(rf"[\[(]\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*[\])]")
+
+
+@dataclass
+class RewardResult:
+    """Reward of one response: `score` is the weighted sum of `accuracy` and `format`."""
+
+    score: float
+    accuracy: float
+    format: float
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# extraction
+
+
+def _boxed_span(text: str, start: int) -> tuple[str, int] | None:
+    """Content of the ``\\boxed{...}`` at `start` and the index just past its matching brace;
+    None if it never closes (a truncated response). Scans at most MAX_ANSWER_CHARS characters."""
+    opening = _BRACE_OPEN.match(text, start + len(_BOXED))
+    if opening is None:
+        return None
+    begin = opening.end()
+    stop = min(len(text), begin + MAX_ANSWER_CHARS + 1)
+    depth = 1
+    for index in range(begin, stop):
+        char = text[index]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:index], index + 1
+    if stop < len(text):
+        raise MathTooLong(f"\\boxed answer longer than {MAX_ANSWER_CHARS} characters")
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in `text` (only the last one is considered)."""
+    start = text.rfind(_BOXED)
+    span = None if start < 0 else _boxed_span(text, start)
+    return None if span is None else span[0]
+
+
+def _last_answer_tag(text: str) -> str | None:
+    """Content of the last ``<answer>...</answer>`` pair, or None."""
+    close = text.rfind(_ANSWER_CLOSE)
+    if close < 0:
+        return None
+    open_ = text.rfind(_ANSWER_OPEN, 0, close)
+    if open_ < 0:
+        return None
+    content = text[open_ + len(_ANSWER_OPEN) : close]
+    if len(content) > MAX_ANSWER_CHARS:
+        raise MathTooLong(f"<answer> content longer than {MAX_ANSWER_CHARS} characters")
+    return content
+
+
+def _after_think(response: str) -> str:
+    cut = response.rfind(_THINK_CLOSE)
+    return response if cut < 0 else response[cut + len(_THINK_CLOSE) :]
+
+
+def extract_final_answer(response: str, task: str) -> str | None:
+    """The final answer text of `response` for `task` (stripped), or None when there is none.
+
+    geo3k: last ``\\boxed{}`` after the last ``</think>``, else the last ``<answer>`` there.
+    Other tasks: the last ``<answer>`` content; generic also unwraps a content that is exactly
+    ``\\boxed{...}``. Raises `MathLimitError` when the answer exceeds `MAX_ANSWER_CHARS` and
+    ValueError for an unknown task.
+    """
+    _check_task(task)
+    if task == "geo3k":
+        region = _after_think(response)
+        found = _last_boxed(region)
+        if found is None:
+            found = _last_answer_tag(region)
+        return None if found is None else found.strip()
+    found = _last_answer_tag(response)
+    if found is None:
+        return None
+    found = found.strip()
+    if task == "generic" and found.startswith(_BOXED):
+        span = _boxed_span(found, 0)
+        if span is not None and span[1] == len(found):
+            return span[0].strip()
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# format
+
+
+def _think_then_answer(response: str) -> float:
+    """geo3k format: ``<think>...</think>`` then one final answer, whitespace around only."""
+    text = response.strip()
+    if not text.startswith(_THINK_OPEN):
+        return 0.0
+    if text.count(_THINK_OPEN) != 1 or text.count(_THINK_CLOSE) != 1:
+        return 0.0
+    tail = text[text.index(_THINK_CLOSE) + len(_THINK_CLOSE) :].strip()
+    if tail.startswith(_ANSWER_OPEN) and tail.endswith(_ANSWER_CLOSE):
+        single = tail.count(_ANSWER_OPEN) == 1 and tail.count(_ANSWER_CLOSE) == 1
+        return 1.0 if single else 0.0
+    if tail.startswith(_BOXED):
+        span = _boxed_span(tail, 0)
+        return 1.0 if span is not None and span[1] == len(tail) else 0.0  # nothing after the box
+    return 0.0
+
+
+def _has_answer_tag(response: str) -> float:
+    close = response.rfind(_ANSWER_CLOSE)
+    return 1.0 if close >= 0 and response.rfind(_ANSWER_OPEN, 0, close) >= 0 else 0.0
+
+
+_FORMAT: dict[str, Callable[[str], float]] = {
+    "geo3k": _think_then_answer,
+    "clevr": _has_answer_tag,
+    "generic": _has_answer_tag,
+    "grounding": _has_answer_tag,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# accuracy
+
+
+def _math_accuracy(pred: str, gold: str, deadline: float) -> tuple[float, str]:
+    try:
+        equal = answers_equivalent(pred, gold, deadline=deadline)
+    except MathLimitError:
+        raise
+    except MathParseError:
+        return 0.0, "unparseable_answer"
+    return (1.0, "") if equal else (0.0, "wrong_answer")
+
+
+def _geo3k_accuracy(
+    response: str, gold: str, deadline: float, threshold: float | None
+) -> tuple[float, str]:
+    pred = extract_final_answer(response, "geo3k")
+    if not pred:
+        return 0.0, "no_answer_found"
+    return _math_accuracy(pred, gold, deadline)
+
+
+def _as_integer(text: str) -> int | None:
+    match = _INTEGER.fullmatch(text.strip())
+    return None if match is None else int(match.group(0).split(".")[0])
+
+
+def _clevr_accuracy(
+    response: str, gold: str, deadline: float, threshold: float | None
+) -> tuple[float, str]:
+    gold_int = _as_integer(gold)
+    if gold_int is None:
+        return 0.0, "invalid_gold_answer"
+    pred = extract_final_answer(response, "clevr")
+    if pred is None:
+        return 0.0, "no_answer_found"
+    pred_int = _as_integer(pred)
+    if pred_int is None:
+        return 0.0, "unparseable_answer"
+    return (1.0, "") if pred_int == gold_int else (0.0, "wrong_answer")
+
+
+def _generic_accuracy(
+    response: str, gold: str, deadline: float, threshold: float | None
+) -> tuple[float, str]:
+    pred = extract_final_answer(response, "generic")
+    if pred is None or not pred:
+        return 0.0, "no_answer_found"
+    if normalize_text(pred) == normalize_text(gold):
+        return 1.0, ""
+    accuracy, reason = _math_accuracy(pred, gold, deadline)
+    # A free-text answer that is not a number is simply a different answer here.
+    return accuracy, "wrong_answer" if reason == "unparseable_answer" else reason
+
+
+def parse_box(text: str) -> tuple[float, float, float, float] | None:
+    """The first ``[x1, y1, x2, y2]`` (or ``(...)``) of four numbers in `text`, or None."""
+    if len(text) > MAX_ANSWER_CHARS:
+        raise MathTooLong(f"box text longer than {MAX_ANSWER_CHARS} characters")
+    match = _BOX.search(text)
+    return None if match is None else tuple(float(v) for v in match.groups())
+
+
+def _grounding_accuracy(
+    response: str, gold: str, deadline: float, threshold: float | None
+) -> tuple[float, str]:
+    try:
+        gold_box = parse_box(gold)
+        if gold_box is not None:
+            _check_box(gold_box, "gold box")
+    except (ValueError, MathLimitError):
+        gold_box = None
+    if gold_box is None:
+        return 0.0, "invalid_gold_answer"
+    pred = extract_final_answer(response, "grounding")
+    if pred is None:
+        return 0.0, "no_answer_found"
+    pred_box = parse_box(pred)
+    if pred_box is None:
+        return 0.0, "unparseable_answer"
+    try:
+        overlap = iou(pred_box, gold_box)
+    except ValueError:
+        return 0.0, "invalid_box"
+    if threshold is not None:
+        overlap = 1.0 if overlap >= threshold else 0.0
+    return overlap, "" if overlap > 0 else "wrong_answer"
+
+
+_ACCURACY = {
+    "geo3k": _geo3k_accuracy,
+    "clevr": _clevr_accuracy,
+    "generic": _generic_accuracy,
+    "grounding": _grounding_accuracy,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# boxes
+
+
+def _check_box(box: Sequence[float], name: str) -> tuple[float, float, float, float]:
+    """Validate ``[x1, y1, x2, y2]`` with finite values, x1 <= x2 and y1 <= y2."""
+    values = tuple(float(v) for v in box)
+    if len(values) != 4:
+        raise ValueError(f"{name} must have 4 values [x1, y1, x2, y2], got {len(values)}")
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{name} has a non-finite value: {values}")
+    x1, y1, x2, y2 = values
+    if x2 < x1 or y2 < y1:
+        raise ValueError(f"{name} must satisfy x1 <= x2 and y1 <= y2, got {values}")
+    return values
+
+
+def _area(box: tuple[float, float, float, float]) -> float:
+    return (box[2] - box[0]) * (box[3] - box[1])
+
+
+def _intersection_union(a, b) -> tuple[float, float]:
+    width = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    height = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = width * height
+    return inter, _area(a) + _area(b) - inter
+
+
+def iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Intersection over union of two ``[x1, y1, x2, y2]`` boxes, in [0, 1] (0 if both empty)."""
+    a, b = _check_box(a, "box a"), _check_box(b, "box b")
+    inter, union = _intersection_union(a, b)
+    return inter / union if union > 0 else 0.0
+
+
+def giou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Generalized IoU in [-1, 1]: IoU minus the share of the enclosing box that neither covers."""
+    a, b = _check_box(a, "box a"), _check_box(b, "box b")
+    inter, union = _intersection_union(a, b)
+    enclosing = (max(a[2], b[2]) - min(a[0], b[0])) * (max(a[3], b[3]) - min(a[1], b[1]))
+    if enclosing <= 0:
+        return 0.0
+    overlap = inter / union if union > 0 else 0.0
+    return overlap - (enclosing - union) / enclosing
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+
+def _check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"unknown reward task {task!r}; choose one of: {', '.join(TASKS)}")
+
+
+def _resolve_weights(task: str, weights: dict | None) -> dict[str, float]:
+    resolved = dict(DEFAULT_WEIGHTS[task])
+    for key, value in (weights or {}).items():
+        if key not in resolved:
+            raise ValueError(f"unknown reward weight {key!r}; valid keys: accuracy, format")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value):
+            raise ValueError(f"reward weight {key!r} must be a finite number, got {value!r}")
+        resolved[key] = float(value)
+    return resolved
+
+
+def _check_arguments(response, answer, timeout_s, task, iou_threshold) -> None:
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a str, got {type(response).__name__}")
+    if not isinstance(answer, str):
+        raise TypeError(f"answer must be a str, got {type(answer).__name__}")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
+    if iou_threshold is not None:
+        if task != "grounding":
+            raise ValueError(f"iou_threshold applies to the grounding task only, not {task!r}")
+        if not 0 < iou_threshold <= 1:
+            raise ValueError(f"iou_threshold must be in (0, 1], got {iou_threshold!r}")
+
+
+def score(
+    task: str,
+    response: str,
+    answer: str,
+    *,
+    weights: dict | None = None,
+    timeout_s: float = 2.0,
+    iou_threshold: float | None = None,
+) -> RewardResult:
+    """Reward of one `response` against the gold `answer` for `task` (see the module docstring).
+
+    `weights` overrides the task's {"accuracy", "format"} weights (missing keys keep their
+    defaults). `iou_threshold` (grounding only) turns IoU into a 0/1 hit. Never raises for any
+    response text; raises ValueError/TypeError for an unknown task or bad arguments.
+    """
+    _check_task(task)
+    resolved = _resolve_weights(task, weights)
+    _check_arguments(response, answer, timeout_s, task, iou_threshold)
+    deadline = time.monotonic() + timeout_s
+    try:
+        fmt = _FORMAT[task](response)
+        check_deadline(deadline)
+        accuracy, reason = _ACCURACY[task](response, answer, deadline, iou_threshold)
+    except MathTimeout:
+        return RewardResult(0.0, 0.0, 0.0, "timeout")
+    except MathTooLong:
+        return RewardResult(0.0, 0.0, 0.0, "answer_too_long")
+    except MathLimitError as error:
+        return RewardResult(0.0, 0.0, 0.0, f"limit_exceeded: {error}")
+    if not reason and fmt < 1.0:
+        reason = "bad_format"
+    total = resolved["accuracy"] * accuracy + resolved["format"] * fmt
+    return RewardResult(total, accuracy, fmt, reason)
+
+
+def score_batch(
+    task: str, responses: Sequence[str], answers: Sequence[str], **kwargs
+) -> list[RewardResult]:
+    """`score` for each (response, answer) pair; keyword arguments go to every call."""
+    if len(responses) != len(answers):
+        raise ValueError(f"score_batch: {len(responses)} responses but {len(answers)} answers")
+    return [score(task, r, a, **kwargs) for r, a in zip(responses, answers)]
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m data.rewards", description="Score one response; prints a JSON object."
+    )
+    parser.add_argument("--task", required=True, help=f"one of: {', '.join(TASKS)}")
+    parser.add_argument("--response", required=True, help="the model's response text")
+    parser.add_argument("--answer", required=True, help="the gold answer")
+    parser.add_argument("--weights", help='JSON object, e.g. \'{"accuracy": 0.9, "format": 0.1}\'')
+    parser.add_argument("--iou-threshold", type=float, help="grounding: 0/1 accuracy at this IoU")
+    parser.add_argument("--timeout-s", type=float, default=2.0, help="deadline per call (seconds)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; exits with status 2 (argparse's usage error) for bad arguments."""
+    parser = _build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.task not in TASKS:
+        parser.error(f"unknown task {args.task!r}; choose one of: {', '.join(TASKS)}")
+    weights = None
+    if args.weights:
+        try:
+            weights = json.loads(args.weights)
+        except json.JSONDecodeError as error:
+            parser.error(f"--weights is not valid JSON: {error}")
+        if not isinstance(weights, dict):
+            parser.error("--weights must be a JSON object")
+    try:
+        result = score(
+            args.task,
+            args.response,
+            args.answer,
+            weights=weights,
+            timeout_s=args.timeout_s,
+            iou_threshold=args.iou_threshold,
+        )
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
+    print(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

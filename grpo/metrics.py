@@ -1,0 +1,132 @@
+"""One namespaced metrics dict per step, written by rank 0: stdout line, metrics.jsonl, TensorBoard.
+
+Namespaces: loss/*, reward/*, rollout/*, fidelity/*, perf/*, memory/*, eval/*, data/*. Rank 0
+also draws a progress bar with ETA on stderr when stderr is a terminal; the stdout line carries
+the ETA too, so logs piped to a file show it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Keys shown on the compact stdout line, in order, when present.
+STDOUT_KEYS = (
+    "loss/total", "loss/grad_norm", "optim/lr", "reward/mean", "reward/accuracy", "reward/format",
+    "rollout/response_len_mean", "fidelity/token_mult_prob_error", "loss/clip_fraction", "loss/kl",
+    "eval/accuracy", "perf/step_s", "perf/tokens_per_s",
+)
+
+
+def reduce_mean(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Average scalar metrics over ranks (every rank must pass the same keys)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+def reduce_op(values: dict[str, float], device: torch.device, op) -> dict[str, float]:
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return dict(zip(keys, t.tolist()))
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return str(v)
+    if abs(v) >= 1000 or v == int(v):
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:g}"
+    return f"{v:.4g}"
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class MetricsLogger:
+    """Writes each step's metrics on rank 0; other ranks hold a disabled logger."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True, stdout: bool = True, progress: bool = True):
+        self.enabled = enabled
+        self.total = total_steps
+        self.start_step = start_step
+        self.stdout = stdout
+        self.progress = progress and sys.stderr.isatty()
+        self.t0 = time.monotonic()
+        self.writer = None
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _truncate_after(self.path, start_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+
+    def eta(self, step: int) -> float:
+        done = step - self.start_step
+        if done <= 0:
+            return float("nan")
+        return (time.monotonic() - self.t0) / done * (self.total - step)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: float(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, float(v), step)
+            self.writer.flush()
+        if self.stdout:
+            shown = " ".join(f"{k.split('/', 1)[1]}={_fmt(float(metrics[k]))}" for k in STDOUT_KEYS if k in metrics)
+            print(f"step {step}/{self.total} {shown} eta={format_eta(self.eta(step))}", flush=True)
+        if self.progress:
+            done = step / max(self.total, 1)
+            bar = "#" * int(30 * done)
+            sys.stderr.write(f"\r[{bar:<30}] {step}/{self.total} ETA {format_eta(self.eta(step))}")
+            sys.stderr.flush()
+            if step >= self.total:
+                sys.stderr.write("\n")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop rows past the resume point so a resumed run does not duplicate steps."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    except ImportError:  # pragma: no cover
+        return 0.0

@@ -1,0 +1,414 @@
+"""The training loop: SFT steps, or GRPO steps that read top to bottom.
+
+GRPO step, colocated and time-sliced on every rank:
+    generate (engine awake, policy offloaded on GPU) → score → old/ref logprobs → advantages
+    → PPO epochs over packed micro-batches → refit the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from data.batch import Batch
+from data.datasets import VLDataset
+from data.loader import PromptFeeder
+from data.processing import EncodedPrompt, encode_response, load_processor, sft_target
+from data.rewards import score
+from grpo import algorithm as alg
+from grpo.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from grpo.config import Config, save_config
+from grpo.metrics import MetricsLogger, peak_memory_gb
+from grpo.update import (
+    all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, padded, per_target,
+    sequence_logprobs,
+)
+from models.parallel import build_parallel_dims
+from models.policy import Policy, build_policy
+from rollout.base import Generation, PromptInput, SamplingParams
+from rollout.factory import build_engine
+
+log = logging.getLogger("vlrl")
+MISMATCH_ALARM = 1.05
+
+
+class Trainer:
+    """Builds the pieces from the config and runs `train()`."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.dims = build_parallel_dims(cfg.parallel.tp)
+        self.run_dir = Path(cfg.trainer.run_dir)
+        if self.dims.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+        torch.manual_seed(cfg.trainer.seed + self.dims.rank)
+        self.policy: Policy = build_policy(cfg.model, self.dims)
+        self.adapter = self.policy.adapter
+        self.optimizer = build_optimizer(self.policy, cfg.optim)
+        self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
+        self.tokenizer = self.processor.tokenizer
+        self.stop_ids = _stop_token_ids(self.tokenizer)
+        self.feeder = self._feeder(cfg.data.train_path)
+        self.eval_feeder = self._feeder(cfg.data.eval_path, shuffle=False) if cfg.data.eval_path else None
+        self.ref: Policy | None = None
+        if cfg.trainer.mode == "grpo" and cfg.algorithm.kl_coef > 0:
+            self.ref = build_policy(cfg.model, self.dims)
+        self.engine = None
+        self.step = 0
+        self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0}
+        self._resume()
+        self.logger = MetricsLogger(
+            self.run_dir, enabled=self.dims.is_main, total_steps=cfg.trainer.max_steps, start_step=self.step,
+            tensorboard=cfg.logging.tensorboard, stdout=cfg.logging.stdout, progress=cfg.trainer.progress,
+        )
+
+    # --- construction ------------------------------------------------------------------------
+    def _feeder(self, path: str, shuffle: bool | None = None) -> PromptFeeder:
+        d = self.cfg.data
+        if not path:
+            raise ValueError("config key 'data.train_path' is empty: point it at a parquet or JSONL file")
+        ds = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+        return PromptFeeder(
+            ds, self.processor, d.task, seed=self.cfg.trainer.seed, shuffle=d.shuffle if shuffle is None else shuffle,
+            max_prompt_tokens=d.max_prompt_tokens, rank=self.dims.dp_rank, world=self.dims.dp,
+            reduce_max=lambda v: all_reduce_max_int(v, self.policy.device),
+        )
+
+    def _engine(self):
+        if self.engine is None:
+            self.engine = build_engine(self.cfg, self.policy)
+            self.refit()
+        return self.engine
+
+    def _resume(self) -> None:
+        path = resolve_resume(self.cfg.checkpoint.resume, self.run_dir)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.policy.model, self.optimizer)
+        self.step = int(state["step"])
+        self.feeder.load_state_dict(state["data"])
+        self.counters.update(state.get("counters", {}))
+        if self.dims.is_main:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def save(self) -> None:
+        state = {"data": self.feeder.state_dict(), "counters": self.counters}
+        path = save_checkpoint(self.run_dir, self.step, self.policy.model, self.optimizer, state,
+                               self.cfg.model.path, keep=self.cfg.checkpoint.keep)
+        if self.dims.is_main:
+            print(f"checkpoint written: {path}", flush=True)
+
+    # --- the loop ----------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg = self.cfg
+        per_rank = _per_rank(cfg.data.prompts_per_step, self.dims.dp, "data.prompts_per_step")
+        last = {}
+        while self.step < cfg.trainer.max_steps:
+            self.step += 1
+            t0 = time.monotonic()
+            lr = lr_at(self.step, cfg.optim, cfg.trainer.max_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if cfg.trainer.mode == "sft":
+                metrics = self.sft_step(per_rank)
+            else:
+                metrics = self.grpo_step(per_rank)
+            metrics["optim/lr"] = lr
+            metrics["perf/step_s"] = time.monotonic() - t0
+            metrics["memory/peak_gb"] = peak_memory_gb(self.policy.device)
+            metrics["data/skipped_samples"] = float(sum(self.feeder.stats.counts.values()))
+            if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 and self.eval_feeder:
+                metrics.update(self.evaluate())
+            self.logger.log(self.step, metrics)
+            last = metrics
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+                self.save()
+        if cfg.checkpoint.every_steps == 0 or self.step % cfg.checkpoint.every_steps:
+            self.save()
+        self.logger.close()
+        return last
+
+    # --- SFT ---------------------------------------------------------------------------------
+    def sft_step(self, per_rank: int) -> dict:
+        prompts = self.feeder.next(per_rank)
+        responses = [encode_response(self.tokenizer, sft_target(self.cfg.data.task, p.answer)) for p in prompts]
+        batch = self._sequence_batch(prompts, responses)
+        tokens = sum(int(m.sum()) - int(m[0]) for m in batch["loss_mask"].items)
+        (global_tokens,) = all_reduce_sum([tokens], self.policy.device)
+
+        def loss_fn(lp, mb, den):
+            return -lp.sum() / den["tokens"], {"loss/nll_sum": -float(lp.detach().sum())}
+
+        t0 = time.monotonic()
+        out = optimizer_step(self.policy, self.optimizer, batch, loss_fn, max_tokens=self.cfg.optim.max_tokens_per_microbatch,
+                             grad_clip=self.cfg.optim.grad_clip, denominators={"tokens": global_tokens})
+        train_s = time.monotonic() - t0
+        self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
+        total_tokens = sum(t.numel() for t in batch["input_ids"].items)
+        (all_tokens,) = all_reduce_sum([total_tokens], self.policy.device)
+        return {"loss/total": out["loss/total"], "loss/grad_norm": out["loss/grad_norm"],
+                "loss/skipped_nonfinite_total": float(self.counters["skipped_nonfinite"]),
+                "perf/tokens": all_tokens, "perf/scored_tokens": global_tokens,
+                "perf/tokens_per_s": all_tokens / max(train_s, 1e-9), "perf/train_s": train_s}
+
+    def _sequence_batch(self, prompts: list[EncodedPrompt], responses: list[torch.Tensor],
+                        prompt_of: list[int] | None = None) -> Batch:
+        """Prompt + response sequences; samples of one prompt share its pixel tensor (no copy)."""
+        prompt_of = prompt_of if prompt_of is not None else list(range(len(prompts)))
+        ids, masks, pos, pix, grids = [], [], [], [], []
+        for i, resp in zip(prompt_of, responses):
+            p = prompts[i]
+            seq = torch.cat([p.input_ids, resp.to(p.input_ids.dtype)])
+            mask = torch.zeros_like(seq)
+            mask[p.input_ids.numel():] = 1
+            ids.append(seq)
+            masks.append(mask)
+            pos.append(self.adapter.position_ids(seq, p.image_grid_thw))
+            pix.append(p.pixel_values)
+            grids.append(p.image_grid_thw)
+        batch = Batch({"input_ids": ids, "loss_mask": masks, "image_grid_thw": grids})
+        batch["pixel_values"] = pix
+        from data.batch import PackedGenericDataItem
+
+        batch["position_ids"] = PackedGenericDataItem(pos, dim=1)
+        return batch
+
+    # --- GRPO --------------------------------------------------------------------------------
+    def sampling_params(self, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=1 if greedy else r.n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+            max_new_tokens=max_new_tokens or r.max_new_tokens, stop_token_ids=self.stop_ids,
+            banned_token_ids=self.adapter.banned_token_ids,
+            seed=None if greedy else self.cfg.trainer.seed * 100_003 + self.step * 1009 + self.dims.rank,
+        )
+
+    def generate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> list[Generation]:
+        engine = self._engine()
+        offload = self._offload()
+        if offload:
+            self.policy.offload(self.optimizer)
+            engine.wake()
+        inputs = [PromptInput(p.input_ids.tolist(), p.images, p.pixel_values, p.image_grid_thw) for p in prompts]
+        gens = engine.generate(inputs, params)
+        if offload:
+            engine.sleep()
+            self.policy.reload(self.optimizer)
+        return gens
+
+    def _offload(self) -> bool:
+        mode = self.cfg.parallel.offload_during_generate
+        return mode == "on" or (mode == "auto" and self.policy.device.type == "cuda")
+
+    def refit(self) -> float:
+        t0 = time.monotonic()
+        dtype = getattr(self.engine, "dtype", None)
+        self.engine.refit(self.policy.full_state_dict(dtype))
+        return time.monotonic() - t0
+
+    def grpo_step(self, per_rank: int) -> dict:
+        cfg, alg_cfg = self.cfg, self.cfg.algorithm
+        G = cfg.rollout.n
+        timings = {}
+
+        t = time.monotonic()
+        prompts, gens, rewards_info = self._rollouts(per_rank)
+        timings["perf/gen_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        responses = [torch.tensor(g.token_ids, dtype=torch.long) for g in gens]
+        batch = self._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
+        max_tokens = cfg.optim.max_tokens_per_microbatch
+        old, _ = sequence_logprobs(self.policy, batch, max_tokens, cfg.rollout.temperature)
+        batch["old_logprobs"] = old
+        batch["engine_logprobs"] = [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens]
+        if self.ref is not None:
+            batch["ref_logprobs"], _ = sequence_logprobs(self.ref, batch, max_tokens, cfg.rollout.temperature)
+        timings["perf/logprob_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        rewards = torch.tensor([r.score for r in rewards_info], dtype=torch.float32)
+        lengths = torch.tensor([len(g.token_ids) for g in gens])
+        if alg_cfg.overlong_buffer > 0:
+            rewards = rewards + alg.overlong_penalty(lengths, cfg.rollout.max_new_tokens, alg_cfg.overlong_buffer,
+                                                     alg_cfg.overlong_penalty)
+        if self.ref is not None and alg_cfg.kl_in_reward:
+            kl = [alg.kl_penalty(o, r, alg_cfg.kl_estimator).sum() for o, r in zip(old, batch["ref_logprobs"].items)]
+            rewards = rewards - alg_cfg.kl_coef * torch.stack(kl)
+        adv = alg.compute_advantages(rewards, G, alg_cfg.adv_estimator) if len(rewards) else rewards
+        batch["advantages"] = [a.reshape(1) for a in adv]
+        fidelity = self._fidelity(batch)
+        timings["perf/score_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        train = self._ppo_update(batch)
+        timings["perf/train_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        timings["perf/refit_s"] = self.refit()
+        return {**self._rollout_metrics(gens, rewards_info, rewards), **fidelity, **train, **timings,
+                **self._throughput(batch, timings)}
+
+    def _rollouts(self, per_rank: int):
+        """Prompts, G responses each, and their rewards; with dynamic sampling, only informative groups."""
+        cfg = self.cfg
+        G = cfg.rollout.n
+        prompts, gens, infos = self._generate_and_score(self.feeder.next(per_rank))
+        if not cfg.algorithm.dynamic_sampling:
+            return prompts, gens, infos
+        keep_p, keep_g, keep_i = [], [], []
+        rounds = 0
+        while True:
+            scores = torch.tensor([r.score for r in infos])
+            keep = alg.dynamic_sampling_keep(scores, G) if len(scores) else torch.zeros(0, dtype=torch.bool)
+            for pi in torch.nonzero(keep).flatten().tolist():
+                if len(keep_p) >= per_rank:
+                    break
+                keep_g += [
+                    Generation(len(keep_p), g.token_ids, g.logprobs, g.finish_reason) for g in gens[pi * G:(pi + 1) * G]
+                ]
+                keep_i += infos[pi * G:(pi + 1) * G]
+                keep_p.append(prompts[pi])
+            need = per_rank - len(keep_p)
+            rounds += 1
+            if all_reduce_max_int(need, self.policy.device) == 0 or rounds > cfg.algorithm.max_refill_rounds:
+                return keep_p, keep_g, keep_i
+            prompts, gens, infos = self._generate_and_score(self.feeder.next(need))
+
+    def _generate_and_score(self, prompts):
+        gens = self.generate(prompts, self.sampling_params()) if prompts else []
+        texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
+        infos = [score(self.cfg.data.task, text, prompts[g.prompt_index].answer) for g, text in zip(gens, texts)]
+        return prompts, gens, infos
+
+    def _fidelity(self, batch: Batch) -> dict:
+        """token_mult_prob_error between the engine's and the trainer's logprobs of the sampled tokens."""
+        dev = self.policy.device
+        eng, old = batch["engine_logprobs"].items, batch["old_logprobs"].items
+        if len(eng):
+            e = torch.nn.utils.rnn.pad_sequence(eng, batch_first=True)
+            o = torch.nn.utils.rnn.pad_sequence(old, batch_first=True)
+            mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in eng], batch_first=True)
+            m = alg.mismatch_metrics(e, o, mask)
+            seq_max = m["seq_max_mult_prob_error"]
+            sums = [float(m["token_mult_prob_error_sum"]), float(m["token_count"]), float(m["gen_kl_sum"])]
+            keep = alg.mismatch_sequence_mask(seq_max, self.cfg.algorithm.mismatch_mask_threshold)
+        else:
+            seq_max, sums, keep = torch.ones(0), [0.0, 0.0, 0.0], torch.ones(0, dtype=torch.bool)
+        batch["mismatch_keep"] = [k.reshape(1).float() for k in keep]
+        masked = int((~keep).sum())
+        total, count, kl = all_reduce_sum(sums, dev)
+        (masked_all,) = all_reduce_sum([masked], dev)
+        self.counters["masked_mismatch_seqs"] += int(masked_all)
+        t = torch.tensor([float(seq_max.max()) if len(seq_max) else 1.0], device=dev, dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        value = total / max(count, 1)
+        if value > MISMATCH_ALARM and self.dims.is_main:
+            log.warning("fidelity alarm: token_mult_prob_error=%.4f > %.2f at step %d", value, MISMATCH_ALARM, self.step)
+        return {"fidelity/token_mult_prob_error": value, "fidelity/token_mult_prob_error_seq_max": float(t.item()),
+                "fidelity/gen_kl": kl / max(count, 1), "fidelity/masked_seqs": masked_all}
+
+    def _ppo_update(self, batch: Batch) -> dict:
+        cfg, a = self.cfg, self.cfg.algorithm
+        masks = [torch.ones(x.numel()) * k for x, k in zip(batch["old_logprobs"].items, batch["mismatch_keep"].items)]
+        tokens = sum(float(m.sum()) for m in masks)
+        seqs = sum(1.0 for m in masks if m.sum() > 0)
+        g_tokens, g_seqs = all_reduce_sum([tokens, seqs], self.policy.device)
+        batch["token_weight"] = masks
+
+        def loss_fn(lp, mb, den):
+            dev = lp.device
+            logp, mask = padded(lp, mb)
+            old, _ = padded(per_target(batch, mb, "old_logprobs").to(dev), mb)
+            w, _ = padded(per_target(batch, mb, "token_weight").to(dev), mb)
+            mask = mask & (w > 0)
+            adv = torch.cat([batch["advantages"][i] for i in mb.sample_indices]).to(dev)
+            tis = None
+            if a.tis_cap > 0:
+                eng, _ = padded(per_target(batch, mb, "engine_logprobs").to(dev), mb)
+                tis = alg.tis_weights(old, eng, a.tis_cap)
+            loss, m = alg.policy_loss(logp, old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
+                                      dual_clip=a.dual_clip, loss_agg=a.loss_agg, tis_weights=tis,
+                                      global_tokens=den["tokens"], global_seqs=den["seqs"])
+            n = float(mask.sum())
+            sums = {"loss/clip_fraction_sum": float(m["clip_fraction"]) * n, "loss/tokens": n}
+            if self.ref is not None and not a.kl_in_reward:
+                ref, _ = padded(per_target(batch, mb, "ref_logprobs").to(dev), mb)
+                kl = alg.kl_penalty(logp, ref, a.kl_estimator)
+                kl_loss = alg.aggregate_loss(kl, mask, a.loss_agg, global_tokens=den["tokens"], global_seqs=den["seqs"])
+                loss = loss + a.kl_coef * kl_loss
+                sums["loss/kl_sum"] = float(kl.detach()[mask].sum())
+            return loss, sums
+
+        out = {}
+        for _ in range(a.ppo_epochs):
+            out = optimizer_step(self.policy, self.optimizer, batch, loss_fn, max_tokens=cfg.optim.max_tokens_per_microbatch,
+                                 grad_clip=cfg.optim.grad_clip, temperature=cfg.rollout.temperature,
+                                 denominators={"tokens": g_tokens, "seqs": g_seqs})
+            self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
+        keys = ["loss/clip_fraction_sum", "loss/tokens", "loss/kl_sum", "loss/entropy_sum"]
+        clip, n, kl, ent = all_reduce_sum([out.get(k, 0.0) for k in keys], self.policy.device)
+        metrics = {"loss/total": out["loss/total"], "loss/grad_norm": out["loss/grad_norm"],
+                   "loss/clip_fraction": clip / max(n, 1), "loss/entropy": ent / max(n, 1),
+                   "loss/skipped_nonfinite_total": float(self.counters["skipped_nonfinite"])}
+        if self.ref is not None:
+            metrics["loss/kl"] = kl / max(n, 1)
+        return metrics
+
+    def _rollout_metrics(self, gens, infos, rewards) -> dict:
+        lengths = [len(g.token_ids) for g in gens]
+        sums = [float(rewards.sum()), float((rewards**2).sum()), sum(r.accuracy for r in infos),
+                sum(r.format for r in infos), float(sum(lengths)), float(len(gens)),
+                float(sum(g.finish_reason == "length" for g in gens))]
+        s, s2, acc, fmt, ln, n, trunc = all_reduce_sum(sums, self.policy.device)
+        (max_len,) = [all_reduce_max_int(max(lengths, default=0), self.policy.device)]
+        n = max(n, 1)
+        mean = s / n
+        return {"reward/mean": mean, "reward/std": max(s2 / n - mean**2, 0.0) ** 0.5, "reward/accuracy": acc / n,
+                "reward/format": fmt / n, "rollout/response_len_mean": ln / n, "rollout/response_len_max": float(max_len),
+                "rollout/truncated_frac": trunc / n}
+
+    def _throughput(self, batch: Batch, timings: dict) -> dict:
+        tokens = sum(t.numel() for t in batch["input_ids"].items)
+        gen_tokens = sum(t.numel() for t in batch["engine_logprobs"].items)
+        total, gen = all_reduce_sum([tokens, gen_tokens], self.policy.device)
+        return {"perf/tokens_per_s": total / max(timings["perf/train_s"], 1e-9),
+                "perf/gen_tokens_per_s": gen / max(timings["perf/gen_s"], 1e-9)}
+
+    # --- evaluation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, max_samples: int | None = None) -> dict:
+        """Greedy accuracy on the held-out split (this rank's shard of the first N rows)."""
+        if self.eval_feeder is None:
+            return {}
+        n = min(max_samples or self.cfg.trainer.eval_samples, len(self.eval_feeder.dataset))
+        self.eval_feeder.stream.position, self.eval_feeder.stream.epoch = 0, 0
+        per_rank = max(n // self.dims.dp, 1)
+        prompts = self.eval_feeder.next(per_rank)
+        gens = self.generate(prompts, self.sampling_params(greedy=True, max_new_tokens=self.cfg.trainer.eval_max_new_tokens))
+        texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
+        infos = [score(self.cfg.data.task, t, prompts[g.prompt_index].answer) for g, t in zip(gens, texts)]
+        acc, fmt, cnt = all_reduce_sum([sum(r.accuracy for r in infos), sum(r.format for r in infos), len(infos)],
+                                       self.policy.device)
+        return {"eval/accuracy": acc / max(cnt, 1), "eval/format": fmt / max(cnt, 1), "eval/samples": cnt}
+
+
+def _per_rank(total: int, dp: int, key: str) -> int:
+    if total % dp:
+        raise ValueError(f"config key '{key}'={total} does not divide across {dp} data-parallel ranks")
+    return total // dp
+
+
+def _stop_token_ids(tokenizer) -> list[int]:
+    ids = []
+    for tok in ("<|im_end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id:
+            ids.append(tid)
+    return ids

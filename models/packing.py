@@ -1,0 +1,132 @@
+"""Padding-free packing: sequences concatenated into one row up to a token budget.
+
+Each sequence keeps the position ids it would have alone (computed from its own image grid by
+the family adapter), so packing never changes a token's positions; attention is block-diagonal
+by sequence. Row 0 of the (4, 1, L) position ids restarts at 0 for every sequence, which is how
+the attention implementation finds the boundaries (`cu_seqlens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from data.batch import Batch
+
+
+@dataclass
+class PackedMicrobatch:
+    """One packed row and where its scored tokens sit.
+
+    target_positions[k] is the row position whose logits predict target_ids[k]; target_seq[k] is
+    the index (within `sample_indices`) of the sequence that token belongs to.
+    """
+
+    input_ids: torch.Tensor  # (1, L)
+    position_ids: torch.Tensor  # (4, 1, L)
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    cu_seqlens: torch.Tensor  # (S + 1,)
+    target_positions: torch.Tensor  # (K,)
+    target_ids: torch.Tensor  # (K,)
+    target_seq: torch.Tensor  # (K,)
+    sample_indices: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_targets(self) -> int:
+        return self.target_ids.numel()
+
+    def to(self, device) -> "PackedMicrobatch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PackedMicrobatch(
+            move(self.input_ids), move(self.position_ids), move(self.pixel_values), move(self.image_grid_thw),
+            move(self.cu_seqlens), move(self.target_positions), move(self.target_ids), move(self.target_seq),
+            list(self.sample_indices),
+        )
+
+
+def first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Bins of sample indices, each at most `max_tokens` long (a longer sample gets a bin of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def balanced_bins(lengths: list[int], num_bins: int) -> list[list[int]]:
+    """Exactly `num_bins` bins with balanced token totals (longest first onto the lightest bin)."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = min(range(num_bins), key=lambda k: loads[k])
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def plan_microbatches(lengths: list[int], max_tokens: int, num_bins: int | None = None) -> list[list[int]]:
+    """Micro-batches as lists of sample indices.
+
+    Without `num_bins`: the fewest bins first-fit-decreasing finds. With it (ranks agree on a
+    common count so every rank runs the same number of forwards): that many balanced bins, some
+    possibly empty. Bins hold indices in ascending order so packing is deterministic.
+    """
+    if num_bins is None:
+        return [sorted(b) for b in first_fit_decreasing(lengths, max_tokens)]
+    return balanced_bins(lengths, num_bins)
+
+
+def bins_fit(bins: list[list[int]], lengths: list[int], max_tokens: int) -> bool:
+    return all(len(b) <= 1 or sum(lengths[i] for i in b) <= max_tokens for b in bins)
+
+
+def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
+    """Concatenate the given samples into one row.
+
+    The batch needs `input_ids` (1-D per sample), `position_ids` ((4, L) per sample), `loss_mask`
+    (1-D per sample, 1 where the token is scored), and optionally `pixel_values` and
+    `image_grid_thw` (None for text-only samples).
+    """
+    sub = batch.slice(indices)
+    ids, pos, masks = sub["input_ids"].items, sub["position_ids"].items, sub["loss_mask"].items
+    lengths = [t.numel() for t in ids]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    target_positions, target_ids, target_seq = [], [], []
+    for s, (seq, mask) in enumerate(zip(ids, masks)):
+        scored = torch.nonzero(mask[1:].bool(), as_tuple=False).flatten() + 1
+        target_positions.append(scored - 1 + offsets[s])
+        target_ids.append(seq[scored])
+        target_seq.append(torch.full_like(scored, s))
+    return PackedMicrobatch(
+        input_ids=torch.cat(ids).unsqueeze(0),
+        position_ids=torch.cat(pos, dim=1).unsqueeze(1),
+        pixel_values=sub["pixel_values"].as_tensor() if "pixel_values" in sub else None,
+        image_grid_thw=sub["image_grid_thw"].as_tensor() if "image_grid_thw" in sub else None,
+        cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
+        target_positions=torch.cat(target_positions),
+        target_ids=torch.cat(target_ids),
+        target_seq=torch.cat(target_seq),
+        sample_indices=list(indices),
+    )
+
+
+def unpack_per_sequence(values: torch.Tensor, mb: PackedMicrobatch) -> list[torch.Tensor]:
+    """Split per-target values (K,) back into one tensor per sequence of the micro-batch."""
+    counts = torch.bincount(mb.target_seq, minlength=len(mb.sample_indices)).tolist()
+    return list(torch.split(values, counts))

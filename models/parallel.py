@@ -1,0 +1,137 @@
+"""Distributed setup and the one function that applies parallelism to a model.
+
+`ParallelDims` owns the device mesh; nothing else does rank arithmetic. `apply_parallelism`
+applies, in this order: tensor parallel plan → activation checkpointing → FSDP2 (vision tower as
+one unit, each decoder block as one unit, then the root, which keeps embeddings, the final norm
+and lm_head: lm_head runs once per logprob chunk, so it lives in the unit that stays gathered
+for the whole forward).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str = "auto") -> None:
+    """Join torchrun's process group, or make a one-process group when run without torchrun."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+
+
+@dataclass
+class ParallelDims:
+    """The policy's device mesh: data parallel (FSDP) × tensor parallel."""
+
+    world_size: int
+    tp: int
+    device_type: str
+
+    def __post_init__(self):
+        if self.world_size % self.tp:
+            raise ValueError(f"parallel.tp={self.tp} does not divide the world size {self.world_size}")
+        self.dp = self.world_size // self.tp
+        if self.tp > 1:
+            self.mesh = init_device_mesh(self.device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        else:
+            self.mesh = init_device_mesh(self.device_type, (self.dp,), mesh_dim_names=("dp",))
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["tp"] if self.tp > 1 else None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def local_world_size(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type, self.local_rank) if self.device_type == "cuda" else torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def build_parallel_dims(tp: int = 1) -> ParallelDims:
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return ParallelDims(world_size=dist.get_world_size(), tp=tp, device_type=device_type)
+
+
+def _apply_tp(model: nn.Module, adapter, tp_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[kind]() for name, kind in adapter.tp_plan().items()}
+    text_cfg = getattr(model.config, "text_config", model.config)
+    for heads in (text_cfg.num_attention_heads, text_cfg.num_key_value_heads):
+        if heads % tp_mesh.size():
+            raise ValueError(f"parallel.tp={tp_mesh.size()} does not divide the model's {heads} attention heads")
+    for layer in adapter.decoder_layers(model):
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def apply_parallelism(
+    model: nn.Module,
+    adapter,
+    dims: ParallelDims,
+    *,
+    param_dtype: torch.dtype | None,
+    activation_checkpointing: bool,
+) -> nn.Module:
+    """TP plan → activation checkpointing → FSDP2 units; returns the model (sharded in place).
+
+    On GPU, parameters stay fp32 (the sharded master copy), compute runs in `param_dtype` and
+    gradients reduce in fp32. On CPU everything is fp32.
+    """
+    if dims.tp_mesh is not None:
+        _apply_tp(model, adapter, dims.tp_mesh)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mesh": dims.dp_mesh}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    fully_shard(adapter.vision_tower(model), **kwargs)
+    for layer in adapter.decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

@@ -1,0 +1,372 @@
+"""The DTensor policy: a transformers VLM built on meta, sharded with FSDP2, loaded from safetensors.
+
+`Policy.logprobs(mb)` runs one packed micro-batch and returns the log-probabilities (and
+entropies) of its scored tokens only: hidden states are gathered at the scored positions and
+pushed through lm_head in chunks, each chunk under activation checkpointing, so full-vocabulary
+fp32 logits never exist for the whole pack at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from models.family import FamilyAdapter, build_adapter
+from models.packing import PackedMicrobatch
+from models.parallel import ParallelDims, apply_parallelism
+
+LOGPROB_CHUNK = 1024  # scored tokens per lm_head chunk
+
+# Checkpoints saved before transformers renamed VLM weights (hub Qwen2/2.5-VL) use these prefixes.
+_LEGACY_KEYS = [
+    (re.compile(r"^visual\."), "model.visual."),
+    (re.compile(r"^model\.(?!visual\.|language_model\.)"), "model.language_model."),
+]
+
+# Files of a model folder that export copies next to the weights.
+_SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json", "vocab.json", "merges.txt", "added_tokens.json",
+)
+
+
+def canonical_weight_name(name: str) -> str:
+    """A checkpoint key in transformers' current naming (model.language_model.*, model.visual.*, lm_head.*)."""
+    for pattern, repl in _LEGACY_KEYS:
+        if pattern.match(name):
+            return pattern.sub(repl, name, count=1)
+    return name
+
+
+def load_model_config(path: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a model folder (no config.json); put a Hugging Face checkpoint "
+            "folder on local disk and point model.path at it"
+        )
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def _open_weights(path: str) -> dict[str, str]:
+    """Map canonical weight name → safetensors file for a model folder (single file or sharded index)."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = json.loads(index.read_text())["weight_map"]
+        return {canonical_weight_name(k): str(folder / v) for k, v in files.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    with safe_open(str(single), framework="pt") as f:
+        return {canonical_weight_name(k): str(single) for k in f.keys()}
+
+
+def _raw_key(file_keys: set[str], name: str) -> str:
+    if name in file_keys:
+        return name
+    for key in file_keys:
+        if canonical_weight_name(key) == name:
+            return key
+    raise KeyError(name)
+
+
+def load_safetensors_into(model: nn.Module, path: str) -> None:
+    """Fill every parameter and persistent buffer of a (possibly sharded) model from a folder's safetensors.
+
+    Each rank reads one full tensor at a time and keeps its own shard. Tied weights (lm_head
+    sharing the embedding) may be absent from the files.
+    """
+    where = _open_weights(path)
+    handles: dict[str, object] = {}
+    tied = bool(getattr(getattr(model.config, "text_config", model.config), "tie_word_embeddings", False)) or bool(
+        getattr(model.config, "tie_word_embeddings", False)
+    )
+    missing = []
+    for name, tensor in model.state_dict().items():
+        if name not in where:
+            if tied and name.endswith("lm_head.weight"):
+                continue
+            missing.append(name)
+            continue
+        file = where[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt")
+        f = handles[file]
+        full = f.get_tensor(_raw_key(set(f.keys()), name))
+        if tuple(full.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(tensor.shape)}")
+        with torch.no_grad():
+            if isinstance(tensor, DTensor):
+                shard = distribute_tensor(full.to(tensor.dtype), tensor.device_mesh, tensor.placements)
+                tensor.to_local().copy_(shard.to_local())
+            else:
+                tensor.copy_(full.to(tensor.dtype))
+    if missing:
+        raise ValueError(f"{len(missing)} weights missing from the checkpoint in {path}, e.g. {missing[:3]}")
+
+
+def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute buffers that are not in checkpoints (rotary inv_freq) after building on meta."""
+    for module in model.modules():
+        names = [n for n in module._buffers if n in getattr(module, "_non_persistent_buffers_set", set())]
+        if not names:
+            continue
+        if not hasattr(module, "config"):
+            raise RuntimeError(f"cannot rebuild non-persistent buffers of {type(module).__name__}")
+        with torch.device("cpu"):
+            fresh = type(module)(module.config)
+        for n in names:
+            module._buffers[n] = fresh._buffers[n].to(device)
+
+
+def _has_meta(model: nn.Module) -> list[str]:
+    return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+
+
+def resolve_attn_implementation(name: str, device_type: str) -> str:
+    if name != "auto":
+        return name
+    if device_type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            return "sdpa"
+    return "sdpa"
+
+
+def compute_dtype(name: str, device_type: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class Policy:
+    """A sharded VLM plus its family adapter; runs packed micro-batches and yields full weights."""
+
+    def __init__(self, model: nn.Module, adapter: FamilyAdapter, dims: ParallelDims, path: str, dtype: torch.dtype):
+        self.model = model
+        self.adapter = adapter
+        self.dims = dims
+        self.path = path
+        self.dtype = dtype
+        self.device = dims.device
+        self._dummy_vision = None
+
+    # --- forward ---------------------------------------------------------------------------
+    def _vision_keepalive(self) -> torch.Tensor:
+        """A zero-weighted vision forward for micro-batches without images.
+
+        Every rank must run the vision tower's FSDP collectives in every micro-batch, or a rank
+        holding only text-only samples would hang the others.
+        """
+        if self._dummy_vision is None:
+            a = self.adapter
+            grid = torch.tensor([[1, a.spatial_merge_size, a.spatial_merge_size]])
+            dim = 3 * a.temporal_patch_size * a.patch_size**2
+            pixels = torch.zeros(int(grid.prod()), dim)
+            self._dummy_vision = (pixels.to(self.device), grid.to(self.device))
+        pixels, grid = self._dummy_vision
+        out = self.adapter.vision_tower(self.model)(pixels, grid_thw=grid)
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        if isinstance(feats, (tuple, list)):
+            feats = torch.cat(list(feats))
+        return feats.float().sum() * 0.0
+
+    def hidden_states(self, mb: PackedMicrobatch) -> torch.Tensor:
+        """Last hidden states (L, H) of a packed row."""
+        inner = self.model.model
+        kwargs = dict(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+        if mb.pixel_values is not None:
+            kwargs.update(pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw)
+        hidden = inner(**kwargs).last_hidden_state[0]
+        if mb.pixel_values is None:
+            hidden = hidden + self._vision_keepalive().to(hidden.dtype)
+        return hidden
+
+    def logprobs(
+        self, mb: PackedMicrobatch, *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities (K,) of the micro-batch's scored tokens under softmax(logits / temperature).
+
+        Must be called through `self.model(...)`-equivalent hooks: we call the root module so FSDP
+        gathers the root unit (embeddings, norm, lm_head) for the whole forward.
+        """
+        mb = mb.to(self.device)
+        return self.model(mb, temperature, with_entropy)
+
+    def _forward(self, mb: PackedMicrobatch, temperature: float, with_entropy: bool):
+        hidden = self.hidden_states(mb)
+        picked = hidden.index_select(0, mb.target_positions)
+        head = self.adapter.lm_head(self.model)
+        lps, ents = [], []
+        for start in range(0, picked.shape[0], LOGPROB_CHUNK):
+            h = picked[start : start + LOGPROB_CHUNK]
+            t = mb.target_ids[start : start + LOGPROB_CHUNK]
+            if torch.is_grad_enabled():
+                lp, ent = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, use_reentrant=False)
+            else:
+                lp, ent = _chunk_logprobs(head, h, t, temperature, with_entropy)
+            lps.append(lp)
+            ents.append(ent)
+        if not lps:
+            empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.float().sum() * 0.0
+            return empty, (empty.detach() if with_entropy else None)
+        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+    # --- memory ----------------------------------------------------------------------------
+    def offload(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Move the sharded parameters (and optimizer state) to CPU so a colocated engine can use the GPU."""
+        _move_model(self.model, torch.device("cpu"))
+        if optimizer is not None:
+            move_optimizer_state(optimizer, torch.device("cpu"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def reload(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        _move_model(self.model, self.device)
+        if optimizer is not None:
+            move_optimizer_state(optimizer, self.device)
+
+    # --- full weights ----------------------------------------------------------------------
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every weight, in transformers' current names; a collective on all ranks."""
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield name, (full.to(dtype) if dtype is not None else full).detach()
+
+    def full_state_dict_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full tensors grouped into buckets of at most `bucket_bytes` (a tensor larger than that alone)."""
+        bucket, size = [], 0
+        for name, t in self.full_state_dict(dtype):
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def export_hf(self, out: str | Path, dtype: torch.dtype | None = None) -> Path | None:
+        """Write a Hugging Face folder (rank 0): config, model.safetensors, processor and tokenizer files."""
+        return export_hf_folder(self.full_state_dict(dtype), self.model.config, self.path, out, self.dims.is_main)
+
+
+def _chunk_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    logits = head(h).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return lp, ent
+
+
+def _move_model(model: nn.Module, device: torch.device) -> None:
+    for p in model.parameters():
+        if p.device != device:
+            p.data = p.data.to(device, non_blocking=True)
+    for m in model.modules():
+        for n, b in list(m._buffers.items()):
+            if b is not None and b.device != device:
+                m._buffers[n] = b.to(device, non_blocking=True)
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.device != device and not (k == "step" and v.dim() == 0 and v.device.type == "cpu"):
+                state[k] = v.to(device, non_blocking=True)
+
+
+def export_hf_folder(named_tensors, config, source_path: str, out: str | Path, is_main: bool) -> Path | None:
+    """Save full tensors + the source folder's config/processor/tokenizer files as a HF checkpoint folder."""
+    out = Path(out)
+    tied = bool(getattr(getattr(config, "text_config", config), "tie_word_embeddings", False)) or bool(
+        getattr(config, "tie_word_embeddings", False)
+    )
+    tensors = {}
+    for name, t in named_tensors:  # every rank iterates: gathering is collective
+        if is_main and not (tied and name == "lm_head.weight"):
+            tensors[name] = t.detach().to("cpu").contiguous().clone()
+    if not is_main:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    for name in _SIDE_FILES:
+        src = Path(source_path) / name
+        if src.is_file() and src.resolve() != (out / name).resolve():
+            shutil.copyfile(src, out / name)
+    return out
+
+
+def build_policy(cfg_model, dims: ParallelDims) -> Policy:
+    """Config → sharded, loaded Policy. Builds on meta, shards, materializes, loads, checks nothing is left on meta."""
+    from transformers import AutoModelForImageTextToText
+
+    config = load_model_config(cfg_model.path, cfg_model.trust_remote_code)
+    adapter = build_adapter(config)
+    dtype = compute_dtype(cfg_model.dtype, dims.device_type)
+    attn = resolve_attn_implementation(cfg_model.attn_implementation, dims.device_type)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(
+            config, attn_implementation=attn, dtype=torch.float32, trust_remote_code=cfg_model.trust_remote_code
+        )
+    model.forward = _bind_forward(model)
+    apply_parallelism(
+        model, adapter, dims,
+        param_dtype=dtype if dtype != torch.float32 else None,
+        activation_checkpointing=cfg_model.activation_checkpointing,
+    )
+    model.to_empty(device=dims.device)
+    _reinit_nonpersistent_buffers(model, dims.device)
+    load_safetensors_into(model, cfg_model.path)
+    left = _has_meta(model)
+    if left:
+        raise RuntimeError(f"{len(left)} tensors still on the meta device after loading, e.g. {left[:3]}")
+    policy = Policy(model, adapter, dims, cfg_model.path, dtype)
+    model._vlrl_policy = policy
+    return policy
+
+
+def _bind_forward(model: nn.Module):
+    """Route the root module's forward to the packed logprob forward.
+
+    FSDP2 hooks the root module's `__call__`; calling the model itself (not `model.model`)
+    keeps the root unit gathered for embeddings, norm and the chunked lm_head.
+    """
+
+    def forward(mb, temperature=1.0, with_entropy=False):
+        return model._vlrl_policy._forward(mb, temperature, with_entropy)
+
+    return forward
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,41 @@
+"""Choose and build the rollout engine from `rollout.engine` (torch | vllm | auto)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def vllm_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine_name(name: str) -> str:
+    """auto → vllm when CUDA and vllm are present, else the built-in torch engine."""
+    if name == "auto":
+        return "vllm" if vllm_available() else "torch"
+    if name == "vllm" and not vllm_available():
+        raise RuntimeError(
+            "rollout.engine=vllm needs CUDA and the vllm package (pip install -e .[vllm]); "
+            "set rollout.engine=torch to use the built-in engine"
+        )
+    return name
+
+
+def build_engine(cfg, policy):
+    """The engine for this rank, holding the policy's model folder; weights arrive by refit."""
+    name = resolve_engine_name(cfg.rollout.engine)
+    if name == "torch":
+        from rollout.torch_engine import TorchEngine
+
+        return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype)
+    from rollout.vllm_engine import VLLMEngine
+
+    r, d = cfg.rollout, cfg.data
+    return VLLMEngine(
+        cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
+        enforce_eager=r.enforce_eager, max_model_len=d.max_prompt_tokens + r.max_new_tokens, seed=cfg.trainer.seed,
+        dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
+        max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id,
+    )

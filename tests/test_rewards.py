@@ -1,0 +1,414 @@
+"""Rewards and the bounded math parser: equivalences, formats, boxes, bounds, CLI."""
+
+import ast
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from data import mathparse
+from data.mathparse import (
+    MathLimitError,
+    MathParseError,
+    MathTimeout,
+    answers_equivalent,
+    evaluate,
+    normalize_answer,
+    numbers_match,
+)
+from data.rewards import (
+    DEFAULT_WEIGHTS,
+    TASKS,
+    RewardResult,
+    extract_final_answer,
+    giou,
+    iou,
+    parse_box,
+    score,
+    score_batch,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def geo(answer_text: str) -> str:
+    """A well-formatted geo3k response whose final answer is `answer_text`."""
+    return f"<think>Angles in a triangle sum to 180.</think> \\boxed{{{answer_text}}}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the parser
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1+2*3", 7.0),
+        ("(1+2)*3", 9.0),
+        ("2^3^2", 512.0),  # right-associative
+        ("-2^2", -4.0),  # unary minus binds looser than ^
+        ("2^{-1}", 0.5),
+        ("7/2", 3.5),
+        (r"\frac{7}{2}", 3.5),
+        (r"\dfrac{7}{2}", 3.5),
+        (r"\tfrac12", 0.5),
+        (r"\frac{\sqrt{3}}{2}", math.sqrt(3) / 2),
+        (r"2\sqrt{3}", 2 * math.sqrt(3)),
+        (r"\sqrt[3]{-8}", -2.0),
+        (r"\sqrt3", math.sqrt(3)),
+        ("√12", math.sqrt(12)),
+        (r"4\pi", 4 * math.pi),
+        (r"3\sqrt{2}\pi", 3 * math.sqrt(2) * math.pi),
+        ("pi/2", math.pi / 2),
+        (r"\left( 3+4 \right)\cdot 2", 14.0),
+        (r"3 \times 4", 12.0),
+        ("2(3+1)", 8.0),
+        ("50\\%", 0.5),
+        ("1,000", 1000.0),
+        ("1{,}000.5", 1000.5),
+        (r"1\,000", 1000.0),
+        (r"60^\circ", 60.0),
+        (r"60^{\circ}", 60.0),
+        ("60°", 60.0),
+        ("x = 5", 5.0),
+        (r"m \angle ABC = 60", 60.0),
+        (r"12\text{ cm}^2", 12.0),
+        (r"12 \mathrm{cm}", 12.0),
+        ("5 cm", 5.0),
+        ("$-3.25$", -3.25),
+        ("2.5e3", 2500.0),
+    ],
+)
+def test_evaluate_values(text, value):
+    assert evaluate(text) == pytest.approx(value, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "abc", "2 3", "(1+2", r"\frac{1}{0}", r"\sqrt{-4}", "1/0", r"\infty", "(-8)^{0.5}",
+     "3, 4"],
+)
+def test_evaluate_rejects(text):
+    with pytest.raises(MathParseError):
+        evaluate(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["9^9^9^9^9", "10^{65}", "(10^{60})^{2}", "(" * 60 + "1" + ")" * 60, "-" * 100 + "1",
+     "1" * 150, "1" * 300],
+)
+def test_evaluate_limits(text):
+    start = time.perf_counter()
+    with pytest.raises(MathLimitError):
+        evaluate(text)
+    assert time.perf_counter() - start < 0.1
+
+
+def test_parser_checks_the_deadline():
+    with pytest.raises(MathTimeout):
+        evaluate("1+1", deadline=time.monotonic() - 1.0)
+
+
+def test_normalize_keeps_non_unit_text():
+    assert normalize_answer(r"\text{5}") == "5"
+    assert normalize_answer(r"5\text{ units}") == "5"
+
+
+def test_numbers_match_rounding_rule():
+    assert numbers_match(25.13, 25.1, gold_decimals=1)
+    assert numbers_match(25.05, 25.1, gold_decimals=1)
+    assert not numbers_match(25.16, 25.1, gold_decimals=1)
+    assert not numbers_match(25.13, 25.0, gold_decimals=None)  # gold "25": no rounding rule
+    assert numbers_match(3.46410, 2 * math.sqrt(3))  # relative tolerance 1e-4
+    assert not numbers_match(3.46, 2 * math.sqrt(3))
+
+
+def test_answers_equivalent_percent_both_readings():
+    assert answers_equivalent("50\\%", "0.5")
+    assert answers_equivalent("50%", "50")
+    assert not answers_equivalent("50%", "5")
+
+
+# ---------------------------------------------------------------------------------------------
+# geo3k
+
+
+@pytest.mark.parametrize(
+    "pred, gold",
+    [
+        (r"\frac{7}{2}", "3.5"),
+        ("3.5", r"\frac{7}{2}"),
+        ("7/2", r"\frac{7}{2}"),
+        (r"\dfrac{7}{2}", "7/2"),
+        (r"2\sqrt{3}", r"\sqrt{12}"),
+        ("3.4641", r"2\sqrt{3}"),
+        (r"60^\circ", "60"),
+        ("60°", "60"),
+        (r"4\pi", "12.566"),
+        ("12.566", r"4\pi"),
+        ("x = 5", "5"),
+        (r"5\text{ cm}", "5"),
+        ("1,200", "1200"),
+        ("25.13", "25.1"),  # gold is a rounded decimal: 25.13 rounds to 25.1
+        (r"8\sqrt{10}", "25.3"),  # 25.298 rounds to 25.3
+    ],
+)
+def test_geo3k_equivalent_answers_score_full(pred, gold):
+    result = score("geo3k", geo(pred), gold)
+    assert result == RewardResult(1.0, 1.0, 1.0, "")
+
+
+@pytest.mark.parametrize(
+    "pred, gold",
+    [("4", "3.5"), (r"\sqrt{13}", r"2\sqrt{3}"), ("25.16", "25.1"), ("25.1", "25.13"),
+     ("25.4", "25"), ("61", "60")],
+)
+def test_geo3k_wrong_answers_score_low(pred, gold):
+    result = score("geo3k", geo(pred), gold)
+    assert result.accuracy == 0.0
+    assert result.score == pytest.approx(0.1)  # format only
+    assert result.reason == "wrong_answer"
+
+
+def test_geo3k_unparseable_and_missing_answers():
+    assert score("geo3k", geo("abc"), "5").reason == "unparseable_answer"
+    missing = score("geo3k", "<think>so it is 5</think> five", "5")
+    assert (missing.score, missing.reason) == (0.0, "no_answer_found")
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "<think>r</think>\\boxed{5}",
+        "  <think>\nr\n</think>\n\n\\boxed{5}\n",
+        "<think>r</think> <answer>5</answer>",
+        "<think>r</think><answer>\\boxed{5}</answer>",
+    ],
+)
+def test_geo3k_format_accepted(response):
+    assert score("geo3k", response, "5") == RewardResult(1.0, 1.0, 1.0, "")
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "\\boxed{5}",  # no think block
+        "<think>r</think> The answer is \\boxed{5}",  # text before the answer
+        "<think>r</think> \\boxed{5}.",  # text after the answer
+        "<think>a</think><think>b</think>\\boxed{5}",  # two think blocks
+        "intro <think>r</think>\\boxed{5}",  # text before think
+        "<think>r</think><answer>5</answer><answer>5</answer>",  # two answers
+    ],
+)
+def test_geo3k_format_rejected(response):
+    result = score("geo3k", response, "5")
+    assert result.format == 0.0
+    assert result.accuracy == 1.0
+    assert result.score == pytest.approx(0.9)
+    assert result.reason == "bad_format"
+
+
+def test_geo3k_uses_answer_after_think_and_last_box():
+    assert extract_final_answer("<think>maybe \\boxed{3}</think> \\boxed{4}", "geo3k") == "4"
+    assert extract_final_answer("\\boxed{1} then \\boxed{\\frac{1}{2}}", "geo3k") == "\\frac{1}{2}"
+    assert extract_final_answer("<think>\\boxed{3}</think> nothing", "geo3k") is None
+    assert extract_final_answer("<think>t</think><answer> 7 </answer>", "geo3k") == "7"
+
+
+def test_weights_are_configurable_and_checked():
+    result = score("geo3k", "\\boxed{5}", "5", weights={"accuracy": 0.5})
+    assert result.score == pytest.approx(0.5)
+    result = score("geo3k", geo("4"), "5", weights={"accuracy": 0.3, "format": 0.7})
+    assert result.score == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="acc"):
+        score("geo3k", geo("5"), "5", weights={"acc": 1.0})
+    assert DEFAULT_WEIGHTS["geo3k"] == {"accuracy": 0.9, "format": 0.1}
+
+
+# ---------------------------------------------------------------------------------------------
+# clevr and generic
+
+
+@pytest.mark.parametrize(
+    "content, accuracy",
+    [("3", 1.0), (" 3 ", 1.0), ("3.0", 1.0), ("03", 1.0), ("4", 0.0), ("three", 0.0),
+     ("3.5", 0.0), ("", 0.0)],
+)
+def test_clevr_exact_integer(content, accuracy):
+    result = score("clevr", f"<answer>{content}</answer>", "3")
+    assert result.accuracy == accuracy
+    assert result.format == 1.0
+    assert result.score == pytest.approx(0.8 * accuracy + 0.2)
+
+
+def test_clevr_format_and_last_answer():
+    assert score("clevr", "<think>count</think><answer>2</answer>", "2").score == pytest.approx(1.0)
+    assert score("clevr", "<answer>1</answer> wait <answer>2</answer>", "2").accuracy == 1.0
+    no_tag = score("clevr", "the answer is 2", "2")
+    assert (no_tag.score, no_tag.format, no_tag.reason) == (0.0, 0.0, "no_answer_found")
+    assert score("clevr", "<answer>2</answer>", "two").reason == "invalid_gold_answer"
+
+
+def test_generic_string_then_numeric():
+    assert score("generic", "<answer> The  Red Cube. </answer>", "the red cube").accuracy == 1.0
+    assert score("generic", "<answer>\\boxed{1/2}</answer>", "0.5").accuracy == 1.0
+    assert score("generic", "<answer>$\\frac{7}{2}$</answer>", "3.5").accuracy == 1.0
+    wrong = score("generic", "<answer>blue</answer>", "red")
+    assert (wrong.accuracy, wrong.format, wrong.reason) == (0.0, 1.0, "wrong_answer")
+
+
+# ---------------------------------------------------------------------------------------------
+# grounding
+
+
+def test_iou_and_giou_by_hand():
+    # Overlap 5x5 = 25, union 100 + 100 - 25 = 175, enclosing 15x15 = 225.
+    assert iou([0, 0, 10, 10], [5, 5, 15, 15]) == pytest.approx(25 / 175)
+    assert giou([0, 0, 10, 10], [5, 5, 15, 15]) == pytest.approx(25 / 175 - (225 - 175) / 225)
+    # Disjoint: union 2, enclosing 3x3 = 9.
+    assert iou([0, 0, 1, 1], [2, 2, 3, 3]) == 0.0
+    assert giou([0, 0, 1, 1], [2, 2, 3, 3]) == pytest.approx(-7 / 9)
+    assert iou([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert giou([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    # Containment: 4 / 16.
+    assert iou([0, 0, 4, 4], [1, 1, 3, 3]) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="x1 <= x2"):
+        iou([5, 0, 1, 1], [0, 0, 1, 1])
+
+
+def test_grounding_scores():
+    result = score("grounding", "<answer>[5, 5, 15, 15]</answer>", "[0, 0, 10, 10]")
+    assert result.accuracy == pytest.approx(25 / 175)
+    assert result.score == pytest.approx(0.8 * 25 / 175 + 0.2)
+    json_like = '<answer>[{"bbox_2d": [0, 0, 4, 4], "label": "cat"}]</answer>'
+    assert score("grounding", json_like, "[1, 1, 3, 3]").accuracy == pytest.approx(0.25)
+    hit = score("grounding", "<answer>[0,0,10,10]</answer>", "[0, 0, 10, 11]", iou_threshold=0.5)
+    miss = score("grounding", "<answer>[5,5,15,15]</answer>", "[0, 0, 10, 10]", iou_threshold=0.5)
+    assert (hit.accuracy, miss.accuracy) == (1.0, 0.0)
+    assert score("grounding", "<answer>[9, 9, 1, 1]</answer>", "[0,0,1,1]").reason == "invalid_box"
+    assert score("grounding", "<answer>left</answer>", "[0,0,1,1]").reason == "unparseable_answer"
+    assert score("grounding", "<answer>[1,1,2,2]</answer>", "nope").reason == "invalid_gold_answer"
+    assert parse_box("box (1.5, 2, 3e1, 40)") == (1.5, 2.0, 30.0, 40.0)
+    with pytest.raises(ValueError, match="grounding"):
+        score("clevr", "<answer>1</answer>", "1", iou_threshold=0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# bounds
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        geo("9^9^9^9^9"),
+        geo("{" * 10_000 + "1" + "}" * 10_000),
+        "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
+        "<think></think><answer>" + "(" * 5_000 + "</answer>",
+        geo("(" * 60 + "1" + ")" * 60),
+        geo("1" * 1_000_000),
+        "x" * 1_000_000,
+        "\\boxed{" * 200_000,
+        "<answer>" * 200_000 + "</answer>",
+        "<think>" + "a" * 1_000_000 + "</think>" + "\\boxed{1+" * 50_000,
+    ],
+)
+@pytest.mark.parametrize("task", ["geo3k", "clevr", "generic"])
+def test_pathological_inputs_finish_fast(response, task):
+    start = time.perf_counter()
+    result = score(task, response, "1")
+    assert time.perf_counter() - start < 1.0
+    assert result.accuracy == 0.0
+    assert result.score <= DEFAULT_WEIGHTS[task]["format"] + 1e-12
+    assert result.reason
+
+
+def test_limit_hits_zero_everything():
+    result = score("geo3k", geo("9^9^9^9^9"), "5")
+    assert result == RewardResult(0.0, 0.0, 0.0, result.reason)
+    assert result.reason.startswith("limit_exceeded")
+    assert score("geo3k", geo("1" * 5000), "5").reason == "answer_too_long"
+
+
+def test_timeout_works_off_the_main_thread():
+    results = []
+    def work():
+        results.append(score("geo3k", geo("1"), "1", timeout_s=1e-9))
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join(5.0)
+    assert results == [RewardResult(0.0, 0.0, 0.0, "timeout")]
+    assert score("geo3k", geo("1"), "1", timeout_s=5.0).score == 1.0
+
+
+def test_no_code_execution_in_sources():
+    for name in ("rewards.py", "mathparse.py"):
+        source = (REPO / "data" / name).read_text()
+        for banned in ("eval(", "exec(", "sympify", "parse_expr", "compile(", "__import__"):
+            assert banned not in source.replace("re.compile(", ""), f"{banned} in data/{name}"
+        called = {
+            node.func.id
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        }
+        assert not called & {"eval", "exec", "compile", "__import__"}
+
+
+# ---------------------------------------------------------------------------------------------
+# API surface and CLI
+
+
+def test_unknown_task_lists_tasks():
+    with pytest.raises(ValueError) as info:
+        score("math500", "x", "1")
+    assert all(task in str(info.value) for task in TASKS)
+    with pytest.raises(ValueError, match="geo3k"):
+        extract_final_answer("x", "nope")
+
+
+def test_score_batch():
+    results = score_batch("clevr", ["<answer>1</answer>", "<answer>2</answer>"], ["1", "1"])
+    assert [r.accuracy for r in results] == [1.0, 0.0]
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        score_batch("clevr", ["a", "b"], ["1"])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="timeout_s"):
+        score("clevr", "<answer>1</answer>", "1", timeout_s=0)
+    with pytest.raises(TypeError, match="response"):
+        score("clevr", None, "1")
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "data.rewards", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_cli_prints_one_json_object():
+    response = "<think>t</think> \\boxed{\\frac{7}{2}}"
+    done = run_cli("--task", "geo3k", "--response", response, "--answer", "3.5")
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    assert payload == {"score": 1.0, "accuracy": 1.0, "format": 1.0, "reason": ""}
+    assert done.stdout.strip().count("\n") == 0
+
+
+def test_cli_bad_task_exits_2():
+    done = run_cli("--task", "nope", "--response", "x", "--answer", "1")
+    assert done.returncode == 2
+    assert "geo3k" in done.stderr and "nope" in done.stderr
+    assert done.stdout == ""
+
+
+def test_module_constants_are_consistent():
+    assert set(DEFAULT_WEIGHTS) == set(TASKS)
+    assert mathparse.MAX_EXPR_CHARS <= mathparse.MAX_RAW_CHARS

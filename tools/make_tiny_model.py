@@ -1,0 +1,460 @@
+"""Build tiny offline Qwen2-VL / Qwen2.5-VL checkpoints laid out like hub checkpoints.
+
+    python tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out /tmp/tiny-qwen2_5_vl
+    python tools/make_tiny_model.py --family qwen2_vl --size demo --out ckpt/demo --seed 3
+
+or, from Python, `make_tiny_model(out, family="qwen2_5_vl", size="tiny", seed=0)`.
+
+The folder holds what a hub checkpoint of the family holds, written by transformers'
+own classes: `config.json` (the family's real config class), `generation_config.json`,
+`model.safetensors` (random weights under transformers' current names:
+`model.language_model.*`, `model.visual.*`, `lm_head.weight`), `tokenizer.json` +
+`tokenizer_config.json` + `chat_template.jinja`, `preprocessor_config.json` (the
+family's image processor) and `processor_config.json` (the nested form transformers 5
+writes, naming the family's processor class). Nothing is downloaded.
+
+The tokenizer is a byte-level BPE trained here with `tokenizers` on the corpus of
+`tools/corpus.py`, with the Qwen2 pre-tokenizer (the one the family's tokenizer class
+rebuilds at load time) and the family's special tokens added right after the BPE vocab.
+BPE vocab: 1500 (tiny) / 3000 (demo) entries, 256 of them the byte alphabet; the
+model's `vocab_size` is the tokenizer length rounded up to a multiple of 64, so, as in
+the real checkpoints, the embedding has a few rows no token maps to. The corpus, and so
+the tokenizer, does not depend on `seed`: checkpoints built with different seeds share
+token ids and differ only in their weights.
+
+Sizes (weights in float32, untied embeddings):
+
+| size | text (hidden/layers/heads/kv/mlp, mrope) | vision (hidden/depth/heads) | pixels per image (min..max) |
+| --- | --- | --- | --- |
+| tiny | 64 / 2 / 4 / 2 / 128, [2, 3, 3] | 32 / 2 / 2 | 28*28*1 .. 28*28*16 (1..16 image tokens) |
+| demo | 256 / 4 / 4 / 2 / 768, [16, 24, 24] | 128 / 4 / 4 | 28*28*4 .. 28*28*64 (4..64 image tokens) |
+
+Qwen2.5-VL's vision tower alternates window and full attention: tiny uses a 56-pixel
+window (2x2 merged tokens) with block 1 full, demo the family's 112-pixel window with
+blocks 1 and 3 full, so images at the size's max pixels span several windows.
+`generation_config.json` holds token ids only (no sampling defaults), so an engine that
+reads it does not silently change temperature or penalties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a script (python tools/make_tiny_model.py): make the repo importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors, trainers  # noqa: E402
+
+from tools.corpus import generate_corpus  # noqa: E402
+
+# The Qwen2-VL family's special tokens, in the order the hub tokenizers number them.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen2.5-VL's tokenizer adds these after the vision tokens; the tool-call tags are
+# added tokens but not special (they survive skip_special_tokens), as on the hub.
+QWEN2_5_EXTRA_TOKENS = (
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", True),
+    ("<|fim_middle|>", True),
+    ("<|fim_suffix|>", True),
+    ("<|fim_pad|>", True),
+    ("<|repo_name|>", True),
+    ("<|file_sep|>", True),
+)
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+# Behaves like the Qwen2-VL chat template: a default system turn, ChatML turns, one
+# vision placeholder per image/video part (numbered when add_vision_id is set), and the
+# assistant header for add_generation_prompt. Every tag strips the whitespace around it,
+# so all output comes from the quoted strings and the template's layout is free.
+CHAT_TEMPLATE = """\
+{%- set seen = namespace(images=0, videos=0) -%}
+{%- for message in messages -%}
+    {%- if loop.first and message['role'] != 'system' -%}
+        {{- '<|im_start|>system\\n""" + DEFAULT_SYSTEM_PROMPT + """<|im_end|>\\n' -}}
+    {%- endif -%}
+    {{- '<|im_start|>' + message['role'] + '\\n' -}}
+    {%- if message['content'] is string -%}
+        {{- message['content'] -}}
+    {%- else -%}
+        {%- for part in message['content'] -%}
+            {%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}
+                {%- set seen.images = seen.images + 1 -%}
+                {%- if add_vision_id -%}
+                    {{- 'Picture ' + seen.images | string + ': ' -}}
+                {%- endif -%}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+            {%- elif part['type'] == 'video' or 'video' in part -%}
+                {%- set seen.videos = seen.videos + 1 -%}
+                {%- if add_vision_id -%}
+                    {{- 'Video ' + seen.videos | string + ': ' -}}
+                {%- endif -%}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+            {%- elif 'text' in part -%}
+                {{- part['text'] -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+    {{- '<|im_end|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\\n' -}}
+{%- endif -%}
+"""
+
+# OpenAI CLIP normalization, which both families' image processors use.
+IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+TEMPORAL_PATCH_SIZE = 2
+VOCAB_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What differs between the supported families."""
+
+    config_class: str
+    model_class: str
+    processor_class: str
+    extra_tokens: tuple[tuple[str, bool], ...]
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """Shapes and limits of one checkpoint size."""
+
+    bpe_vocab: int
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    mrope_section: tuple[int, int, int]
+    max_positions: int
+    vision_hidden: int
+    vision_depth: int
+    vision_heads: int
+    vision_mlp_ratio: int  # Qwen2-VL's vision MLP width, as a multiple of vision_hidden
+    vision_intermediate: int  # Qwen2.5-VL's gated vision MLP width
+    window_size: int  # Qwen2.5-VL window attention, in pixels
+    fullatt_blocks: tuple[int, ...]  # Qwen2.5-VL blocks with full attention
+    min_pixels: int
+    max_pixels: int
+
+
+FAMILIES = {
+    "qwen2_vl": FamilySpec(
+        config_class="Qwen2VLConfig",
+        model_class="Qwen2VLForConditionalGeneration",
+        processor_class="Qwen2VLProcessor",
+        extra_tokens=(),
+    ),
+    "qwen2_5_vl": FamilySpec(
+        config_class="Qwen2_5_VLConfig",
+        model_class="Qwen2_5_VLForConditionalGeneration",
+        processor_class="Qwen2_5_VLProcessor",
+        extra_tokens=QWEN2_5_EXTRA_TOKENS,
+    ),
+}
+
+SIZES = {
+    "tiny": SizeSpec(
+        bpe_vocab=1500, text_hidden=64, text_layers=2, text_heads=4, text_kv_heads=2,
+        text_intermediate=128, mrope_section=(2, 3, 3), max_positions=8192,
+        vision_hidden=32, vision_depth=2, vision_heads=2, vision_mlp_ratio=4,
+        vision_intermediate=64, window_size=56, fullatt_blocks=(1,),
+        min_pixels=28 * 28 * 1, max_pixels=28 * 28 * 16,
+    ),
+    "demo": SizeSpec(
+        bpe_vocab=3000, text_hidden=256, text_layers=4, text_heads=4, text_kv_heads=2,
+        text_intermediate=768, mrope_section=(16, 24, 24), max_positions=8192,
+        vision_hidden=128, vision_depth=4, vision_heads=4, vision_mlp_ratio=4,
+        vision_intermediate=384, window_size=112, fullatt_blocks=(1, 3),
+        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64,
+    ),
+}
+
+
+def _lookup(table: dict, key: str, what: str):
+    """table[key], or a ValueError naming the bad key and the valid ones."""
+    if key not in table:
+        raise ValueError(f"make_tiny_model: unknown {what} {key!r}; expected one of {sorted(table)}")
+    return table[key]
+
+
+def _check_size(size: SizeSpec) -> None:
+    """Fail early on shapes the family's model code would reject or mis-handle."""
+    head_dim, rem = divmod(size.text_hidden, size.text_heads)
+    if rem or size.text_heads % size.text_kv_heads:
+        raise ValueError(f"text heads {size.text_heads}/{size.text_kv_heads} do not divide hidden {size.text_hidden}")
+    if sum(size.mrope_section) * 2 != head_dim:
+        raise ValueError(f"mrope_section {size.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+    if size.window_size % (PATCH_SIZE * MERGE_SIZE):
+        raise ValueError(f"window_size {size.window_size} must be a multiple of {PATCH_SIZE * MERGE_SIZE}")
+    if any(not 0 <= i < size.vision_depth for i in size.fullatt_blocks):
+        raise ValueError(f"fullatt_blocks {size.fullatt_blocks} must lie in [0, {size.vision_depth})")
+
+
+def train_bpe(lines: list[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with the Qwen2 tokenizer's normalizer and pre-tokenizer.
+
+    The pipeline is taken from a fresh `Qwen2Tokenizer`, because that class rebuilds
+    exactly this pipeline around the saved vocab and merges when the checkpoint is
+    loaded: training with anything else would give merges the loader never applies.
+    """
+    reference = transformers.Qwen2Tokenizer().backend_tokenizer
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = reference.normalizer
+    tokenizer.pre_tokenizer = reference.pre_tokenizer
+    tokenizer.decoder = reference.decoder
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"train_bpe: the corpus yielded {tokenizer.get_vocab_size()} tokens, not {vocab_size}; "
+            "grow tools/corpus.py or lower the size's bpe_vocab"
+        )
+    return tokenizer
+
+
+def build_tokenizer(family: FamilySpec, size: SizeSpec):
+    """The family's tokenizer class over a locally trained BPE and the family's added tokens."""
+    backend = train_bpe(generate_corpus(), size.bpe_vocab)
+    added = [(token, True) for token in SPECIAL_TOKENS] + list(family.extra_tokens)
+    # One at a time so ids follow the listed order whatever the special flag.
+    for content, special in added:
+        backend.add_tokens([AddedToken(content, special=special, normalized=False)])
+    tokenizer = transformers.Qwen2Tokenizer(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+        model_max_length=size.max_positions,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = [tokenizer.convert_tokens_to_ids(content) for content, _ in added]
+    if ids != list(range(size.bpe_vocab, size.bpe_vocab + len(added))):
+        raise RuntimeError(f"build_tokenizer: added tokens got ids {ids}, expected them right after the BPE vocab")
+    return tokenizer
+
+
+def build_image_processor(size: SizeSpec):
+    """The family's image processor with the size's pixel limits.
+
+    The PIL flavour is used where it exists because it needs no torchvision; it saves
+    under the family's canonical name, so loaders pick whichever flavour they have.
+    """
+    cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+    return cls(
+        min_pixels=size.min_pixels,
+        max_pixels=size.max_pixels,
+        patch_size=PATCH_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        merge_size=MERGE_SIZE,
+        image_mean=list(IMAGE_MEAN),
+        image_std=list(IMAGE_STD),
+    )
+
+
+def _vision_config(family_name: str, size: SizeSpec) -> dict:
+    """Vision sub-config in the field names of the family's vision config class."""
+    common = dict(
+        depth=size.vision_depth,
+        num_heads=size.vision_heads,
+        in_channels=3,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+    )
+    if family_name == "qwen2_vl":
+        # Qwen2-VL: embed_dim is the tower's width, hidden_size the merger's output.
+        return dict(common, embed_dim=size.vision_hidden, hidden_size=size.text_hidden,
+                    mlp_ratio=size.vision_mlp_ratio)
+    return dict(
+        common,
+        hidden_size=size.vision_hidden,
+        intermediate_size=size.vision_intermediate,
+        out_hidden_size=size.text_hidden,
+        window_size=size.window_size,
+        fullatt_block_indexes=list(size.fullatt_blocks),
+        tokens_per_second=2,
+    )
+
+
+def build_config(family_name: str, size: SizeSpec, tokenizer):
+    """The family's config class with the size's shapes and the tokenizer's token ids."""
+    family = FAMILIES[family_name]
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    text_config = dict(
+        vocab_size=vocab_size,
+        hidden_size=size.text_hidden,
+        intermediate_size=size.text_intermediate,
+        num_hidden_layers=size.text_layers,
+        num_attention_heads=size.text_heads,
+        num_key_value_heads=size.text_kv_heads,
+        max_position_embeddings=size.max_positions,
+        max_window_layers=size.text_layers,
+        use_sliding_window=False,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(size.mrope_section)},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+    )
+    config_class = getattr(transformers, family.config_class)
+    return config_class(
+        text_config=text_config,
+        vision_config=_vision_config(family_name, size),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        architectures=[family.model_class],
+    )
+
+
+def build_model(family_name: str, config, tokenizer, seed: int):
+    """A randomly initialized model of the family; the same seed gives the same weights."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family_name].model_class)(config).to(torch.float32)
+    eot, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot
+    )
+    return model.eval()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """JSON as transformers writes its configs: indented, sorted keys, trailing newline."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def save_processor_files(out: Path, tokenizer, image_processor, processor_class: str) -> None:
+    """Write the tokenizer, chat template, image processor and processor config.
+
+    This writes what `ProcessorMixin.save_pretrained` writes in transformers 5, without
+    constructing the processor: its constructor needs torchvision (for the video
+    processor) even when no video is ever processed. The nested `processor_config.json`
+    leaves the video processor out, so loaders fall back to `preprocessor_config.json`
+    for it, as they do for hub checkpoints.
+    """
+    tokenizer._set_processor_class(processor_class)
+    tokenizer.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    flat = json.loads((out / "preprocessor_config.json").read_text(encoding="utf-8"))
+    flat["processor_class"] = processor_class
+    _write_json(out / "preprocessor_config.json", flat)
+    _write_json(out / "processor_config.json", {"image_processor": image_processor.to_dict(),
+                                                 "processor_class": processor_class})
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+
+
+def _summary(out: Path, family_name: str, size_name: str, model, tokenizer, seconds: float) -> str:
+    """One line describing what was built."""
+    total = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    size = SIZES[size_name]
+    return (
+        f"make_tiny_model: {family_name}/{size_name} -> {out} | params {total / 1e6:.2f}M "
+        f"(vision {vision / 1e6:.2f}M) | tokenizer {len(tokenizer)} tokens, model vocab "
+        f"{model.config.text_config.vocab_size} | text {size.text_hidden}x{size.text_layers}, "
+        f"vision {size.vision_hidden}x{size.vision_depth} | pixels {size.min_pixels}..{size.max_pixels} "
+        f"| {seconds:.1f}s"
+    )
+
+
+def make_tiny_model(
+    out: str | os.PathLike,
+    family: str = "qwen2_5_vl",
+    size: str = "tiny",
+    seed: int = 0,
+    overwrite: bool = False,
+    verbose: bool = False,
+) -> Path:
+    """Build a random-weight checkpoint of `family` at `size` into the folder `out`.
+
+    The folder is written under a temporary name and renamed when complete, so it
+    never exists half-written. An existing `out` is an error unless `overwrite`.
+    Returns the folder's path.
+    """
+    family_spec = _lookup(FAMILIES, family, "family")
+    size_spec = _lookup(SIZES, size, "size")
+    _check_size(size_spec)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"make_tiny_model: {out} already exists; remove it or pass overwrite=True")
+    start = time.perf_counter()
+    tokenizer = build_tokenizer(family_spec, size_spec)
+    config = build_config(family, size_spec, tokenizer)
+    model = build_model(family, config, tokenizer, seed)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        model.save_pretrained(staging)
+        save_processor_files(staging, tokenizer, build_image_processor(size_spec), family_spec.processor_class)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if verbose:
+        print(_summary(out, family, size, model, tokenizer, time.perf_counter() - start))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description="Build a tiny offline Qwen2-VL-family checkpoint.")
+    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
+    parser.add_argument("--size", choices=sorted(SIZES), required=True)
+    parser.add_argument("--out", required=True, help="folder to create")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    args = parser.parse_args(argv)
+    make_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed,
+                    overwrite=args.overwrite, verbose=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -310,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--max-rows", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
-    summary = inspect_file(args.file, args.task, args.model, args.max_rows)
+    try:
+        summary = inspect_file(args.file, args.task, args.model, args.max_rows)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, ensure_ascii=False))
     return 0
 

@@ -37,42 +37,64 @@ class BadSample(Exception):
         super().__init__(message)
 
 
-def _open(data: bytes | str | os.PathLike) -> Image.Image:
-    """Open lazily (header only) from bytes or a path, mapping failures to BadSample."""
+# Leading bytes of formats PIL reads; bytes that start like an image but fail to open are
+# a damaged image, not a non-image.
+_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
+
+
+def _looks_like_image(head: bytes) -> bool:
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return True
+    return any(head.startswith(sig) for sig in _SIGNATURES)
+
+
+def _read_bytes(data: bytes | str | os.PathLike) -> tuple[bytes, str]:
+    """The encoded image and a description of where it came from (for messages)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
-        if len(data) == 0:
-            raise BadSample("not_an_image", "empty image bytes")
-        source, where = io.BytesIO(bytes(data)), f"{len(data)} bytes"
-    elif isinstance(data, (str, os.PathLike)):
+        data = bytes(data)
+        return data, f"{len(data)} bytes"
+    if isinstance(data, (str, os.PathLike)):
         path = Path(data)
         if not path.is_file():
             raise BadSample("missing_image", f"no such file {path}")
-        source, where = path, str(path)
-    else:
-        raise TypeError(f"decode_image takes bytes or a path, got {type(data).__name__}")
+        try:
+            # Reading the (compressed) file whole keeps no file handle open behind the
+            # returned image; a decompression bomb is small on disk.
+            return path.read_bytes(), str(path)
+        except OSError as err:
+            raise BadSample("missing_image", f"cannot read {path}: {err}") from err
+    raise TypeError(f"decode_image takes bytes or a path, got {type(data).__name__}")
+
+
+def _open(encoded: bytes, where: str) -> Image.Image:
+    """Open lazily (header only), mapping failures to BadSample."""
+    if not encoded:
+        raise BadSample("not_an_image", f"{where}: empty")
     try:
         # PIL warns (and past 2x its global limit, raises) on very large headers; our own
-        # check below is the one that decides, so the warning is noise here.
+        # check is the one that decides, so the warning is noise here.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return Image.open(source)
+            return Image.open(io.BytesIO(encoded))
     except Image.DecompressionBombError as err:
         raise BadSample("image_too_large", f"{where}: {err}") from err
     except UnidentifiedImageError as err:
+        if _looks_like_image(encoded[:16]):
+            raise BadSample("corrupt_image", f"{where} has an image signature but does not parse") from err
         raise BadSample("not_an_image", f"{where} is not a readable image") from err
     except (OSError, SyntaxError, ValueError) as err:
         raise BadSample("corrupt_image", f"{where}: {err}") from err
 
 
-def _check_header_size(img: Image.Image, max_image_pixels: int) -> None:
+def _check_header_size(img: Image.Image, max_image_pixels: int, where: str) -> None:
     """Reject oversized images from the header alone, before any pixel is decoded."""
     width, height = img.size
     if width <= 0 or height <= 0:
-        raise BadSample("corrupt_image", f"image header says {width}x{height}")
+        raise BadSample("corrupt_image", f"{where}: image header says {width}x{height}")
     if width * height > max_image_pixels:
         raise BadSample(
             "image_too_large",
-            f"{width}x{height} = {width * height} pixels > max_image_pixels={max_image_pixels}",
+            f"{where}: {width}x{height} = {width * height} pixels > max_image_pixels={max_image_pixels}",
         )
 
 
@@ -118,12 +140,13 @@ def decode_image(
     composited on white. EXIF orientation is not applied (the public datasets and the
     Hugging Face image processors do not apply it either).
     """
-    img = _open(data)
-    _check_header_size(img, max_image_pixels)
+    encoded, where = _read_bytes(data)
+    img = _open(encoded, where)
+    _check_header_size(img, max_image_pixels, where)
     try:
         img.load()
     except (OSError, SyntaxError, ValueError, EOFError) as err:
-        raise BadSample("corrupt_image", f"pixel data failed to decode: {err}") from err
+        raise BadSample("corrupt_image", f"{where}: pixel data failed to decode: {err}") from err
     return to_rgb(img)
 
 
@@ -136,6 +159,8 @@ def smart_resize_dims(
     exceeds `max_pixels` both sides are scaled down by the same ratio and floored to the
     factor, if it is below `min_pixels` they are scaled up and ceiled. A canonical size is
     a fixed point of this rule, so a processor that applies it again leaves it unchanged.
+    One deviation: for very thin images whose short side is clamped to `factor`, the long
+    side is shortened so the area never exceeds `max_pixels`.
     Tiny images (even 1x1) are scaled up to the minimum grid rather than rejected.
     Aspect ratios above 200 raise BadSample("bad_aspect_ratio").
     """
@@ -154,11 +179,23 @@ def smart_resize_dims(
         beta = math.sqrt(height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        h_bar, w_bar = _fit_thin(h_bar, w_bar, factor, max_pixels)
     elif h_bar * w_bar < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def _fit_thin(h_bar: int, w_bar: int, factor: int, max_pixels: int) -> tuple[int, int]:
+    # When the short side was clamped up to `factor`, the area can still exceed
+    # max_pixels; shorten the long side so the result stays within bounds (the plain
+    # Qwen2-VL rule overshoots here; our output is still a fixed point of that rule).
+    if h_bar * w_bar <= max_pixels:
+        return h_bar, w_bar
+    if h_bar <= w_bar:
+        return h_bar, max(factor, max_pixels // h_bar // factor * factor)
+    return max(factor, max_pixels // w_bar // factor * factor), w_bar
 
 
 def canonicalize_image(

@@ -30,8 +30,9 @@ expression longer than `MAX_EXPR_CHARS` is rejected; nesting deeper than `MAX_DE
 (so the recursion stays far from Python's limit); an exponent with absolute value above
 `MAX_EXPONENT`, or any intermediate value whose magnitude would exceed `MAX_MAGNITUDE`, is
 rejected before it is computed. All of these raise `MathLimitError` (`MathTooLong` for the
-lengths). Finally the parser counts its steps and, every `_CLOCK_EVERY` steps, compares `time.monotonic()` with an optional deadline,
-raising `MathTimeout`; this works in any thread because it uses no signals.
+lengths). Finally the parser counts its steps (at most `MAX_STEPS`) and every `_CLOCK_EVERY`
+steps compares `time.monotonic()` with an optional deadline, raising `MathTimeout`; this works in
+any thread because it uses no signals.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def _power(base: float, exponent: float) -> float:
 
 def _root(value: float, degree: float) -> float:
     if not float(degree).is_integer() or not 2 <= degree <= MAX_EXPONENT:
-        raise MathParseError(f"root degree must be an integer in [2, {MAX_EXPONENT}], not {degree:g}")
+        raise MathParseError(f"root degree must be a whole number in [2, {MAX_EXPONENT}]")
     if value < 0:
         if int(degree) % 2 == 0:
             raise MathParseError("even root of a negative number has no real value")
@@ -389,8 +390,11 @@ class _Parser:
         if _is_digit(char):
             self.pos += 1
             return float(char)
-        if char == "\\":
-            return self._command_atom()
+        if char == "\\":  # \sqrt\pi, \frac\pi2: counted as nesting, they recurse
+            self._enter()
+            value = self._command_atom()
+            self.depth -= 1
+            return value
         if char == "(":  # √(3) in plain text
             return self.atom()
         raise MathParseError(f"expected an argument at position {self.pos}")

@@ -35,28 +35,56 @@ class EncodedPrompt:
     answer: str = ""
 
 
-def load_processor(model_path: str, trust_remote_code: bool = False):
-    from transformers import AutoProcessor
+class VLProcessor:
+    """Tokenizer + image processor of a model folder, with placeholder expansion done here.
 
-    if not Path(model_path).is_dir():
-        raise FileNotFoundError(f"model folder not found: {model_path}")
-    return AutoProcessor.from_pretrained(model_path, local_files_only=True, trust_remote_code=trust_remote_code)
+    Loading the pieces directly (not through AutoProcessor) keeps the image path free of the
+    video processor, which needs torchvision. Expansion is the family rule: each image part's
+    single `<|image_pad|>` becomes grid_t·grid_h·grid_w / merge² placeholders.
+    """
 
+    def __init__(self, model_path: str, trust_remote_code: bool = False):
+        from transformers import AutoImageProcessor, AutoTokenizer
 
-def encode_prompt(processor, sample, task: str, max_prompt_tokens: int) -> EncodedPrompt:
-    """Chat template + processor on one sample; raises BadSample('prompt_too_long') instead of truncating."""
-    messages = build_messages(sample, task)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if sample.images:
-        out = processor(text=[text], images=list(sample.images), do_resize=False, return_tensors="pt")
-        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
-    else:
-        out = processor(text=[text], return_tensors="pt")
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"model folder not found: {model_path}")
+        kw = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, **kw)
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path, **kw)
+        self.merge_size = int(getattr(self.image_processor, "merge_size", 2))
+        self.image_pad = "<|image_pad|>"
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"the tokenizer in {model_path} has no chat template")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def __call__(self, text: str, images: list) -> dict:
         pixel_values, grid = None, None
-    ids = out["input_ids"][0]
+        if images:
+            out = self.image_processor(images=images, do_resize=False, return_tensors="pt")
+            pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+            parts = text.split(self.image_pad)
+            if len(parts) - 1 != len(images):
+                raise BadSample("image_count_mismatch", f"{len(parts) - 1} image parts for {len(images)} images")
+            counts = [int(g.prod()) // self.merge_size**2 for g in grid]
+            text = parts[0] + "".join(self.image_pad * n + rest for n, rest in zip(counts, parts[1:]))
+        ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+        return {"input_ids": ids, "pixel_values": pixel_values, "image_grid_thw": grid}
+
+
+def load_processor(model_path: str, trust_remote_code: bool = False) -> VLProcessor:
+    return VLProcessor(model_path, trust_remote_code)
+
+
+def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: int) -> EncodedPrompt:
+    """Chat template + image processing on one sample; raises BadSample('prompt_too_long') instead of truncating."""
+    text = processor.apply_chat_template(build_messages(sample, task))
+    out = processor(text, list(sample.images))
+    ids = out["input_ids"]
     if ids.numel() > max_prompt_tokens:
         raise BadSample("prompt_too_long", f"{ids.numel()} tokens > data.max_prompt_tokens={max_prompt_tokens}")
-    return EncodedPrompt(sample.index, ids, pixel_values, grid, list(sample.images), sample.answer)
+    return EncodedPrompt(sample.index, ids, out["pixel_values"], out["image_grid_thw"], list(sample.images), sample.answer)
 
 
 def encode_response(tokenizer, text: str, eos_token: str = "<|im_end|>") -> torch.Tensor:

@@ -3,6 +3,7 @@
 import ast
 import json
 import math
+import random
 import subprocess
 import sys
 import threading
@@ -328,6 +329,25 @@ def test_pathological_inputs_finish_fast(response, task):
     assert result.reason
 
 
+def test_random_text_never_raises_and_stays_in_range():
+    pieces = list("0123456789+-*/^(){}[]., %=xπ√°²") + [
+        "\\frac", "\\sqrt", "\\pi", "\\cdot", "\\boxed{", "<answer>", "</answer>", "<think>",
+        "</think>", "\\text{cm}", "^\\circ", "e5", "\\left(", "\\right)", "1,000", "\\",
+    ]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
+        gold = "".join(rng.choice(pieces[:16]) for _ in range(rng.randint(1, 6)))
+        for task in TASKS:
+            for response in (text, f"<think>t</think><answer>{text}</answer>", geo(text)):
+                result = score(task, response, gold)
+                weights = DEFAULT_WEIGHTS[task]
+                assert 0.0 <= result.accuracy <= 1.0 and result.format in (0.0, 1.0)
+                expected = weights["accuracy"] * result.accuracy + weights["format"] * result.format
+                assert result.score == pytest.approx(expected)
+                assert result.reason or result.score == pytest.approx(1.0) or task == "grounding"
+
+
 def test_limit_hits_zero_everything():
     result = score("geo3k", geo("9^9^9^9^9"), "5")
     assert result == RewardResult(0.0, 0.0, 0.0, result.reason)
@@ -400,6 +420,17 @@ def test_cli_prints_one_json_object():
     payload = json.loads(done.stdout)
     assert payload == {"score": 1.0, "accuracy": 1.0, "format": 1.0, "reason": ""}
     assert done.stdout.strip().count("\n") == 0
+
+
+def test_cli_options():
+    done = run_cli(
+        "--task", "grounding", "--response", "<answer>[0, 0, 10, 10]</answer>",
+        "--answer", "[0, 0, 10, 11]", "--iou-threshold", "0.9", "--weights", '{"format": 0}',
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"score": 0.8, "accuracy": 1.0, "format": 1.0, "reason": ""}
+    bad = run_cli("--task", "clevr", "--response", "x", "--answer", "1", "--weights", "[1]")
+    assert bad.returncode == 2 and "JSON object" in bad.stderr
 
 
 def test_cli_bad_task_exits_2():

@@ -226,6 +226,21 @@ def _geometry_response(rng: random.Random) -> str:
     return f"{thought} The answer is \\boxed{{{answer}}}."
 
 
+def _geometry_facts(rng: random.Random) -> str:
+    """Given lengths and angles of a figure, naming its points as diagrams do."""
+    p, q, r, t = rng.sample(POINTS, 4)
+    a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(10, 170)
+    facts = (
+        f"In \\triangle {p}{q}{r}, {p}{q} = {a}, {q}{r} = {b}, and m \\angle {p}{q}{r} = {c}°.",
+        f"{p}{q} = {a}, {r}{t} = {b}, \\overline{{{p}{q}}} \\parallel \\overline{{{r}{t}}}.",
+        f"Quadrilateral {p}{q}{r}{t} is a {rng.choice(FIGURES)} with {p}{r} = {a} and {q}{t} = {b}.",
+        f"\\angle {p}{q}{t} \\cong \\angle {t}{q}{r}, so {q}{t} bisects \\angle {p}{q}{r}.",
+        f"Point {t} lies on \\odot {p}, and {p}{t} = {a} is a radius.",
+        f"\\overline{{{p}{t}}} \\perp \\overline{{{q}{r}}} at {t}, {q}{t} = {a}, {t}{r} = {b}.",
+    )
+    return rng.choice(facts)
+
+
 def _numbers() -> list[str]:
     """Integers 0-1000 and a spread of decimals, one per line."""
     lines = [str(i) for i in range(1001)]
@@ -247,7 +262,7 @@ def _unicode_lines(rng: random.Random) -> list[str]:
     return lines
 
 
-def generate_corpus(num_lines: int = 12000) -> list[str]:
+def generate_corpus(num_lines: int = 6000) -> list[str]:
     """Return the tokenizer-training corpus: a deterministic list of text lines.
 
     `num_lines` is the number of generated question/response lines; the fixed
@@ -269,5 +284,6 @@ def generate_corpus(num_lines: int = 12000) -> list[str]:
     lines += list(CHAT_PIECES) * 20 + list(INSTRUCTIONS) * 20 + list(PROSE) * 20
     lines += _unicode_lines(rng)
     lines += [_sentence(rng) for _ in range(num_lines // 2)]
+    lines += [_geometry_facts(rng) for _ in range(num_lines // 2)]
     lines += [" ".join(LATEX_COMMANDS)] * 10
     return lines

@@ -7,8 +7,11 @@ or, from Python, `make_tiny_model(out, family="qwen2_5_vl", size="tiny", seed=0)
 
 The folder holds what a hub checkpoint of the family holds, written by transformers'
 own classes: `config.json` (the family's real config class), `generation_config.json`,
-`model.safetensors` (random weights under transformers' current names:
-`model.language_model.*`, `model.visual.*`, `lm_head.weight`), `tokenizer.json` +
+`model.safetensors` (random weights, written by `save_pretrained`, which in
+transformers 5 names them as the hub checkpoints do: `model.layers.*`,
+`model.embed_tokens.*`, `model.norm.*`, `visual.*`, `lm_head.*`; loaded, they become
+`model.language_model.*`, `model.visual.*`, `lm_head.*`; `--weight-names current`
+writes those instead), `tokenizer.json` +
 `tokenizer_config.json` + `chat_template.jinja`, `preprocessor_config.json` (the
 family's image processor) and `processor_config.json` (the nested form transformers 5
 writes, naming the family's processor class). Nothing is downloaded.
@@ -27,7 +30,7 @@ Sizes (weights in float32, untied embeddings):
 | size | text (hidden/layers/heads/kv/mlp, mrope) | vision (hidden/depth/heads) | pixels per image (min..max) |
 | --- | --- | --- | --- |
 | tiny | 64 / 2 / 4 / 2 / 128, [2, 3, 3] | 32 / 2 / 2 | 28*28*1 .. 28*28*16 (1..16 image tokens) |
-| demo | 256 / 4 / 4 / 2 / 768, [16, 24, 24] | 128 / 4 / 4 | 28*28*4 .. 28*28*64 (4..64 image tokens) |
+| demo | 256 / 4 / 4 / 2 / 768, [8, 12, 12] | 128 / 4 / 4 | 28*28*4 .. 28*28*64 (4..64 image tokens) |
 
 Qwen2.5-VL's vision tower alternates window and full attention: tiny uses a 56-pixel
 window (2x2 merged tokens) with block 1 full, demo the family's 112-pixel window with
@@ -39,6 +42,7 @@ reads it does not silently change temperature or penalties.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -54,6 +58,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from tools.corpus import generate_corpus  # noqa: E402
 
@@ -195,7 +200,7 @@ SIZES = {
     ),
     "demo": SizeSpec(
         bpe_vocab=3000, text_hidden=256, text_layers=4, text_heads=4, text_kv_heads=2,
-        text_intermediate=768, mrope_section=(16, 24, 24), max_positions=8192,
+        text_intermediate=768, mrope_section=(8, 12, 12), max_positions=8192,
         vision_hidden=128, vision_depth=4, vision_heads=4, vision_mlp_ratio=4,
         vision_intermediate=384, window_size=112, fullatt_blocks=(1, 3),
         min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64,
@@ -389,6 +394,34 @@ def save_processor_files(out: Path, tokenizer, image_processor, processor_class:
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
+WEIGHT_NAMES = ("hub", "current")
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars():
+    """Hide transformers' progress bars for the block, restoring the caller's setting after."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _save_weights(model, out: Path, weight_names: str) -> None:
+    """Write config.json, generation_config.json and model.safetensors with save_pretrained.
+
+    "hub" keeps save_pretrained's default, which writes the names the family's hub
+    checkpoints use (`model.layers.*`, `model.embed_tokens.*`, `visual.*`, `lm_head.*`);
+    "current" writes the names of the loaded model's modules (`model.language_model.*`,
+    `model.visual.*`, `lm_head.*`). transformers loads both.
+    """
+    kwargs = {} if weight_names == "hub" else {"save_original_format": False}
+    with _quiet_progress_bars():
+        model.save_pretrained(out, safe_serialization=True, **kwargs)
+
+
 def _summary(out: Path, family_name: str, size_name: str, model, tokenizer, seconds: float) -> str:
     """One line describing what was built."""
     total = sum(p.numel() for p in model.parameters())
@@ -410,15 +443,20 @@ def make_tiny_model(
     seed: int = 0,
     overwrite: bool = False,
     verbose: bool = False,
+    weight_names: str = "hub",
 ) -> Path:
     """Build a random-weight checkpoint of `family` at `size` into the folder `out`.
 
-    The folder is written under a temporary name and renamed when complete, so it
-    never exists half-written. An existing `out` is an error unless `overwrite`.
-    Returns the folder's path.
+    `seed` draws the weights (the tokenizer does not depend on it); `weight_names`
+    picks the tensor names in model.safetensors (see `_save_weights`). The folder is
+    written under a temporary name and renamed when complete, so it never exists
+    half-written. An existing `out` is an error unless `overwrite`. With `verbose`,
+    prints a one-line summary. Returns the folder's path.
     """
     family_spec = _lookup(FAMILIES, family, "family")
     size_spec = _lookup(SIZES, size, "size")
+    if weight_names not in WEIGHT_NAMES:
+        raise ValueError(f"make_tiny_model: weight_names must be one of {WEIGHT_NAMES}, got {weight_names!r}")
     _check_size(size_spec)
     out = Path(out)
     if out.exists() and not overwrite:
@@ -431,7 +469,7 @@ def make_tiny_model(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        model.save_pretrained(staging)
+        _save_weights(model, staging, weight_names)
         save_processor_files(staging, tokenizer, build_image_processor(size_spec), family_spec.processor_class)
         if out.exists():
             shutil.rmtree(out)
@@ -451,9 +489,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="folder to create")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    parser.add_argument("--weight-names", choices=WEIGHT_NAMES, default="hub",
+                        help="tensor names in model.safetensors: the hub checkpoints' (default) or the modules' own")
     args = parser.parse_args(argv)
     make_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed,
-                    overwrite=args.overwrite, verbose=True)
+                    overwrite=args.overwrite, verbose=True, weight_names=args.weight_names)
 
 
 if __name__ == "__main__":

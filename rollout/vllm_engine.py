@@ -1,0 +1,467 @@
+"""The vLLM rollout engine: one in-process `vllm.LLM` per rank, riding torchrun's process group.
+
+Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so the rest of
+`rollout/` imports on machines without it. Each choice below is a fidelity rule of DESIGN.md:
+
+- In process, tensor parallel inside the node: `distributed_executor_backend="external_launcher"`
+  makes every torchrun rank run its own engine over the existing process group (consecutive
+  ranks form a tensor-parallel group; the groups beyond it are independent data-parallel copies).
+  All ranks of a group must call `generate`, `refit` and `read_weights` together, with the same
+  arguments. Without torchrun a process runs as a world of one.
+- Weights: the engine starts from `load_format="dummy"` (random weights, no checkpoint read)
+  and gets real ones by `refit`. Refit feeds vLLM the transformers names themselves: that is the
+  checkpoint format its `load_weights` reads from disk, mapping prefixes and stacking q/k/v and
+  gate/up itself. `rollout.weight_names` predicts the vLLM parameter each name lands in, and the
+  refit fails if vLLM loaded anything else, so a silently dropped tensor cannot go unnoticed.
+- Image placeholders: vLLM 0.26 treats a token prompt as unexpanded. Its multimodal processor
+  (`BaseMultiModalProcessor._apply_prompt_updates`, Qwen2-VL's `PromptReplacement` of target
+  `[<|image_pad|>]`) replaces the first `<|image_pad|>` it finds for each image with that
+  image's full run. Our prompts are already expanded, so each run is collapsed to one token
+  first; vLLM then rebuilds the runs from its own processor output, and every response is
+  checked: the prompt ids vLLM ran must equal ours token for token, so a different image grid
+  (pixels, resize rule) fails loudly instead of shifting positions.
+- Images: the canonical PIL images (RGB, sides already multiples of 28 within min/max pixels)
+  go to vLLM with the same min/max pixels and `do_resize=False`, as the trainer's processor is
+  called, so both sides compute identical pixel values. The multimodal processor cache is off
+  (`mm_processor_cache_gb=0`); the encoder cache, the processor cache and the prefix cache are
+  cleared after every refit and wake, so no vision features or KV blocks of old weights are reused.
+- Logprobs: `logprobs_mode="processed_logprobs"` returns log_softmax of the fp32 logits after
+  vLLM's logit processors and temperature (V1 `Sampler`: bias → logits / T → top-k/top-p →
+  log_softmax). With top_p=1 and top_k off this is the trainer's log_softmax(logits / T) over
+  the full vocabulary, except that banned tokens carry no mass (they are never sampled, so this
+  is the distribution actually sampled from; for a trained model their mass is ~0). The default
+  "raw_logprobs" is taken before temperature and would be wrong for any T != 1. With top_p < 1
+  or top_k on, vLLM returns logprobs of the truncated, renormalized distribution: no vLLM 0.26
+  mode gives the untruncated one, so keep top_p=1, top_k=-1 when engine logprobs feed the loss.
+- Banned tokens (image/video placeholders, vision start/end): a logit bias of -100, the bound
+  vLLM clamps `logit_bias` to. A banned token's probability is at most e^-100 ≈ 4e-44 relative
+  to any other, so it is never sampled, and its share of the normalizer is below fp32 resolution.
+- Stopping: exactly `stop_token_ids` (`ignore_eos=True` keeps vLLM from adding the tokenizer's
+  or generation_config's EOS on its own); the stop token is kept as the response's last token.
+- Randomness: constructing vLLM reseeds Python's, numpy's and torch's global generators; their
+  states are restored afterwards. Unseeded sampling draws from the CUDA generator, reseeded from
+  (engine seed, call count, data-parallel rank) inside a forked RNG scope for each `generate`,
+  so ranks of a tensor-parallel group sample identically whatever the trainer did with the
+  global generator in between, and the trainer's stream is left as it was. With
+  `SamplingParams.seed` set, prompt i uses seed + i*n (vLLM adds the sample index).
+- Memory: sleep level 1 (weights copied to host, KV cache dropped; level 2 corrupted VLM
+  rollouts in one report). A refit of a sleeping engine wakes only the weights; `wake` then
+  brings the KV cache back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import socket
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from rollout.base import Engine, Generation, PromptInput, SamplingParams
+from rollout.weight_names import HF_TO_VLLM, collapse_image_pads, vllm_param_for
+
+BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
+SLEEP_LEVEL = 1
+_GIB = 1024**3
+
+
+def read_family(model_path: str | os.PathLike) -> str:
+    """The model family (`model_type` of config.json) of a checkpoint folder, checked as supported."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"VLLMEngine: no config.json in model folder {model_path}")
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    if model_type not in HF_TO_VLLM:
+        raise ValueError(
+            f"VLLMEngine: {config} has model_type {model_type!r}; supported: {sorted(HF_TO_VLLM)}"
+        )
+    return model_type
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_launcher_env() -> None:
+    """Set what external_launcher reads: torchrun's variables, or a world of one without torchrun."""
+    # The engine core must live in this process: external_launcher asserts it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError(
+            "VLLMEngine: torch.distributed is initialized but RANK/LOCAL_RANK are not set; "
+            "launch with torchrun so the engine can join the process group"
+        )
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+@contextlib.contextmanager
+def _preserved_rng(device: int):
+    """Restore Python, numpy and torch (CPU and this rank's GPU) RNG states on exit."""
+    py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device)
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu_state)
+        torch.cuda.set_rng_state(cuda_state, device)
+
+
+@contextlib.contextmanager
+def _sampling_rng(seed: int, device: int):
+    """Seed this GPU's generator for one generate call, leaving the caller's stream untouched."""
+    with torch.random.fork_rng(devices=[device]):
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+        yield
+
+
+def _mix_seed(*values: int) -> int:
+    digest = hashlib.blake2b(",".join(str(v) for v in values).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _check_sampling(params: SamplingParams) -> None:
+    if params.n < 1 or params.max_new_tokens < 1:
+        raise ValueError(f"SamplingParams: n={params.n} and max_new_tokens={params.max_new_tokens} must be >= 1")
+    if params.temperature < 0 or not 0 < params.top_p <= 1:
+        raise ValueError(f"SamplingParams: temperature={params.temperature} must be >= 0, top_p={params.top_p} in (0, 1]")
+    if params.temperature == 0 and params.n > 1:
+        raise ValueError(f"SamplingParams: greedy decoding (temperature=0) gives one response, not n={params.n}")
+
+
+def _sampled_logprobs(tokens: list[int], logprobs) -> list[float]:
+    """The logprob of each sampled token, from vLLM's per-position logprobs (flat or dict form)."""
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise RuntimeError(f"vLLM returned logprobs for {0 if logprobs is None else len(logprobs)} of {len(tokens)} tokens")
+    if not hasattr(logprobs, "start_indices"):
+        return [position[token].logprob for position, token in zip(logprobs, tokens)]
+    values = []  # FlatLogprobs: parallel lists instead of one dict per token
+    for pos, token in enumerate(tokens):
+        span = range(logprobs.start_indices[pos], logprobs.end_indices[pos])
+        value = next((logprobs.logprobs[j] for j in span if logprobs.token_ids[j] == token), None)
+        if value is None:
+            raise RuntimeError(f"vLLM returned no logprob for sampled token {token} at position {pos}")
+        values.append(value)
+    return values
+
+
+def _finish_reason(reason: str | None) -> str:
+    if reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a response with reason {reason!r}; expected 'stop' or 'length'")
+    return reason
+
+
+# --- reading parameters back (runs inside the engine's worker, on the model) -------------------
+
+
+def _gather(t: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
+    if tp == 1:
+        return t
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(t.contiguous(), dim)
+
+
+def _qkv_part(module, data: torch.Tensor, shard: str, tp: int) -> torch.Tensor:
+    """The full q, k or v tensor of a QKVParallelLinear parameter, from this rank's [q_r; k_r; v_r]."""
+    q = module.num_heads * module.head_size
+    k = module.num_kv_heads * module.head_size
+    v = module.num_kv_heads * module.v_head_size
+    start, size = {"q": (0, q), "k": (q, k), "v": (q + k, v)}[shard]
+    full = _gather(data.narrow(0, start, size), 0, tp)
+    replicas = getattr(module, "num_kv_head_replicas", 1)
+    if shard != "q" and replicas > 1:
+        # More ranks than kv heads: consecutive ranks hold copies of the same head.
+        full = torch.cat(full.chunk(tp, 0)[::replicas], 0)
+    return full
+
+
+def _full_tensor(module, attr: str, data: torch.Tensor, shard) -> torch.Tensor:
+    """The checkpoint-shaped tensor behind one vLLM parameter (or one shard of a stacked one)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    tp = getattr(module, "tp_size", 1)
+    if isinstance(module, VocabParallelEmbedding):
+        # Rows are padded to a multiple of 64 per rank; the checkpoint's rows come first.
+        indices = module.shard_indices
+        return _gather(data[: indices.org_vocab_end_index - indices.org_vocab_start_index], 0, tp)
+    if isinstance(module, QKVParallelLinear):
+        if shard is None:  # fused on both sides (Qwen2.5-VL vision attn.qkv)
+            return torch.cat([_qkv_part(module, data, s, tp) for s in ("q", "k", "v")], 0)
+        return _qkv_part(module, data, shard, tp)
+    if isinstance(module, MergedColumnParallelLinear) and shard is not None:
+        sizes = [s // tp for s in module.output_sizes]
+        return _gather(data.narrow(0, sum(sizes[:shard]), sizes[shard]), 0, tp)
+    if isinstance(module, RowParallelLinear):
+        return _gather(data, 1, tp) if attr == "weight" else data
+    if isinstance(module, ColumnParallelLinear):
+        return _gather(data, 0, tp)
+    return data
+
+
+def _read_params(model, targets: list[tuple[str, str, object]]) -> dict[str, torch.Tensor]:
+    """{transformers name: CPU copy of the engine's tensor} for (hf name, vLLM name, shard) targets."""
+    out = {}
+    for hf_name, vllm_name, shard in targets:
+        module_path, _, attr = vllm_name.rpartition(".")
+        try:
+            module = model.get_submodule(module_path)
+        except AttributeError as err:
+            raise KeyError(f"read_weights: {hf_name} maps to {vllm_name}, which the engine's model lacks") from err
+        param = getattr(module, attr, None)
+        if not isinstance(param, torch.Tensor):
+            raise KeyError(f"read_weights: {hf_name} maps to {vllm_name}, which the engine's model lacks")
+        out[hf_name] = _full_tensor(module, attr, param.data, shard).to("cpu", copy=True)
+    return out
+
+
+class VLLMEngine(Engine):
+    """Rollouts with vLLM in this process; sleeps to give the GPU to training; takes weights by refit."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
+        max_model_len: int,
+        seed: int,
+        dtype: str = "bfloat16",
+        min_pixels: int,
+        max_pixels: int,
+        image_pad_id: int,
+        max_images_per_prompt: int = 1,
+    ):
+        if not 0 < min_pixels <= max_pixels:
+            raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
+        if tensor_parallel_size < 1 or max_images_per_prompt < 0 or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"VLLMEngine: bad tensor_parallel_size={tensor_parallel_size}, max_images_per_prompt="
+                f"{max_images_per_prompt} or gpu_memory_utilization={gpu_memory_utilization}"
+            )
+        self.family = read_family(model_path)
+        self.image_pad_id = image_pad_id
+        self.max_images_per_prompt = max_images_per_prompt
+        self._seed = seed
+        self._calls = 0
+        self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
+        _ensure_launcher_env()
+        self._device = int(os.environ["LOCAL_RANK"])
+        with _preserved_rng(self._device):
+            self._llm = self._build_llm(
+                str(model_path), tensor_parallel_size, gpu_memory_utilization, enforce_eager,
+                max_model_len, seed, dtype, min_pixels, max_pixels,
+            )
+        self._dp_rank = torch.distributed.get_rank() // tensor_parallel_size
+        self._tied = self._lm_head_is_embedding()
+
+    def _build_llm(self, path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed, dtype,
+                   min_pixels, max_pixels):
+        from vllm import LLM
+
+        return LLM(
+            model=path,
+            tokenizer=path,
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            seed=seed,
+            dtype=dtype,
+            load_format="dummy",
+            enable_sleep_mode=True,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # no sampling defaults from the checkpoint's generation_config.json
+            mm_processor_kwargs={
+                "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+                "do_resize": False,
+            },
+            mm_processor_cache_gb=0,
+            limit_mm_per_prompt={"image": self.max_images_per_prompt, "video": 0},
+        )
+
+    def _lm_head_is_embedding(self) -> bool:
+        """Whether the engine ties lm_head to embed_tokens (then vLLM skips lm_head.* in refit)."""
+        head = vllm_param_for(self.family, "lm_head.weight")[0].rpartition(".")[0]
+        embed = vllm_param_for(self.family, "model.language_model.embed_tokens.weight")[0].rpartition(".")[0]
+        return self._llm.apply_model(lambda m: m.get_submodule(head) is m.get_submodule(embed))[0]
+
+    # --- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts: list[PromptInput], params: SamplingParams) -> list[Generation]:
+        """n responses per prompt, prompt-major, with the logprob of every sampled token."""
+        if self._asleep:
+            raise RuntimeError("VLLMEngine.generate: the engine is asleep; call wake() first")
+        _check_sampling(params)
+        if not prompts:
+            return []
+        requests = [self._vllm_prompt(i, p) for i, p in enumerate(prompts)]
+        sampling = self._vllm_sampling(params, len(prompts))
+        call_seed = _mix_seed(self._seed, self._calls, self._dp_rank)
+        self._calls += 1
+        with _sampling_rng(call_seed, self._device):
+            outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        generations = []
+        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            self._check_prompt_ids(i, prompt, out.prompt_token_ids)
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            if len(completions) != params.n:
+                raise RuntimeError(f"vLLM returned {len(completions)} responses for prompt {i}, expected n={params.n}")
+            for c in completions:
+                tokens = list(c.token_ids)
+                logprobs = _sampled_logprobs(tokens, c.logprobs)
+                generations.append(Generation(i, tokens, logprobs, _finish_reason(c.finish_reason)))
+        return generations
+
+    def _vllm_prompt(self, index: int, prompt: PromptInput) -> dict:
+        """A vLLM token prompt: each image's placeholder run collapsed to one token, plus the images."""
+        images = list(prompt.images)
+        if len(images) > self.max_images_per_prompt:
+            raise ValueError(
+                f"prompt {index} has {len(images)} images; the engine was built for at most "
+                f"{self.max_images_per_prompt} (max_images_per_prompt)"
+            )
+        ids = collapse_image_pads(prompt.input_ids, self.image_pad_id)
+        runs = ids.count(self.image_pad_id)
+        if runs != len(images):
+            raise ValueError(f"prompt {index} has {runs} <|image_pad|> runs but {len(images)} images")
+        request = {"prompt_token_ids": ids}
+        if images:
+            request["multi_modal_data"] = {"image": images}
+        return request
+
+    def _vllm_sampling(self, params: SamplingParams, num_prompts: int):
+        """One vLLM SamplingParams for all prompts, or one per prompt when a seed is given."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        def build(seed):
+            return VLLMSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else 0,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=[int(t) for t in params.stop_token_ids],
+                ignore_eos=True,
+                logit_bias={int(t): BAN_BIAS for t in params.banned_token_ids} or None,
+                logprobs=0,  # the sampled token's logprob only
+                flat_logprobs=True,
+                detokenize=False,
+                seed=seed,
+            )
+
+        if params.seed is None:
+            return build(None)
+        return [build(params.seed + i * params.n) for i in range(num_prompts)]
+
+    @staticmethod
+    def _check_prompt_ids(index: int, prompt: PromptInput, engine_ids) -> None:
+        """The ids vLLM ran (after re-expanding images) must be the trainer's ids exactly."""
+        ours = [int(t) for t in prompt.input_ids]
+        theirs = list(engine_ids or [])
+        if ours == theirs:
+            return
+        first = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        raise RuntimeError(
+            f"prompt {index}: vLLM ran {len(theirs)} prompt tokens, the trainer has {len(ours)} (first difference "
+            f"at position {first}). vLLM's image processor produced a different image grid: check that the "
+            "images are canonical and that min/max pixels match the trainer's processor"
+        )
+
+    # --- weights ------------------------------------------------------------------------------
+
+    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors named with transformers names; wakes the weights of a sleeping engine.
+
+        The KV cache stays asleep if it was; prefix, encoder and processor caches are cleared.
+        Raises if vLLM loaded a set of parameters other than the one the name table predicts.
+        """
+        if "weights" in self._asleep:
+            self._llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        expected: set[str] = set()
+        lm_head = vllm_param_for(self.family, "lm_head.weight")[0]
+
+        def stream():
+            for name, tensor in named_tensors:
+                if not isinstance(tensor, torch.Tensor):
+                    raise TypeError(f"refit: {name} is a {type(tensor).__name__}, not a torch.Tensor")
+                param = vllm_param_for(self.family, name)[0]
+                if not (self._tied and param == lm_head):
+                    expected.add(param)
+                # detach(): vLLM tags the tensor it is given with a shard id; keep the caller's clean.
+                yield name, tensor.detach()
+
+        loaded = set(self._llm.apply_model(lambda model: set(model.load_weights(stream())))[0])
+        if loaded != expected:
+            missing, extra = sorted(expected - loaded), sorted(loaded - expected)
+            raise RuntimeError(
+                f"refit: vLLM did not load {missing[:5]} ({len(missing)} in all) and loaded unexpected "
+                f"{extra[:5]} ({len(extra)} in all); rollout/weight_names.py disagrees with this vLLM version"
+            )
+        self._drop_caches()
+
+    def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The engine's current tensors for these transformers names, un-stacked and gathered, on CPU."""
+        if "weights" in self._asleep:
+            raise RuntimeError("VLLMEngine.read_weights: the weights are asleep; call wake() or refit() first")
+        targets = [(name, *vllm_param_for(self.family, name)) for name in names]
+        return self._llm.apply_model(lambda model: _read_params(model, targets))[0]
+
+    # --- memory -------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Sleep level 1: weights copied to host memory, KV cache released."""
+        if self._asleep:
+            return
+        self._llm.sleep(level=SLEEP_LEVEL)
+        self._asleep = {"weights", "kv_cache"}
+        torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Bring back whatever is asleep, then drop every cache that could hold stale results."""
+        if self._asleep:
+            # Name the tags: waking all tags re-maps memory that refit already woke.
+            self._llm.wake_up(tags=sorted(self._asleep))
+            self._asleep.clear()
+        self._drop_caches()
+
+    def _drop_caches(self) -> None:
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("VLLMEngine: vLLM could not reset its prefix cache (requests still running)")
+        self._llm.llm_engine.reset_encoder_cache()
+        self._llm.reset_mm_cache()
+
+    def memory_gb(self) -> dict[str, float]:
+        """GPU memory of this rank's device in GiB: in use on the device, and held by torch's allocator."""
+        free, total = torch.cuda.mem_get_info(self._device)
+        return {
+            "device_used": (total - free) / _GIB,
+            "device_total": total / _GIB,
+            "torch_allocated": torch.cuda.memory_allocated(self._device) / _GIB,
+            "torch_reserved": torch.cuda.memory_reserved(self._device) / _GIB,
+        }

@@ -1,0 +1,116 @@
+"""Transformers checkpoint names → vLLM parameter names, for refit and read-back.
+
+The policy is a transformers model; its parameters carry the names transformers 5 saves:
+`model.language_model.*` (the Qwen2 decoder), `model.visual.*` (the vision tower) and
+`lm_head.*`. vLLM 0.26 builds the same model with different module paths and fuses some
+projections into one parameter:
+
+    transformers                                        vLLM
+    model.language_model.layers.0.self_attn.q_proj.w    language_model.model.layers.0.self_attn.qkv_proj.w  (shard "q")
+    model.language_model.layers.0.mlp.up_proj.w         language_model.model.layers.0.mlp.gate_up_proj.w    (shard 1)
+    model.visual.blocks.0.attn.qkv.w                    visual.blocks.0.attn.qkv.w  (already fused on both sides)
+    model.visual.blocks.0.mlp.gate_proj.w  (2.5 only)   visual.blocks.0.mlp.gate_up_proj.w                  (shard 0)
+    lm_head.w                                           language_model.lm_head.w
+
+A shard id says where a checkpoint tensor sits inside the fused vLLM parameter: "q", "k",
+"v" for the attention projection (vLLM's QKVParallelLinear), 0 and 1 for gate and up
+(vLLM's MergedColumnParallelLinear). These are the ids vLLM's own weight mappers attach
+(`Qwen2Model.hf_to_vllm_mapper`, `Qwen2_5_VisionTransformer.hf_to_vllm_mapper`).
+
+This module is pure Python: the CPU tests pin it, and the vLLM engine uses it to check a
+refit touched exactly the parameters it should and to read parameters back by their
+transformers names.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Per family: (regex on the transformers name, vLLM prefix that replaces the match).
+# Only the names transformers >= 4.52 writes are accepted; older layouts fail loudly.
+_QWEN_VL_PREFIXES = [
+    (r"^model\.language_model\.", "language_model.model."),
+    (r"^model\.visual\.", "visual."),
+    (r"^lm_head\.", "language_model.lm_head."),
+]
+HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
+    "qwen2_vl": list(_QWEN_VL_PREFIXES),
+    "qwen2_5_vl": list(_QWEN_VL_PREFIXES),
+}
+
+# vLLM parameters that hold several checkpoint tensors, and the checkpoint module names
+# stacked into each, in the order they sit along the output dimension.
+STACKED: list[tuple[str, list[str]]] = [
+    ("qkv_proj", ["q_proj", "k_proj", "v_proj"]),
+    ("gate_up_proj", ["gate_proj", "up_proj"]),
+]
+
+# The shard id vLLM's weight loaders take for each stacked member.
+SHARD_IDS: dict[str, str | int] = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
+
+# Where stacking applies, as vLLM-side prefixes. Qwen2-VL's vision MLP is fc1/fc2 (nothing
+# to stack); Qwen2.5-VL's vision MLP is gated and vLLM fuses its gate/up like the decoder's.
+# Both vision towers keep the checkpoint's fused `attn.qkv` as one parameter.
+STACKING_SCOPES: dict[str, tuple[str, ...]] = {
+    "qwen2_vl": ("language_model.model.layers.",),
+    "qwen2_5_vl": ("language_model.model.layers.", "visual.blocks."),
+}
+
+_MEMBER_TO_STACK = {member: stacked for stacked, members in STACKED for member in members}
+
+
+def _family_rules(family: str) -> list[tuple[str, str]]:
+    if family not in HF_TO_VLLM:
+        raise ValueError(f"weight_names: unknown family {family!r}; supported: {sorted(HF_TO_VLLM)}")
+    return HF_TO_VLLM[family]
+
+
+def hf_to_vllm_name(family: str, hf_name: str) -> str:
+    """The vLLM module path of a transformers parameter name, before any stacking.
+
+    Raises ValueError naming the tensor when no rule of the family matches it (for example a
+    pre-4.52 name such as `model.layers.0...` or `visual.blocks.0...`).
+    """
+    for pattern, vllm_prefix in _family_rules(family):
+        if re.match(pattern, hf_name):
+            return re.sub(pattern, vllm_prefix, hf_name, count=1)
+    prefixes = ", ".join(p.strip("^").replace("\\", "") for p, _ in _family_rules(family))
+    raise ValueError(
+        f"weight_names: {hf_name!r} is not a transformers {family} parameter name "
+        f"(expected one starting with {prefixes})"
+    )
+
+
+def vllm_param_for(family: str, hf_name: str) -> tuple[str, str | int | None]:
+    """(vLLM parameter name, shard id or None) that holds the transformers tensor `hf_name`.
+
+    A shard id is returned when vLLM fuses the tensor with its siblings into one parameter
+    (q/k/v → qkv_proj, gate/up → gate_up_proj); None when the parameter is the tensor itself.
+    """
+    name = hf_to_vllm_name(family, hf_name)
+    if not name.startswith(STACKING_SCOPES[family]):
+        return name, None
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] not in _MEMBER_TO_STACK:
+        return name, None
+    member = parts[-2]
+    parts[-2] = _MEMBER_TO_STACK[member]
+    return ".".join(parts), SHARD_IDS[member]
+
+
+def collapse_image_pads(ids, image_pad_id: int) -> list[int]:
+    """Token ids with every run of consecutive `image_pad_id` reduced to one token.
+
+    vLLM 0.26 expands each `<|image_pad|>` it finds in a token prompt into the image's full
+    run (one per merged patch). Prompts here arrive already expanded, so each run is cut
+    back to a single placeholder first; vLLM then rebuilds exactly one run per image.
+    """
+    out: list[int] = []
+    previous_was_pad = False
+    for token in ids:
+        token = int(token)
+        is_pad = token == image_pad_id
+        if not (is_pad and previous_was_pad):
+            out.append(token)
+        previous_was_pad = is_pad
+    return out

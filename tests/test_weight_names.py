@@ -1,0 +1,176 @@
+"""The transformers → vLLM weight-name table and the image-placeholder collapse, on CPU."""
+
+import pytest
+import torch
+import transformers
+
+from rollout.weight_names import (
+    HF_TO_VLLM,
+    SHARD_IDS,
+    STACKED,
+    collapse_image_pads,
+    hf_to_vllm_name,
+    vllm_param_for,
+)
+
+FAMILIES = sorted(HF_TO_VLLM)
+LAYER0 = "model.language_model.layers.0"
+
+
+# --- concrete names, both families ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "hf_name, vllm_name, shard",
+    [
+        (f"{LAYER0}.self_attn.q_proj.weight", "language_model.model.layers.0.self_attn.qkv_proj.weight", "q"),
+        (f"{LAYER0}.self_attn.k_proj.bias", "language_model.model.layers.0.self_attn.qkv_proj.bias", "k"),
+        (f"{LAYER0}.self_attn.v_proj.weight", "language_model.model.layers.0.self_attn.qkv_proj.weight", "v"),
+        (f"{LAYER0}.self_attn.o_proj.weight", "language_model.model.layers.0.self_attn.o_proj.weight", None),
+        (f"{LAYER0}.mlp.gate_proj.weight", "language_model.model.layers.0.mlp.gate_up_proj.weight", 0),
+        (f"{LAYER0}.mlp.up_proj.weight", "language_model.model.layers.0.mlp.gate_up_proj.weight", 1),
+        (f"{LAYER0}.mlp.down_proj.weight", "language_model.model.layers.0.mlp.down_proj.weight", None),
+        (f"{LAYER0}.input_layernorm.weight", "language_model.model.layers.0.input_layernorm.weight", None),
+        ("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight", None),
+        ("model.language_model.norm.weight", "language_model.model.norm.weight", None),
+        ("lm_head.weight", "language_model.lm_head.weight", None),
+        ("model.visual.blocks.0.attn.qkv.weight", "visual.blocks.0.attn.qkv.weight", None),
+        ("model.visual.blocks.0.attn.qkv.bias", "visual.blocks.0.attn.qkv.bias", None),
+        ("model.visual.blocks.0.attn.proj.weight", "visual.blocks.0.attn.proj.weight", None),
+        ("model.visual.blocks.0.norm1.weight", "visual.blocks.0.norm1.weight", None),
+        ("model.visual.patch_embed.proj.weight", "visual.patch_embed.proj.weight", None),
+        ("model.visual.merger.ln_q.weight", "visual.merger.ln_q.weight", None),
+        ("model.visual.merger.mlp.0.weight", "visual.merger.mlp.0.weight", None),
+        ("model.visual.merger.mlp.2.bias", "visual.merger.mlp.2.bias", None),
+    ],
+)
+def test_shared_names(family, hf_name, vllm_name, shard):
+    assert vllm_param_for(family, hf_name) == (vllm_name, shard)
+
+
+def test_qwen2_5_vision_mlp_is_stacked_like_the_decoder():
+    # Qwen2.5-VL's gated vision MLP becomes vLLM's gate_up_proj, as in Qwen2_5_VisionMLP.
+    assert vllm_param_for("qwen2_5_vl", "model.visual.blocks.3.mlp.gate_proj.weight") == (
+        "visual.blocks.3.mlp.gate_up_proj.weight", 0)
+    assert vllm_param_for("qwen2_5_vl", "model.visual.blocks.3.mlp.up_proj.bias") == (
+        "visual.blocks.3.mlp.gate_up_proj.bias", 1)
+    assert vllm_param_for("qwen2_5_vl", "model.visual.blocks.3.mlp.down_proj.weight") == (
+        "visual.blocks.3.mlp.down_proj.weight", None)
+
+
+def test_qwen2_vision_mlp_keeps_fc1_fc2():
+    assert vllm_param_for("qwen2_vl", "model.visual.blocks.1.mlp.fc1.weight") == ("visual.blocks.1.mlp.fc1.weight", None)
+    assert vllm_param_for("qwen2_vl", "model.visual.blocks.1.mlp.fc2.bias") == ("visual.blocks.1.mlp.fc2.bias", None)
+
+
+def test_prefix_mapping_without_stacking():
+    assert hf_to_vllm_name("qwen2_5_vl", f"{LAYER0}.self_attn.q_proj.weight") == (
+        "language_model.model.layers.0.self_attn.q_proj.weight")
+    assert hf_to_vllm_name("qwen2_vl", "model.visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv.weight"
+    # Only the leading prefix is rewritten, never a later occurrence of the same text.
+    assert hf_to_vllm_name("qwen2_vl", "lm_head.lm_head.weight") == "language_model.lm_head.lm_head.weight"
+
+
+def test_stacking_table_matches_shard_ids():
+    assert STACKED == [("qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("gate_up_proj", ["gate_proj", "up_proj"])]
+    for _, members in STACKED:
+        assert [SHARD_IDS[m] for m in members] in (["q", "k", "v"], [0, 1])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["model.layers.0.self_attn.q_proj.weight", "visual.blocks.0.attn.qkv.weight", "language_model.lm_head.weight"],
+)
+def test_old_or_foreign_names_fail_with_the_name(bad):
+    with pytest.raises(ValueError, match="not a transformers"):
+        vllm_param_for("qwen2_5_vl", bad)
+
+
+def test_unknown_family_names_supported_ones():
+    with pytest.raises(ValueError, match="qwen2_5_vl"):
+        vllm_param_for("llava", "lm_head.weight")
+
+
+# --- every tensor of a real (tiny) transformers model ------------------------------------------
+
+
+def _tiny_state_dict(family: str) -> dict[str, torch.Tensor]:
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2]})
+    if family == "qwen2_vl":
+        config = transformers.Qwen2VLConfig(
+            text_config=text, vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2))
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    else:
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                 out_hidden_size=32, fullatt_block_indexes=[1], window_size=56))
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_transformers_tensor_has_one_distinct_home(family):
+    state = _tiny_state_dict(family)
+    homes = {}
+    for name, tensor in state.items():
+        home = vllm_param_for(family, name)
+        assert home not in homes, f"{name} and {homes.get(home)} both map to {home}"
+        homes[home] = name
+    # Stacked parameters get all their members, each member exactly once, and the members'
+    # output rows add up to what one fused parameter holds.
+    by_param: dict[str, list[tuple]] = {}
+    for (param, shard), name in homes.items():
+        if shard is not None:
+            by_param.setdefault(param, []).append((shard, state[name].shape))
+    assert by_param, "nothing was stacked"
+    for param, parts in by_param.items():
+        shards = sorted(parts, key=lambda p: str(p[0]))
+        expected = ["k", "q", "v"] if param.rsplit(".", 2)[-2] == "qkv_proj" else [0, 1]
+        assert [s for s, _ in shards] == expected, param
+        assert len({shape[1:] for _, shape in parts}) == 1, param
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_layers_stack_identically_across_families(family):
+    names = [n for n in _tiny_state_dict(family) if n.startswith("model.language_model.")]
+    stacked = {vllm_param_for(family, n) for n in names if vllm_param_for(family, n)[1] is not None}
+    # Two layers x (q, k, v weights and biases + gate, up weights) = 2 x 8.
+    assert len(stacked) == 16
+
+
+# --- collapsing expanded image placeholders ----------------------------------------------------
+
+PAD, START, END = 151655, 151652, 151653
+
+
+def test_collapse_each_run_to_one_placeholder():
+    ids = [1, 2, START] + [PAD] * 6 + [END, 3, START] + [PAD] * 4 + [END, 4]
+    assert collapse_image_pads(ids, PAD) == [1, 2, START, PAD, END, 3, START, PAD, END, 4]
+
+
+def test_collapse_leaves_other_tokens_and_single_pads():
+    assert collapse_image_pads([5, PAD, 5, 5, PAD], PAD) == [5, PAD, 5, 5, PAD]
+    assert collapse_image_pads([], PAD) == []
+    assert collapse_image_pads([7, 7, 7], PAD) == [7, 7, 7]  # runs of other tokens are kept
+
+
+def test_collapse_accepts_tensors_and_returns_python_ints():
+    out = collapse_image_pads(torch.tensor([9, PAD, PAD, PAD, 9]), PAD)
+    assert out == [9, PAD, 9] and all(type(t) is int for t in out)
+
+
+def test_collapse_then_reexpand_round_trips():
+    # What vLLM does to a collapsed prompt: each single placeholder becomes its image's run.
+    runs = [6, 4, 9]
+    ids = [0]
+    for n in runs:
+        ids += [START] + [PAD] * n + [END, 0]
+    collapsed = collapse_image_pads(ids, PAD)
+    assert collapsed.count(PAD) == len(runs)
+    rebuilt, it = [], iter(runs)
+    for t in collapsed:
+        rebuilt += [PAD] * next(it) if t == PAD else [t]
+    assert rebuilt == ids

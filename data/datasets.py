@@ -18,6 +18,9 @@ grow with the dataset's pixel count. A bad row raises BadSample from `get` and i
 and counted by `iter_samples`.
 
 CLI: python -m data.datasets inspect FILE --task T [--model DIR] [--max-rows N]
+prints one JSON object (rows, loaded, skipped, skip_reasons, first_prompt). With --model
+the prompt goes through the folder's chat template (AutoProcessor, or the folder's
+tokenizer when the processor cannot be built, e.g. without torchvision).
 """
 
 from __future__ import annotations
@@ -263,17 +266,31 @@ class VLDataset:
                 stats.record(index, bad.reason, self.path, bad.detail)
 
 
+def _load_template_owner(model_dir: str):
+    """The model folder's processor, or its tokenizer when the processor cannot be built.
+
+    A Qwen-VL processor also builds a video processor that needs torchvision; rendering
+    the prompt text needs only the chat template, which the tokenizer carries as well.
+    """
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"--model must be a local folder, got {model_dir}")
+    from transformers import AutoProcessor, AutoTokenizer  # only the CLI needs transformers
+
+    try:
+        return AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    except (ImportError, OSError, ValueError, AttributeError) as err:
+        logger.warning("AutoProcessor failed for %s (%s); using its tokenizer's chat template",
+                       model_dir, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
 def _render_prompt(sample: Sample, task: str, model_dir: str | None) -> str:
     """The prompt text the model sees: its chat template if a model folder is given."""
     messages = build_messages(sample, task)
     if model_dir is None:
         return render_messages_plain(messages)
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"--model must be a local folder, got {model_dir}")
-    from transformers import AutoProcessor  # only the CLI needs transformers
-
-    processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    owner = _load_template_owner(model_dir)
+    text = owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return text[0] if isinstance(text, list) else text
 
 

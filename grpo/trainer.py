@@ -91,13 +91,19 @@ class Trainer:
             return
         state = load_checkpoint(path, self.policy.model, self.optimizer)
         self.step = int(state["step"])
-        self.feeder.load_state_dict(state["data"])
+        self.feeder.stream.load_state_dict(state["data"]["stream"])
         self.counters.update(state.get("counters", {}))
         if self.dims.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
 
+    def _skipped_total(self) -> float:
+        """Bad samples skipped so far over all ranks (restored count + this run's, all-reduced)."""
+        (here,) = all_reduce_sum([self.feeder.stats.total], self.policy.device)
+        return self.counters.get("skipped_samples_before", 0) + here
+
     def save(self) -> None:
-        state = {"data": self.feeder.state_dict(), "counters": self.counters}
+        counters = {**self.counters, "skipped_samples_before": self._skipped_total()}
+        state = {"data": self.feeder.state_dict(), "counters": counters}
         path = save_checkpoint(self.run_dir, self.step, self.policy.model, self.optimizer, state,
                                self.cfg.model.path, keep=self.cfg.checkpoint.keep)
         if self.dims.is_main:
@@ -121,7 +127,7 @@ class Trainer:
             metrics["optim/lr"] = lr
             metrics["perf/step_s"] = time.monotonic() - t0
             metrics["memory/peak_gb"] = peak_memory_gb(self.policy.device)
-            metrics["data/skipped_samples"] = float(sum(self.feeder.stats.counts.values()))
+            metrics["data/skipped_samples"] = self._skipped_total()
             if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 and self.eval_feeder:
                 metrics.update(self.evaluate())
             self.logger.log(self.step, metrics)

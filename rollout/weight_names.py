@@ -1,9 +1,11 @@
 """Transformers checkpoint names → vLLM parameter names, for refit and read-back.
 
-The policy is a transformers model; its parameters carry the names transformers 5 saves:
-`model.language_model.*` (the Qwen2 decoder), `model.visual.*` (the vision tower) and
-`lm_head.*`. vLLM 0.26 builds the same model with different module paths and fuses some
-projections into one parameter:
+The same tensors reach the engine under two spellings. A transformers 5 model in memory
+names them `model.language_model.*` (the Qwen2 decoder), `model.visual.*` (the vision tower)
+and `lm_head.*`; checkpoint files use the hub layout `model.*`, `visual.*`, `lm_head.*`, which
+transformers 5's `save_pretrained` still writes (it converts the names back on save). Both
+are accepted. vLLM 0.26 builds the model with other module paths and fuses some projections
+into one parameter:
 
     transformers                                        vLLM
     model.language_model.layers.0.self_attn.q_proj.w    language_model.model.layers.0.self_attn.qkv_proj.w  (shard "q")
@@ -26,11 +28,14 @@ from __future__ import annotations
 
 import re
 
-# Per family: (regex on the transformers name, vLLM prefix that replaces the match).
-# Only the names transformers >= 4.52 writes are accepted; older layouts fail loudly.
+# Per family: (regex on the transformers name, vLLM prefix that replaces the match); the
+# first matching rule wins. Module names of a transformers 5 model come first; the
+# checkpoint-file layout (hub checkpoints, and what save_pretrained still writes) after them.
 _QWEN_VL_PREFIXES = [
     (r"^model\.language_model\.", "language_model.model."),
     (r"^model\.visual\.", "visual."),
+    (r"^model\.", "language_model.model."),
+    (r"^visual\.", "visual."),
     (r"^lm_head\.", "language_model.lm_head."),
 ]
 HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
@@ -69,7 +74,7 @@ def hf_to_vllm_name(family: str, hf_name: str) -> str:
     """The vLLM module path of a transformers parameter name, before any stacking.
 
     Raises ValueError naming the tensor when no rule of the family matches it (for example a
-    pre-4.52 name such as `model.layers.0...` or `visual.blocks.0...`).
+    vLLM name such as `language_model.model.layers.0...`).
     """
     for pattern, vllm_prefix in _family_rules(family):
         if re.match(pattern, hf_name):

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from data.datasets import SkipStats, VLDataset, inspect_file
-from data.images import BadSample, canonicalize_image, decode_image, smart_resize_dims
+from data.images import BadSample, canonicalize_image, decode_image, smart_resize_dims, to_rgb
 from data.prompts import TASK_INSTRUCTIONS, build_messages, build_prompt_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,7 +119,6 @@ def test_modes_become_rgb():
 def test_pa_mode_composited_on_white():
     pa_image = Image.new("PA", (4, 4), (0, 0))
     pa_image.putpalette([255, 0, 0] + [0] * 765)
-    from data.images import to_rgb
     assert to_rgb(pa_image).getpixel((0, 0)) == (255, 255, 255)
 
 

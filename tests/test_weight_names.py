@@ -1,8 +1,11 @@
 """The transformers → vLLM weight-name table and the image-placeholder collapse, on CPU."""
 
+import functools
+
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 from rollout.weight_names import (
     HF_TO_VLLM,
@@ -78,13 +81,31 @@ def test_stacking_table_matches_shard_ids():
         assert [SHARD_IDS[m] for m in members] in (["q", "k", "v"], [0, 1])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "module_name, file_name",
+    [
+        (f"{LAYER0}.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
+        (f"{LAYER0}.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
+        ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("model.language_model.norm.weight", "model.norm.weight"),
+        ("model.visual.blocks.0.attn.qkv.bias", "visual.blocks.0.attn.qkv.bias"),
+        ("model.visual.merger.mlp.0.weight", "visual.merger.mlp.0.weight"),
+    ],
+)
+def test_checkpoint_file_names_land_where_module_names_do(family, module_name, file_name):
+    assert vllm_param_for(family, file_name) == vllm_param_for(family, module_name)
+
+
 @pytest.mark.parametrize(
     "bad",
-    ["model.layers.0.self_attn.q_proj.weight", "visual.blocks.0.attn.qkv.weight", "language_model.lm_head.weight"],
+    ["language_model.model.layers.0.self_attn.qkv_proj.weight", "language_model.lm_head.weight",
+     "transformer.h.0.attn.weight", "vision_tower.blocks.0.attn.qkv.weight"],
 )
-def test_old_or_foreign_names_fail_with_the_name(bad):
-    with pytest.raises(ValueError, match="not a transformers"):
+def test_foreign_names_fail_with_the_name(bad):
+    with pytest.raises(ValueError, match="not a transformers") as err:
         vllm_param_for("qwen2_5_vl", bad)
+    assert bad in str(err.value)
 
 
 def test_unknown_family_names_supported_ones():
@@ -95,7 +116,8 @@ def test_unknown_family_names_supported_ones():
 # --- every tensor of a real (tiny) transformers model ------------------------------------------
 
 
-def _tiny_state_dict(family: str) -> dict[str, torch.Tensor]:
+@functools.lru_cache(maxsize=None)
+def _tiny_model(family: str):
     text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2,
                 rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2]})
@@ -108,7 +130,11 @@ def _tiny_state_dict(family: str) -> dict[str, torch.Tensor]:
             text_config=text, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
                                                  out_hidden_size=32, fullatt_block_indexes=[1], window_size=56))
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    return model.state_dict()
+    return model
+
+
+def _tiny_state_dict(family: str) -> dict[str, torch.Tensor]:
+    return _tiny_model(family).state_dict()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -131,6 +157,17 @@ def test_every_transformers_tensor_has_one_distinct_home(family):
         expected = ["k", "q", "v"] if param.rsplit(".", 2)[-2] == "qkv_proj" else [0, 1]
         assert [s for s, _ in shards] == expected, param
         assert len({shape[1:] for _, shape in parts}) == 1, param
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_checkpoint_names_map_like_the_model_in_memory(family, tmp_path):
+    # save_pretrained writes the hub layout (model.*, visual.*), not the module names.
+    _tiny_model(family).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = list(f.keys())
+    memory = list(_tiny_state_dict(family))
+    assert len(saved) == len(memory)
+    assert {vllm_param_for(family, n) for n in saved} == {vllm_param_for(family, n) for n in memory}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,15 +6,20 @@
 or, from Python, `make_tiny_model(out, family="qwen2_5_vl", size="tiny", seed=0)`.
 
 The folder holds what a hub checkpoint of the family holds, written by transformers'
-own classes: `config.json` (the family's real config class), `generation_config.json`,
-`model.safetensors` (random weights, written by `save_pretrained`, which in
-transformers 5 names them as the hub checkpoints do: `model.layers.*`,
-`model.embed_tokens.*`, `model.norm.*`, `visual.*`, `lm_head.*`; loaded, they become
-`model.language_model.*`, `model.visual.*`, `lm_head.*`; `--weight-names current`
-writes those instead), `tokenizer.json` +
-`tokenizer_config.json` + `chat_template.jinja`, `preprocessor_config.json` (the
-family's image processor) and `processor_config.json` (the nested form transformers 5
-writes, naming the family's processor class). Nothing is downloaded.
+own classes; nothing is downloaded:
+
+- `config.json`: the family's config class (model_type qwen2_vl / qwen2_5_vl), token
+  ids taken from the tokenizer below;
+- `generation_config.json`: token ids only (eos = <|im_end|>, <|endoftext|>; pad), no
+  sampling defaults, so an engine that reads it does not change temperature or penalties;
+- `model.safetensors`: random weights from `save_pretrained`, which in transformers 5
+  names them as the hub checkpoints do (`model.embed_tokens.*`, `model.layers.*`,
+  `model.norm.*`, `visual.*`, `lm_head.*`); loaded, they become `model.language_model.*`,
+  `model.visual.*`, `lm_head.*`, and `--weight-names current` writes those names instead;
+- `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`: the tokenizer below
+  and a chat template that behaves like the Qwen2-VL one;
+- `preprocessor_config.json` (flat, as on the hub) and `processor_config.json` (nested,
+  as transformers 5 writes it): the family's image processor and processor class.
 
 The tokenizer is a byte-level BPE trained here with `tokenizers` on the corpus of
 `tools/corpus.py`, with the Qwen2 pre-tokenizer (the one the family's tokenizer class
@@ -23,7 +28,8 @@ BPE vocab: 1500 (tiny) / 3000 (demo) entries, 256 of them the byte alphabet; the
 model's `vocab_size` is the tokenizer length rounded up to a multiple of 64, so, as in
 the real checkpoints, the embedding has a few rows no token maps to. The corpus, and so
 the tokenizer, does not depend on `seed`: checkpoints built with different seeds share
-token ids and differ only in their weights.
+token ids and differ only in their weights. Every string round-trips exactly once
+NFC-normalized: like the family's own tokenizer, this one applies NFC first.
 
 Sizes (weights in float32, untied embeddings):
 
@@ -35,8 +41,6 @@ Sizes (weights in float32, untied embeddings):
 Qwen2.5-VL's vision tower alternates window and full attention: tiny uses a 56-pixel
 window (2x2 merged tokens) with block 1 full, demo the family's 112-pixel window with
 blocks 1 and 3 full, so images at the size's max pixels span several windows.
-`generation_config.json` holds token ids only (no sampling defaults), so an engine that
-reads it does not silently change temperature or penalties.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ PATCH_SIZE = 14
 MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
 VOCAB_MULTIPLE = 64
+WEIGHT_NAMES = ("hub", "current")
 
 
 @dataclass(frozen=True)
@@ -219,13 +224,13 @@ def _check_size(size: SizeSpec) -> None:
     """Fail early on shapes the family's model code would reject or mis-handle."""
     head_dim, rem = divmod(size.text_hidden, size.text_heads)
     if rem or size.text_heads % size.text_kv_heads:
-        raise ValueError(f"text heads {size.text_heads}/{size.text_kv_heads} do not divide hidden {size.text_hidden}")
+        raise ValueError(f"make_tiny_model: text heads {size.text_heads}/{size.text_kv_heads} do not divide hidden {size.text_hidden}")
     if sum(size.mrope_section) * 2 != head_dim:
-        raise ValueError(f"mrope_section {size.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+        raise ValueError(f"make_tiny_model: mrope_section {size.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
     if size.window_size % (PATCH_SIZE * MERGE_SIZE):
-        raise ValueError(f"window_size {size.window_size} must be a multiple of {PATCH_SIZE * MERGE_SIZE}")
+        raise ValueError(f"make_tiny_model: window_size {size.window_size} must be a multiple of {PATCH_SIZE * MERGE_SIZE}")
     if any(not 0 <= i < size.vision_depth for i in size.fullatt_blocks):
-        raise ValueError(f"fullatt_blocks {size.fullatt_blocks} must lie in [0, {size.vision_depth})")
+        raise ValueError(f"make_tiny_model: fullatt_blocks {size.fullatt_blocks} must lie in [0, {size.vision_depth})")
 
 
 def train_bpe(lines: list[str], vocab_size: int) -> Tokenizer:
@@ -394,8 +399,6 @@ def save_processor_files(out: Path, tokenizer, image_processor, processor_class:
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
-WEIGHT_NAMES = ("hub", "current")
-
 
 @contextlib.contextmanager
 def _quiet_progress_bars():
@@ -460,7 +463,7 @@ def make_tiny_model(
     _check_size(size_spec)
     out = Path(out)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"make_tiny_model: {out} already exists; remove it or pass overwrite=True")
+        raise FileExistsError(f"make_tiny_model: {out} already exists; remove it or pass overwrite=True (--overwrite)")
     start = time.perf_counter()
     tokenizer = build_tokenizer(family_spec, size_spec)
     config = build_config(family, size_spec, tokenizer)
@@ -492,8 +495,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-names", choices=WEIGHT_NAMES, default="hub",
                         help="tensor names in model.safetensors: the hub checkpoints' (default) or the modules' own")
     args = parser.parse_args(argv)
-    make_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed,
-                    overwrite=args.overwrite, verbose=True, weight_names=args.weight_names)
+    try:
+        make_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed,
+                        overwrite=args.overwrite, verbose=True, weight_names=args.weight_names)
+    except (ValueError, FileExistsError) as err:
+        parser.error(str(err))
 
 
 if __name__ == "__main__":

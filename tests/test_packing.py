@@ -1,0 +1,185 @@
+"""Packing: m-rope positions per sequence, packed logprobs equal padded per-sequence logprobs."""
+
+import pytest
+import torch
+
+from data.batch import Batch, PackedGenericDataItem
+from models.packing import bins_fit, pack, plan_microbatches, unpack_per_sequence
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    from grpo.config import ModelConfig
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+
+    init_distributed()
+    return build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(str(tiny_model), local_files_only=True,
+                                                       attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _sample(adapter, g, grids, n_text, n_resp, vocab=200):
+    ids = []
+    for t, h, w in grids:
+        ids += torch.randint(10, vocab, (n_text,), generator=g).tolist()
+        ids += [adapter.vision_start_token_id] + [adapter.image_token_id] * (t * h * w // 4) + [adapter.vision_end_token_id]
+    ids += torch.randint(10, vocab, (n_text + n_resp,), generator=g).tolist()
+    ids = torch.tensor(ids)
+    mask = torch.zeros_like(ids)
+    mask[-n_resp:] = 1
+    pix = torch.randn(sum(t * h * w for t, h, w in grids), 1176, generator=g) if grids else None
+    return ids, mask, pix, (torch.tensor(grids) if grids else None)
+
+
+def mixed_batch(adapter):
+    """Different image sizes, a text-only row, and two images in one sample."""
+    g = torch.Generator().manual_seed(0)
+    rows = [_sample(adapter, g, [(1, 4, 4)], 5, 6), _sample(adapter, g, [], 7, 5),
+            _sample(adapter, g, [(1, 4, 6), (1, 2, 4)], 4, 7), _sample(adapter, g, [(1, 6, 4)], 9, 3)]
+    batch = Batch({"input_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
+                   "pixel_values": [r[2] for r in rows], "image_grid_thw": [r[3] for r in rows]})
+    batch["position_ids"] = PackedGenericDataItem([adapter.position_ids(r[0], r[3]) for r in rows], dim=1)
+    return batch
+
+
+def padded_logprobs(model, batch, adapter):
+    """Right-padded batch through the plain transformers forward; scored-token logprobs per row."""
+    n = len(batch)
+    L = max(t.numel() for t in batch["input_ids"].items)
+    ids = torch.zeros(n, L, dtype=torch.long)
+    att = torch.zeros(n, L, dtype=torch.long)
+    pos = torch.zeros(3, n, L, dtype=torch.long)
+    for i, (seq, p) in enumerate(zip(batch["input_ids"].items, batch["position_ids"].items)):
+        ids[i, : seq.numel()] = seq
+        att[i, : seq.numel()] = 1
+        pos[:, i, : seq.numel()] = p[1:]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=att, position_ids=pos,
+                       pixel_values=batch["pixel_values"].as_tensor(),
+                       image_grid_thw=batch["image_grid_thw"].as_tensor()).logits.float()
+    lps = torch.log_softmax(logits, -1)
+    out = []
+    for i, (seq, mask) in enumerate(zip(batch["input_ids"].items, batch["loss_mask"].items)):
+        t = torch.nonzero(mask[1:].bool()).flatten() + 1
+        out.append(lps[i, t - 1, seq[t]])
+    return out
+
+
+def test_positions_match_transformers(policy):
+    adapter = policy.adapter
+    batch = mixed_batch(adapter)
+    inner = policy.model.model
+    import inspect
+
+    if "mm_token_type_ids" not in inspect.signature(inner.get_rope_index).parameters:
+        pytest.skip("this transformers version computes rope indices with another signature")
+    for ids, grid, pos in zip(batch["input_ids"].items, batch["image_grid_thw"].items, batch["position_ids"].items):
+        assert torch.equal(pos[0], torch.arange(ids.numel()))
+        if grid is None:
+            assert torch.equal(pos[1:], torch.arange(ids.numel()).expand(3, -1))
+            continue
+        mm = (ids == adapter.image_token_id).int()[None]
+        ref, _ = inner.get_rope_index(ids[None], mm_token_type_ids=mm, image_grid_thw=grid)
+        assert torch.equal(ref[:, 0], pos[1:])
+
+
+def test_position_errors(policy):
+    a = policy.adapter
+    ids = torch.tensor([1, a.image_token_id, a.image_token_id, 2])
+    with pytest.raises(ValueError, match="placeholder"):
+        a.position_ids(ids, torch.tensor([[1, 4, 4]]))
+    with pytest.raises(ValueError, match="images"):
+        a.position_ids(ids, None)
+
+
+def test_packed_equals_padded(policy, reference):
+    batch = mixed_batch(policy.adapter)
+    mb = pack(batch, list(range(len(batch))))
+    assert mb.num_tokens == sum(t.numel() for t in batch["input_ids"].items)  # no padding
+    with torch.no_grad():
+        lp, ent = policy.logprobs(mb, with_entropy=True)
+    packed = unpack_per_sequence(lp, mb)
+    ref = padded_logprobs(reference, batch, policy.adapter)
+    for p, r in zip(packed, ref):
+        assert p.shape == r.shape
+        assert torch.allclose(p, r, atol=1e-5, rtol=0), (p - r).abs().max()
+    assert ent.shape == lp.shape and bool((ent > 0).all())
+    # packing order does not change any sequence's logprobs
+    mb2 = pack(batch, [3, 1, 0, 2])
+    with torch.no_grad():
+        lp2, _ = policy.logprobs(mb2)
+    for i, chunk in zip(mb2.sample_indices, unpack_per_sequence(lp2, mb2)):
+        assert torch.allclose(chunk, packed[i], atol=1e-5, rtol=0)
+
+
+def test_temperature_scales_logits(policy, reference):
+    batch = mixed_batch(policy.adapter)
+    mb = pack(batch, [0])
+    with torch.no_grad():
+        lp_t, _ = policy.logprobs(mb, temperature=0.5)
+        h = policy.hidden_states(mb.to(policy.device))
+        logits = policy.model.lm_head(h[mb.target_positions]).float() / 0.5
+    expect = torch.log_softmax(logits, -1).gather(-1, mb.target_ids[:, None]).squeeze(-1)
+    assert torch.allclose(lp_t, expect, atol=1e-5)
+
+
+def test_microbatch_planning():
+    lengths = [100, 400, 300, 250, 50, 600]
+    bins = plan_microbatches(lengths, 700)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert bins_fit(bins, lengths, 700) and len(bins) == 3
+    fixed = plan_microbatches(lengths, 700, num_bins=4)
+    assert len(fixed) == 4 and sorted(i for b in fixed for i in b) == list(range(6))
+    loads = [sum(lengths[i] for i in b) for b in fixed]
+    assert max(loads) - min(loads) <= 300
+    assert plan_microbatches([900], 700) == [[0]]  # an over-long sample gets its own bin
+    assert plan_microbatches([5, 5], 100, num_bins=3)[2] == []
+
+
+def test_backward_reaches_vision_and_text(policy):
+    batch = mixed_batch(policy.adapter)
+    mb = pack(batch, [1])  # text only: the vision tower still runs (zero-weighted)
+    lp, _ = policy.logprobs(mb)
+    lp.sum().backward()
+    vision = [p for p in policy.adapter.vision_tower(policy.model).parameters()]
+    assert all(p.grad is not None for p in vision)
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in vision)
+    policy.model.zero_grad(set_to_none=True)
+    lp, _ = policy.logprobs(pack(batch, [0, 2]))
+    lp.sum().backward()
+    assert any(float(p.grad.abs().sum()) > 0 for p in vision)
+    policy.model.zero_grad(set_to_none=True)
+
+
+def test_offload_reload_exact(policy):
+    from torch.distributed.tensor import DTensor
+
+    from grpo.update import build_optimizer
+    from grpo.config import OptimConfig
+
+    opt = build_optimizer(policy, OptimConfig(lr=1e-3))
+    lp, _ = policy.logprobs(pack(mixed_batch(policy.adapter), [0]))
+    lp.sum().backward()
+    opt.step()
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    before = {n: local(p).detach().clone() for n, p in policy.model.named_parameters()}
+    state = {(i, k): v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items()
+             if isinstance(v, torch.Tensor) and k != "step"}
+    policy.offload(opt)
+    assert all(local(p).device.type == "cpu" for p in policy.model.parameters())
+    policy.reload(opt)
+    for n, p in policy.model.named_parameters():
+        assert torch.equal(local(p), before[n]), n
+        assert local(p).device.type == policy.device.type
+    after = {(i, k): v for i, s in enumerate(opt.state.values()) for k, v in s.items()
+             if isinstance(v, torch.Tensor) and k != "step"}
+    assert len(state) == len(after) > 0
+    assert all(torch.equal(state[k], after[k]) for k in state)
+    opt.zero_grad(set_to_none=True)

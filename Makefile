@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
 ARTIFACTS ?= artifacts
 ARGS ?=
 
-.PHONY: install test test-fast demo clean sft-tiny
+.PHONY: install test test-fast demo clean sft-tiny clevr geo3k merge
 
 install: $(STAMP)
 
@@ -29,3 +29,32 @@ test-fast: install
 
 clean:
 	rm -rf $(ARTIFACTS) runs
+
+# The CPU demo: demo-size Qwen2.5-VL + generated CLEVR, SFT warm start, then GRPO on 2 ranks.
+demo: install
+	$(PY) tools/demo.py --nproc $(NPROC) $(ARGS)
+
+sft-tiny: install
+	$(PY) tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $(ARTIFACTS)/tiny_qwen2_5_vl --overwrite
+	$(PY) tools/make_dataset.py --kind clevr --n 256 --seed 0 --out $(ARTIFACTS)/clevr_train.parquet --size 56x56
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) train.py --config configs/sft_clevr_tiny.yaml $(ARGS)
+
+# Real models: MODEL=/path/to/Qwen2.5-VL-3B-Instruct DATA=/path/to/train.parquet [EVAL=...] [NPROC=8] [NNODES=1]
+# Multi-node: NNODES=N RDZV=host:port on every node.
+MODEL ?=
+DATA  ?=
+EVAL  ?=
+RDZV  ?= localhost:29500
+LAUNCH = $(PY) -m torch.distributed.run --nnodes $(NNODES) --nproc-per-node $(NPROC) \
+	$(if $(filter 1,$(NNODES)),--standalone,--rdzv-backend c10d --rdzv-endpoint $(RDZV))
+RECIPE_ARGS = $(if $(MODEL),model.path=$(MODEL)) $(if $(DATA),data.train_path=$(DATA)) $(if $(EVAL),data.eval_path=$(EVAL)) $(ARGS)
+
+clevr: install
+	$(LAUNCH) train.py --config configs/clevr_qwen2_5_vl_3b.yaml $(RECIPE_ARGS)
+
+geo3k: install
+	$(LAUNCH) train.py --config configs/geo3k_qwen2_5_vl_7b.yaml $(RECIPE_ARGS)
+
+# make merge CKPT=runs/X/checkpoints/step_N OUT=merged/
+merge: install
+	$(PY) tools/checkpoint_merge.py --checkpoint $(CKPT) --out $(OUT)

@@ -59,6 +59,8 @@ class Trainer:
         if cfg.trainer.mode == "grpo" and cfg.algorithm.kl_coef > 0:
             self.ref = build_policy(cfg.model, self.dims)
         self.engine = None
+        self.version = 0  # optimizer updates applied to the policy in this process
+        self._engine_version = -1  # the policy version whose weights the engine holds
         self.step = 0
         self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0}
         self._resume()
@@ -80,8 +82,10 @@ class Trainer:
         )
 
     def _engine(self):
+        """The rollout engine, built on first use and refit whenever the policy has moved since."""
         if self.engine is None:
             self.engine = build_engine(self.cfg, self.policy)
+        if self._engine_version != self.version:
             self.refit()
         return self.engine
 
@@ -154,6 +158,7 @@ class Trainer:
         out = optimizer_step(self.policy, self.optimizer, batch, loss_fn, max_tokens=self.cfg.optim.max_tokens_per_microbatch,
                              grad_clip=self.cfg.optim.grad_clip, denominators={"tokens": global_tokens})
         train_s = time.monotonic() - t0
+        self.version += 1
         self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
         total_tokens = sum(t.numel() for t in batch["input_ids"].items)
         (all_tokens,) = all_reduce_sum([total_tokens], self.policy.device)
@@ -215,6 +220,7 @@ class Trainer:
         t0 = time.monotonic()
         dtype = getattr(self.engine, "dtype", None)
         self.engine.refit(self.policy.full_state_dict(dtype))
+        self._engine_version = self.version
         return time.monotonic() - t0
 
     def grpo_step(self, per_rank: int) -> dict:
@@ -255,7 +261,6 @@ class Trainer:
         train = self._ppo_update(batch)
         timings["perf/train_s"] = time.monotonic() - t
 
-        t = time.monotonic()
         timings["perf/refit_s"] = self.refit()
         return {**self._rollout_metrics(gens, rewards_info, rewards), **fidelity, **train, **timings,
                 **self._throughput(batch, timings)}
@@ -358,6 +363,7 @@ class Trainer:
                                  grad_clip=cfg.optim.grad_clip, temperature=cfg.rollout.temperature,
                                  denominators={"tokens": g_tokens, "seqs": g_seqs})
             self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
+            self.version += 1
         keys = ["loss/clip_fraction_sum", "loss/tokens", "loss/kl_sum", "loss/entropy_sum"]
         clip, n, kl, ent = all_reduce_sum([out.get(k, 0.0) for k in keys], self.policy.device)
         metrics = {"loss/total": out["loss/total"], "loss/grad_norm": out["loss/grad_norm"],

@@ -65,8 +65,8 @@ def _fits(candidate: SceneObject, placed: list[SceneObject]) -> bool:
 
 
 def _try_place(rng: random.Random, shape: str, color: str, size: str, width: int, height: int,
-               placed: list[SceneObject]) -> SceneObject | None:
-    r = SIZES[size] * min(width, height)
+               placed: list[SceneObject], scale: float = 1.0) -> SceneObject | None:
+    r = SIZES[size] * min(width, height) * scale
     margin = r * _EXTENT[shape] + 1
     for _ in range(_PLACEMENT_TRIES):
         obj = SceneObject(shape, color, size, rng.uniform(margin, width - margin),
@@ -76,7 +76,8 @@ def _try_place(rng: random.Random, shape: str, color: str, size: str, width: int
     return None
 
 
-def sample_scene(rng: random.Random, n_objects: int, width: int, height: int) -> list[SceneObject]:
+def sample_scene(rng: random.Random, n_objects: int, width: int, height: int,
+                 scale: float = 1.0) -> list[SceneObject]:
     """Place up to `n_objects` random objects without occlusion.
 
     An object that finds no free spot is retried small and then dropped, so a crowded
@@ -86,9 +87,9 @@ def sample_scene(rng: random.Random, n_objects: int, width: int, height: int) ->
     for _ in range(n_objects):
         shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
         size = rng.choice(list(SIZES))
-        obj = _try_place(rng, shape, color, size, width, height, placed)
+        obj = _try_place(rng, shape, color, size, width, height, placed, scale)
         if obj is None and size != "small":
-            obj = _try_place(rng, shape, color, "small", width, height, placed)
+            obj = _try_place(rng, shape, color, "small", width, height, placed, scale)
         if obj is not None:
             placed.append(obj)
     return placed
@@ -168,11 +169,13 @@ def generate(
     max_objects: int = 10,
     question_kinds: tuple[str, ...] = ("all", "color", "shape"),
     count_range: tuple[int, int] | None = None,
+    object_scale: float = 1.0,
 ) -> list[dict]:
     """`n` counting rows {"images": [{"bytes", "path"}], "problem", "answer"}.
 
     `count_range=(lo, hi)` is a shorthand for min_objects=lo, max_objects=hi (e.g. (1, 6)
-    for an easy demo). The answer is the count as a decimal string; colour and shape
+    for an easy demo). `object_scale` multiplies object sizes (larger objects are easier to
+    count for a small vision tower). The answer is the count as a decimal string; colour and shape
     questions can have answer "0".
     """
     if count_range is not None:
@@ -184,7 +187,7 @@ def generate(
         # String seeds hash with SHA-512 inside random.Random: stable across runs and
         # processes, and row i does not depend on how many rows are generated.
         rng = random.Random(f"clevr:{seed}:{i}")
-        objects = sample_scene(rng, rng.randint(min_objects, max_objects), width, height)
+        objects = sample_scene(rng, rng.randint(min_objects, max_objects), width, height, object_scale)
         question, answer = make_question(rng, objects, rng.choice(list(question_kinds)))
         rows.append({
             "images": [{"bytes": render_scene(objects, width, height), "path": f"clevr_{i}.png"}],

@@ -6,6 +6,7 @@ order and each leaves the engine awake holding the checkpoint's weights. With tw
 last test also runs this file under torchrun as a tensor-parallel pair (`tensor_parallel_main`).
 """
 
+import faulthandler
 import math
 import os
 import subprocess
@@ -29,6 +30,7 @@ from rollout.vllm_engine import VLLMEngine  # noqa: E402
 from tools.make_tiny_model import SIZES, make_tiny_model  # noqa: E402
 
 GIB = 1024**3
+TP_TIMEOUT_S = 300
 
 
 def device_used_gb() -> float:
@@ -275,11 +277,16 @@ def test_refit_while_asleep_then_wake(setup, checkpoint, prompts, vision_ids, st
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs")
 def test_tensor_parallel_pair_under_torchrun(model_dir):
     repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, str(model_dir)],
-        env=env, capture_output=True, text=True, timeout=400,
-    )
+    # This process is a world of one already (the module's engine): the pair gets its own rendezvous.
+    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, str(model_dir)]
+    try:
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TP_TIMEOUT_S + 60)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the tensor-parallel pair hung:\n{err.stdout}\n{err.stderr}")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("tensor-parallel rank ok") == 2
 
@@ -298,8 +305,10 @@ def _all_ranks_equal(values: list[int]) -> bool:
     return all(torch.equal(g, mine) for g in gathered)
 
 
-def tensor_parallel_main(model_dir: str) -> None:
+def tensor_parallel_main(model_dir: str, hang_s: float = TP_TIMEOUT_S) -> None:
     """One rank of a TP=2 engine: refit, bitwise read-back through the gather, identical sampling on both ranks."""
+    # A collective that never completes would hang silently: print every thread's stack instead.
+    faulthandler.dump_traceback_later(hang_s, exit=True)
     config = AutoConfig.from_pretrained(model_dir)
     checkpoint = load_file(str(Path(model_dir) / "model.safetensors"))
     size = SIZES["tiny"]
@@ -323,4 +332,4 @@ def tensor_parallel_main(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    tensor_parallel_main(sys.argv[1])
+    tensor_parallel_main(sys.argv[1], *(float(a) for a in sys.argv[2:3]))

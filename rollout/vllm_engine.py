@@ -9,10 +9,12 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   All ranks of a group must call `generate`, `refit` and `read_weights` together, with the same
   arguments. Without torchrun a process runs as a world of one.
 - Weights: the engine starts from `load_format="dummy"` (random weights, no checkpoint read)
-  and gets real ones by `refit`. Refit feeds vLLM the transformers names themselves: that is the
-  checkpoint format its `load_weights` reads from disk, mapping prefixes and stacking q/k/v and
-  gate/up itself. `rollout.weight_names` predicts the vLLM parameter each name lands in, and the
-  refit fails if vLLM loaded anything else, so a silently dropped tensor cannot go unnoticed.
+  and gets real ones by `refit`. Refit feeds vLLM the transformers names themselves (module names
+  of a model in memory, or the checkpoint-file names): its `load_weights` reads both, mapping
+  prefixes and stacking q/k/v and gate/up itself. `rollout.weight_names` predicts the vLLM
+  parameter each name lands in, and the refit fails if vLLM loaded anything else, so a silently
+  dropped tensor cannot go unnoticed. Tensor-parallel all-reduces go through NCCL: vLLM's
+  CUDA-IPC custom all-reduce is disabled.
 - Image placeholders: vLLM 0.26 treats a token prompt as unexpanded. Its multimodal processor
   (`BaseMultiModalProcessor._apply_prompt_updates`, Qwen2-VL's `PromptReplacement` of target
   `[<|image_pad|>]`) replaces the first `<|image_pad|>` it finds for each image with that
@@ -138,15 +140,18 @@ def _check_sampling(params: SamplingParams) -> None:
     if params.n < 1 or params.max_new_tokens < 1:
         raise ValueError(f"SamplingParams: n={params.n} and max_new_tokens={params.max_new_tokens} must be >= 1")
     if params.temperature < 0 or not 0 < params.top_p <= 1:
-        raise ValueError(f"SamplingParams: temperature={params.temperature} must be >= 0, top_p={params.top_p} in (0, 1]")
+        raise ValueError(
+            f"SamplingParams: temperature={params.temperature} must be >= 0 and top_p={params.top_p} in (0, 1]"
+        )
     if params.temperature == 0 and params.n > 1:
         raise ValueError(f"SamplingParams: greedy decoding (temperature=0) gives one response, not n={params.n}")
 
 
 def _sampled_logprobs(tokens: list[int], logprobs) -> list[float]:
     """The logprob of each sampled token, from vLLM's per-position logprobs (flat or dict form)."""
-    if logprobs is None or len(logprobs) != len(tokens):
-        raise RuntimeError(f"vLLM returned logprobs for {0 if logprobs is None else len(logprobs)} of {len(tokens)} tokens")
+    count = 0 if logprobs is None else len(logprobs)
+    if count != len(tokens):
+        raise RuntimeError(f"vLLM returned logprobs for {count} of {len(tokens)} sampled tokens")
     if not hasattr(logprobs, "start_indices"):
         return [position[token].logprob for position, token in zip(logprobs, tokens)]
     values = []  # FlatLogprobs: parallel lists instead of one dict per token
@@ -260,7 +265,10 @@ class VLLMEngine(Engine):
                 f"VLLMEngine: bad tensor_parallel_size={tensor_parallel_size}, max_images_per_prompt="
                 f"{max_images_per_prompt} or gpu_memory_utilization={gpu_memory_utilization}"
             )
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"VLLMEngine: dtype {dtype!r} must be 'bfloat16', 'float16' or 'float32'")
         self.family = read_family(model_path)
+        self.dtype = getattr(torch, dtype)  # what refit tensors are rounded to; callers may send them so
         self.image_pad_id = image_pad_id
         self.max_images_per_prompt = max_images_per_prompt
         self._seed = seed
@@ -300,6 +308,9 @@ class VLLMEngine(Engine):
             },
             mm_processor_cache_gb=0,
             limit_mm_per_prompt={"image": self.max_images_per_prompt, "video": 0},
+            # Tensor-parallel all-reduce through NCCL, not vLLM's CUDA-IPC kernel: with it, a TP=2
+            # engine hung in warm-up on the lent 2xH200 VM (colocated RL trainers disable it too).
+            disable_custom_all_reduce=True,
         )
 
     def _lm_head_is_embedding(self) -> bool:

@@ -63,7 +63,8 @@ def test_qwen2_5_vision_mlp_is_stacked_like_the_decoder():
 
 
 def test_qwen2_vision_mlp_keeps_fc1_fc2():
-    assert vllm_param_for("qwen2_vl", "model.visual.blocks.1.mlp.fc1.weight") == ("visual.blocks.1.mlp.fc1.weight", None)
+    assert vllm_param_for("qwen2_vl", "model.visual.blocks.1.mlp.fc1.weight") == (
+        "visual.blocks.1.mlp.fc1.weight", None)
     assert vllm_param_for("qwen2_vl", "model.visual.blocks.1.mlp.fc2.bias") == ("visual.blocks.1.mlp.fc2.bias", None)
 
 

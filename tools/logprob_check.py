@@ -1,0 +1,130 @@
+"""Generate with an engine, recompute with the policy, report how well the logprobs agree.
+
+    python tools/logprob_check.py --model DIR --data FILE --task clevr --engine torch --num-prompts 8 --n 4
+    torchrun --nproc-per-node 2 tools/logprob_check.py ... --packing padded
+
+Prints one JSON object: packed_vs_padded_max_abs_dlogp (the policy's logprobs of the same tokens
+with and without packing), token_mult_prob_error {mean, median, max} over sequences (each
+sequence's mean of exp(|lp_engine − lp_policy|)), gen_kl, tokens, engine, dtype, and the worst
+tokens with their context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from grpo.config import load_config  # noqa: E402
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--task", default="clevr")
+    p.add_argument("--engine", default="auto", choices=["auto", "torch", "vllm"])
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--packing", default="packed", choices=["packed", "padded"],
+                   help="padded: one sequence per micro-batch (no packing)")
+    p.add_argument("--min-pixels", type=int, default=3136)
+    p.add_argument("--max-pixels", type=int, default=12544)
+    p.add_argument("--worst", type=int, default=5, help="how many worst tokens to show")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    return p.parse_args(argv)
+
+
+def check(args) -> dict:
+    from grpo.trainer import Trainer
+
+    max_tokens = 1 if args.packing == "padded" else 16384
+    cfg = load_config(None, [
+        f"model.path={args.model}", f"model.dtype={args.dtype}", f"data.train_path={args.data}",
+        f"data.task={args.task}", f"rollout.engine={args.engine}", f"rollout.n={args.n}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={args.temperature}",
+        f"data.min_pixels={args.min_pixels}", f"data.max_pixels={args.max_pixels}",
+        "trainer.run_dir=/tmp/vlrl_logprob_check", "checkpoint.resume=never", "logging.tensorboard=false",
+        f"optim.max_tokens_per_microbatch={max_tokens}", f"data.prompts_per_step={args.num_prompts}",
+    ])
+    trainer = Trainer(cfg)
+    per_rank = max(args.num_prompts // trainer.dims.dp, 1)
+    prompts = trainer.feeder.next(per_rank)
+    t0 = time.monotonic()
+    gens = trainer.generate(prompts, trainer.sampling_params())
+    gen_s = time.monotonic() - t0
+    responses = [torch.tensor(g.token_ids, dtype=torch.long) for g in gens]
+    batch = trainer._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
+    from grpo.update import sequence_logprobs
+
+    policy_lp, _ = sequence_logprobs(trainer.policy, batch, max_tokens, args.temperature)
+    other, _ = sequence_logprobs(trainer.policy, batch, 16384 if max_tokens == 1 else 1, args.temperature)
+    diffs = [float((a - b).abs().max()) for a, b in zip(policy_lp, other) if a.numel()]
+    report = _report(trainer, gens, policy_lp, batch, args, gen_s)
+    t = torch.tensor([max(diffs, default=0.0)], device=trainer.policy.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    report["packed_vs_padded_max_abs_dlogp"] = float(t.item())
+    return report
+
+
+def _report(trainer, gens, policy_lp, batch, args, gen_s) -> dict:
+    per_seq, worst, total_kl, tokens = [], [], 0.0, 0
+    for i, (g, lp) in enumerate(zip(gens, policy_lp)):
+        eng = torch.tensor(g.logprobs, dtype=torch.float64)
+        d = (eng - lp.double()).abs()
+        if d.numel() == 0:
+            continue
+        per_seq.append(float(torch.exp(d).mean()))
+        delta = lp.double() - eng
+        total_kl += float((torch.exp(delta) - delta - 1).sum())
+        tokens += d.numel()
+        for t in torch.topk(d, min(args.worst, d.numel())).indices.tolist():
+            ctx = trainer.tokenizer.decode(g.token_ids[max(0, t - 5): t + 1])
+            worst.append({"seq": i, "pos": t, "abs_dlogp": float(d[t]), "engine": float(eng[t]),
+                          "policy": float(lp[t]), "context": ctx})
+    local = [json.dumps({"per_seq": per_seq, "worst": worst, "kl": total_kl, "tokens": tokens})]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local[0])
+    parts = [json.loads(x) for x in gathered]
+    seqs = torch.tensor([v for p in parts for v in p["per_seq"]] or [1.0], dtype=torch.float64)
+    all_tokens = sum(p["tokens"] for p in parts)
+    worst_all = sorted((w for p in parts for w in p["worst"]), key=lambda w: -w["abs_dlogp"])[: args.worst]
+    return {
+        "token_mult_prob_error": {"mean": float(seqs.mean()), "median": float(seqs.median()), "max": float(seqs.max())},
+        "gen_kl": sum(p["kl"] for p in parts) / max(all_tokens, 1),
+        "tokens": all_tokens, "sequences": int(seqs.numel()),
+        "engine": type(trainer.engine).__name__, "dtype": str(trainer.policy.dtype).replace("torch.", ""),
+        "packing": args.packing, "ranks": dist.get_world_size(), "gen_s": gen_s,
+        "worst_tokens": worst_all,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from models.parallel import init_distributed
+
+    init_distributed()
+    try:
+        result = check(args)
+        if dist.get_rank() == 0:
+            text = json.dumps(result)
+            print(text, flush=True)
+            if args.out:
+                Path(args.out).write_text(text + "\n")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,13 +12,14 @@ Tasks (`TASKS`), each scored as ``weights["accuracy"] * accuracy + weights["form
   units and ``x =`` stripped. Rounding rule: when the gold answer is a decimal written with d >= 1
   places ("25.1"), a prediction within half a unit of the last place (|pred - 25.1| <= 0.05)
   also counts, since such gold answers are rounded values.
-- ``clevr`` (0.8 / 0.2). Format is 1 when an ``<answer>...</answer>`` pair exists (think tags
-  optional). Accuracy is an exact integer match of the last answer's stripped content: "3" and
+- ``clevr`` (0.8 / 0.2). Format is 1 when the response ends with its one ``<answer>...</answer>``
+  pair (optionally after a ``<think>...</think>`` block; nothing but whitespace after the answer),
+  so a response that rambles past its answer, or is cut off, earns no format credit. Accuracy is an exact integer match of the last answer's stripped content: "3" and
   "3.0" both count as 3; words ("three") and non-integers do not.
-- ``generic`` (0.8 / 0.2). Format as clevr. Accuracy: loose string equality (case, spaces,
+- ``generic`` (0.8 / 0.2). Format is 1 when an ``<answer>...</answer>`` pair exists. Accuracy: loose string equality (case, spaces,
   ``$``, ``\\text{}`` ignored; a content that is exactly ``\\boxed{...}`` is unwrapped), falling
   back to the numeric comparison of geo3k.
-- ``grounding`` (0.8 / 0.2). Format as clevr. The gold answer is a box "[x1, y1, x2, y2]"; the
+- ``grounding`` (0.8 / 0.2). Format as generic. The gold answer is a box "[x1, y1, x2, y2]"; the
   first box of four numbers in ``[...]`` or ``(...)`` inside the last answer is the prediction.
   Accuracy is their IoU, or — with ``iou_threshold`` — 1.0 when IoU >= threshold, else 0.0.
 
@@ -191,9 +192,17 @@ def _has_answer_tag(response: str) -> float:
     return 1.0 if close >= 0 and response.rfind(_ANSWER_OPEN, 0, close) >= 0 else 0.0
 
 
+def _ends_with_single_answer(response: str) -> float:
+    """clevr format: one answer pair, last in the response (a think block before it is fine)."""
+    text = response.strip()
+    if not text.endswith(_ANSWER_CLOSE) or text.count(_ANSWER_OPEN) != 1 or text.count(_ANSWER_CLOSE) != 1:
+        return 0.0
+    return 1.0
+
+
 _FORMAT: dict[str, Callable[[str], float]] = {
     "geo3k": _think_then_answer,
-    "clevr": _has_answer_tag,
+    "clevr": _ends_with_single_answer,
     "generic": _has_answer_tag,
     "grounding": _has_answer_tag,
 }

@@ -285,13 +285,12 @@ def _chunk_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, tem
 
 
 def _move_model(model: nn.Module, device: torch.device) -> None:
-    for p in model.parameters():
-        if p.device != device:
-            p.data = p.data.to(device, non_blocking=True)
-    for m in model.modules():
-        for n, b in list(m._buffers.items()):
-            if b is not None and b.device != device:
-                m._buffers[n] = b.to(device, non_blocking=True)
+    """Move the sharded parameters and buffers; FSDP2's `_apply` re-registers the local shards.
+
+    Assigning `p.data` across devices is refused for DTensor parameters, so the move goes
+    through `Module.to`, which FSDP2 supports after sharding.
+    """
+    model.to(device)
     if device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
 

@@ -443,3 +443,14 @@ def test_cli_bad_task_exits_2():
 def test_module_constants_are_consistent():
     assert set(DEFAULT_WEIGHTS) == set(TASKS)
     assert mathparse.MAX_EXPR_CHARS <= mathparse.MAX_RAW_CHARS
+
+
+def test_clevr_format_needs_the_answer_last():
+    from data.rewards import score as _score
+
+    assert _score("clevr", "<answer>3</answer>", "3").format == 1.0
+    assert _score("clevr", "<think>three</think> <answer>3</answer>\n", "3").format == 1.0
+    rambling = _score("clevr", "<answer>3</answer> and then more words", "3")
+    assert rambling.format == 0.0 and rambling.accuracy == 1.0
+    assert _score("clevr", "<answer>2</answer><answer>3</answer>", "3").format == 0.0
+    assert _score("clevr", "<answer>3</answer><ans", "3").format == 0.0  # cut off

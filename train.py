@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             result = trainer.evaluate()
         else:
             trainer.train()
-            result = trainer.evaluate() if trainer.eval_feeder else {}
+            result = trainer.evaluate() if trainer.eval_feeder and not trainer.preempted else {}
         if dist.get_rank() == 0 and result:
             print("final " + json.dumps(result), flush=True)
     finally:

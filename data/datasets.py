@@ -15,7 +15,8 @@ unwrapped. A problem with no `<image>` tag but with images gets the images befor
 
 Images stay encoded in the arrow table and are decoded per access, so host memory does not
 grow with the dataset's pixel count. A bad row raises BadSample from `get` and is skipped
-and counted by `iter_samples`.
+and counted by `iter_samples`. Text that is not valid UTF-8 (a JSONL line, or a parquet text
+column stored as binary) makes its row "invalid_text"; it does not fail the file.
 
 CLI: python -m data.datasets inspect FILE --task T [--model DIR] [--max-rows N]
 prints one JSON object (rows, loaded, skipped, skip_reasons, first_prompt). With --model
@@ -52,6 +53,7 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 _WRAPPED_ANSWER = re.compile(r"^\s*<answer>(.*)</answer>\s*$", re.DOTALL)
+INVALID_TEXT_COLUMN = "__invalid_text__"  # set by the JSONL reader on rows it could not decode
 
 
 @dataclass
@@ -87,11 +89,23 @@ class SkipStats:
 
 
 def _read_jsonl(path: Path) -> pa.Table:
-    """Read a JSONL file into an arrow table; a malformed line fails with its line number."""
+    """Read a JSONL file into an arrow table; a malformed line fails with its line number.
+
+    A line that is not valid UTF-8 (or whose JSON escapes make a lone surrogate) is kept as an
+    empty row whose `INVALID_TEXT_COLUMN` cell says why, so `VLDataset.get` skips and counts it
+    as "invalid_text" instead of one bad line failing the whole file.
+    """
     rows: list[dict] = []
-    with path.open("r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+    invalid: dict[int, str] = {}
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                invalid[len(rows)] = f"{path}:{line_no}: not valid UTF-8 (byte {raw[err.start]:#04x} at offset {err.start})"
+                rows.append({})
                 continue
             try:
                 row = json.loads(line)
@@ -99,13 +113,34 @@ def _read_jsonl(path: Path) -> pa.Table:
                 raise ValueError(f"{path}:{line_no}: invalid JSON ({err.msg})") from err
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+            if not _encodable(row):
+                invalid[len(rows)] = f"{path}:{line_no}: text with a lone surrogate escape (not valid Unicode)"
+                row = {}
             rows.append(row)
     names = sorted({key for row in rows for key in row})
     columns = {name: [row.get(name) for row in rows] for name in names}
     for name in COLUMN_ALIASES["images"]:
         if name in columns:
             columns[name] = [_jsonl_image_paths(value) for value in columns[name]]
-    return pa.table({name: _jsonl_column(values) for name, values in columns.items()})
+    arrays = {name: _jsonl_column(values) for name, values in columns.items()}
+    if invalid:
+        arrays[INVALID_TEXT_COLUMN] = pa.array([invalid.get(i) for i in range(len(rows))], type=pa.string())
+    return pa.table(arrays)
+
+
+def _encodable(value: Any) -> bool:
+    """Whether every string inside a decoded JSON value can be written as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_encodable(v) for v in value)
+    return True
 
 
 def _jsonl_image_paths(value: Any) -> list[str | None]:
@@ -178,8 +213,20 @@ def _image_refs(value: Any) -> list[tuple[bytes | None, str | None]]:
     return refs
 
 
+def _decoded(value: Any, field: str) -> Any:
+    """A text cell stored as binary (some parquet writers do) as str; not valid UTF-8 → BadSample."""
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadSample("invalid_text", f"{field} is not valid UTF-8 (byte {value[err.start]:#04x} at offset "
+                                        f"{err.start})") from err
+
+
 def _answer_text(value: Any) -> str:
     """The gold answer as a non-empty string, unwrapped from <answer> tags if needed."""
+    value = _decoded(value, "answer")
     if isinstance(value, bool) or value is None:
         raise BadSample("missing_answer", f"answer is {value!r}")
     if isinstance(value, int):
@@ -197,6 +244,7 @@ def _answer_text(value: Any) -> str:
 
 def _problem_text(value: Any, n_images: int) -> str:
     """The problem with exactly one <image> tag per image (tags prepended if it has none)."""
+    value = _decoded(value, "problem")
     if not isinstance(value, str) or not value.replace(IMAGE_TAG, "").strip():
         raise BadSample("empty_problem", f"problem is {value!r}")
     n_tags = value.count(IMAGE_TAG)
@@ -250,6 +298,10 @@ class VLDataset:
         """Row `index` as a Sample; raises BadSample (with a reason) if the row is unusable."""
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} out of range for {self.path} with {len(self)} rows")
+        if INVALID_TEXT_COLUMN in self._table.column_names:
+            invalid = self._table.column(INVALID_TEXT_COLUMN)[index].as_py()
+            if invalid:
+                raise BadSample("invalid_text", invalid)
         refs = _image_refs(self._cell("images", index))
         # Text fields first: they are cheap to check and save decoding a doomed row's images.
         problem = _problem_text(self._cell("problem", index), len(refs))

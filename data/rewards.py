@@ -68,6 +68,7 @@ DEFAULT_WEIGHTS = {
     "grounding": {"accuracy": 0.8, "format": 0.2},
 }
 MAX_ANSWER_CHARS = MAX_RAW_CHARS
+MAX_INTEGER_DIGITS = 100  # longer integers (sign included) are not read as a count
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 _ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
@@ -233,7 +234,11 @@ def _geo3k_accuracy(
 
 def _as_integer(text: str) -> int | None:
     match = _INTEGER.fullmatch(text.strip())
-    return None if match is None else int(match.group(0).split(".")[0])
+    if match is None:
+        return None
+    digits = match.group(0).split(".")[0]
+    # int() refuses more than 4300 digits (and would be slow well before); no count is that long
+    return int(digits) if len(digits) <= MAX_INTEGER_DIGITS else None
 
 
 def _clevr_accuracy(

@@ -4,14 +4,28 @@ Layout: `<run_dir>/checkpoints/step_<N>/` holds the DCP shards of model and opti
 `rng_rank<R>.safetensors` per rank, `trainer_state.json` (step, data position, counters) and a
 copy of the model folder's config/processor/tokenizer files so `tools/checkpoint_merge.py` needs
 nothing else. A checkpoint is written under `step_<N>.tmp`, renamed when complete, and only then
-named by the `latest` pointer: a crash mid-write never leaves a checkpoint that looks complete.
-Nothing here is loaded with pickle.
+named by the `latest` pointer: a crash mid-write never leaves a checkpoint that looks complete
+(files and folders are fsynced before each rename; see `save_checkpoint`). `find_latest` only
+returns complete folders, and the next save removes leftovers of an interrupted one.
+
+Loading never runs pickled code: DCP keeps its `.metadata` as a pickle and reads non-tensor items
+with `torch.load(weights_only=False)`, so `load_dcp` swaps in a reader whose unpickler accepts only
+DCP's own metadata classes and a planner that decodes those items weights-only first. RNG state is
+safetensors, trainer state is JSON.
+
+Test hook: the environment variable `VLRL_FAULT_AT=PHASE[@STEP]` kills the process at one phase of
+a save (see `_fault_point`); only `save_checkpoint` reads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import importlib
+import io
 import json
 import os
+import pickle  # only the allowlisted _MetadataUnpickler below; see its docstring
 import re
 import shutil
 import signal
@@ -142,14 +156,12 @@ def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, m
             rng_file = tmp / f"rng_rank{rank}.safetensors"
             save_file(_rng_state(), str(rng_file))
             _fsync_file(rng_file)
-        except OSError as exc:  # DCP raises its own exception type on every rank when one rank fails
-            error = exc
-        except Exception as exc:  # noqa: BLE001 - reported below with the folder's name
+        except (Exception, dcp.CheckpointException) as exc:  # DCP's own type, raised on every rank
             error = exc
     if _agree(error is None) and rank == 0:
         try:
             _finish(root, tmp, final, step, trainer_state, model_path, keep)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
             error = exc
     if not _agree(error is None):
         _fail(root, tmp, error)
@@ -185,10 +197,21 @@ def _fail(root: Path, tmp: Path, error: BaseException | None) -> None:
     kept = f"the previous checkpoint {latest} is intact and still `latest`" if latest else "no earlier checkpoint exists"
     if error is None:
         raise OSError(f"writing checkpoint {tmp} failed on another rank (see its log); {kept}")
-    detail = f"{type(error).__name__}: {error}"
-    err = getattr(error, "errno", None)
-    raise OSError(err, f"writing checkpoint {tmp} failed ({detail}); {kept}. Free space or point "
-                       f"trainer.run_dir elsewhere, then resume with checkpoint.resume=auto") from error
+    cause = _root_error(error)
+    message = f"writing checkpoint {tmp} failed ({type(cause).__name__}: {cause}); {kept}"
+    if isinstance(cause, OSError):
+        advice = f"{message}. Free disk space or point trainer.run_dir elsewhere, then resume with checkpoint.resume=auto"
+        raise (OSError(cause.errno, advice) if cause.errno is not None else OSError(advice)) from error
+    raise RuntimeError(message) from error
+
+
+def _root_error(error: BaseException) -> BaseException:
+    """The first rank's underlying exception inside DCP's CheckpointException (else `error` itself)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, dcp.CheckpointException) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return error
 
 
 def _write_latest(root: Path, name: str) -> None:
@@ -204,11 +227,17 @@ def _step_of(path: Path) -> int | None:
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; older step folders (complete or not) go."""
     if keep <= 0:
         return
-    done = sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of)
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    done = sorted((p for p in root.iterdir() if is_complete(p)), key=_step_of)
+    if len(done) <= keep:
+        return
+    oldest_kept = _step_of(done[-keep])
+    for old in root.iterdir():
+        step = _step_of(old)
+        if old.is_dir() and step is not None and step < oldest_kept:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def is_complete(path: Path) -> bool:
@@ -245,11 +274,88 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     return path
 
 
+_DCP_DATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_PLAIN_GLOBALS = {
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice", "complex", "range", "bytearray"},
+    "torch.serialization": {"_get_layout"},
+}
+
+
+def _allowed_global(module: str, name: str) -> bool:
+    """Whether DCP metadata may name `module.name`: its own dataclasses/enums, torch dtypes, sizes, paths."""
+    if module in _DCP_DATA_MODULES:
+        obj = getattr(importlib.import_module(module), name, None)
+        return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
+    return name in _PLAIN_GLOBALS.get(module, ())
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP stores `.metadata` as a pickle; this reads it while refusing every global outside the allowlist,
+    so a crafted checkpoint folder cannot run code when resumed from or merged."""
+
+    def find_class(self, module: str, name: str):
+        if not _allowed_global(module, name):
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata names {module}.{name}, which a DCP checkpoint never contains; refusing to load it"
+            )
+        return super().find_class(module, name)
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata goes through `_MetadataUnpickler` instead of plain `pickle.load`."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = Path(self.path) / ".metadata"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path.parent} is not a DCP checkpoint: no .metadata file")
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class _WeightsOnlyPlanner(dcp.DefaultLoadPlanner):
+    """DefaultLoadPlanner that accepts non-tensor items (optimizer hyper-parameters) only as plain data.
+
+    DCP reads them with `torch.load(weights_only=False)`; each is first decoded with
+    `weights_only=True`, which refuses anything but tensors and plain Python values, so the full
+    load that follows can only rebuild plain data.
+    """
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def load_dcp(state: dict, path: str | Path, *, no_dist: bool = False) -> None:
+    """`dcp.load` into `state` in place, with the pickle-free reader and planner above.
+
+    DCP reports failures as CheckpointException, which is not an Exception subclass; it is
+    re-raised as a RuntimeError naming the folder and the first rank's cause.
+    """
+    kwargs = {"no_dist": True} if no_dist else {}
+    try:
+        dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_WeightsOnlyPlanner(), **kwargs)
+    except dcp.CheckpointException as exc:
+        cause = _root_error(exc)
+        raise RuntimeError(f"loading checkpoint {path} failed: {type(cause).__name__}: {cause}") from exc
+
+
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG; returns the trainer state dict."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    load_dcp(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = path / f"rng_rank{dist.get_rank()}.safetensors"
     if rng.is_file():
@@ -259,12 +365,10 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 
 def load_full_model_state(path: str | Path, model) -> None:
     """Fill an unsharded model (single process, no process group) from a checkpoint's model shards."""
-    sd = model.state_dict()
-    state = {"model": sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True) if "no_dist" in dcp.load.__code__.co_varnames else dcp.load(
-        state, checkpoint_id=str(path)
-    )
+    state = {"model": model.state_dict()}
+    load_dcp(state, path, no_dist=True)
     model.load_state_dict(state["model"], strict=False)
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_latest", "resolve_resume", "load_full_model_state", "StateDictOptions"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_dcp", "find_latest", "resolve_resume", "load_full_model_state",
+           "is_complete", "FAULT_ENV", "FAULT_PHASES", "StateDictOptions"]

@@ -10,8 +10,9 @@ without a checkpoint (the previous complete one is untouched; see grpo/checkpoin
 Launchers forward signals: under torchrun, Ctrl-C reaches each worker from the terminal and
 again from the agent a few milliseconds later, and a scheduler may signal every process of the
 job. A repeat within `repeat_window_s` of the first signal is therefore the same request, not a
-second one. The agent also kills its workers `--shutdown-timeout` seconds (30 by default) after
-forwarding a signal, so one step plus one checkpoint write must fit in that grace period.
+second one. The agent also kills its workers 30 s after forwarding a signal (torchrun's
+`--shutdown-timeout` on recent torch), so one step plus one checkpoint write must fit in that
+grace period, as must the scheduler's own (e.g. SLURM's KillWait).
 """
 
 from __future__ import annotations

@@ -14,15 +14,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data.batch import Batch
+from data.batch import Batch, PackedGenericDataItem
 from data.datasets import VLDataset
 from data.loader import PromptFeeder
 from data.processing import EncodedPrompt, encode_response, load_processor, sft_target
 from data.rewards import score
 from grpo import algorithm as alg
-from grpo.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from grpo.checkpoint import checkpoint_dir, load_checkpoint, resolve_resume, save_checkpoint
 from grpo.config import Config, save_config
 from grpo.metrics import MetricsLogger, peak_memory_gb
+from grpo.preemption import PreemptionGuard
 from grpo.update import (
     all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, padded, per_target,
     sequence_logprobs,
@@ -62,6 +63,7 @@ class Trainer:
         self.version = 0  # optimizer updates applied to the policy in this process
         self._engine_version = -1  # the policy version whose weights the engine holds
         self.step = 0
+        self.preempted = False  # set when a SIGTERM/SIGINT stopped train() early
         self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0}
         self._resume()
         self.logger = MetricsLogger(
@@ -105,19 +107,29 @@ class Trainer:
         (here,) = all_reduce_sum([self.feeder.stats.total], self.policy.device)
         return self.counters.get("skipped_samples_before", 0) + here
 
-    def save(self) -> None:
+    def save(self) -> Path:
         counters = {**self.counters, "skipped_samples_before": self._skipped_total()}
         state = {"data": self.feeder.state_dict(), "counters": counters}
         path = save_checkpoint(self.run_dir, self.step, self.policy.model, self.optimizer, state,
                                self.cfg.model.path, keep=self.cfg.checkpoint.keep)
         if self.dims.is_main:
             print(f"checkpoint written: {path}", flush=True)
+        return path
 
     # --- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
+        """Run steps until trainer.max_steps, or until a SIGTERM/SIGINT (then checkpoint and return)."""
+        guard = PreemptionGuard(current_step=lambda: self.step)
+        try:
+            return self._train(guard)
+        finally:
+            guard.close()
+
+    def _train(self, guard: PreemptionGuard) -> dict:
         cfg = self.cfg
         per_rank = _per_rank(cfg.data.prompts_per_step, self.dims.dp, "data.prompts_per_step")
         last = {}
+        saved_at = -1
         while self.step < cfg.trainer.max_steps:
             self.step += 1
             t0 = time.monotonic()
@@ -138,7 +150,15 @@ class Trainer:
             last = metrics
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save()
-        if cfg.checkpoint.every_steps == 0 or self.step % cfg.checkpoint.every_steps:
+                saved_at = self.step
+            if guard.stop_requested(self.policy.device):  # collective: every rank stops after this step
+                path = self.save() if saved_at != self.step else checkpoint_dir(self.run_dir, self.step)
+                self.preempted = True
+                if self.dims.is_main:
+                    print(f"preempted at step {self.step}; checkpoint written: {path}; "
+                          "resume with checkpoint.resume=auto", flush=True)
+                break
+        if not self.preempted and (cfg.checkpoint.every_steps == 0 or self.step % cfg.checkpoint.every_steps):
             self.save()
         self.logger.close()
         return last
@@ -182,12 +202,8 @@ class Trainer:
             pos.append(self.adapter.position_ids(seq, p.image_grid_thw))
             pix.append(p.pixel_values)
             grids.append(p.image_grid_thw)
-        batch = Batch({"input_ids": ids, "loss_mask": masks, "image_grid_thw": grids})
-        batch["pixel_values"] = pix
-        from data.batch import PackedGenericDataItem
-
-        batch["position_ids"] = PackedGenericDataItem(pos, dim=1)
-        return batch
+        return Batch({"input_ids": ids, "loss_mask": masks, "image_grid_thw": grids, "pixel_values": pix,
+                      "position_ids": PackedGenericDataItem(pos, dim=1)})
 
     # --- GRPO --------------------------------------------------------------------------------
     def sampling_params(self, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:

@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CLEVR = dict(size=(112, 112), min_objects=1, max_objects=3, question_kinds=("all",), object_scale=2.5,
-             shapes=("circle",), sizes=("large",))
+CLEVR = dict(size=(112, 112), min_objects=1, max_objects=3, question_kinds=("all",), object_scale=1.8,
+             shapes=("circle",), sizes=("large",), colors=("red",))
 
 
 def _run(cmd: list[str]) -> str:

@@ -78,7 +78,8 @@ def _try_place(rng: random.Random, shape: str, color: str, size: str, width: int
 
 def sample_scene(rng: random.Random, n_objects: int, width: int, height: int,
                  scale: float = 1.0, shapes: tuple[str, ...] = SHAPES,
-                 sizes: tuple[str, ...] = tuple(SIZES)) -> list[SceneObject]:
+                 sizes: tuple[str, ...] = tuple(SIZES),
+                 colors: tuple[str, ...] = tuple(COLORS)) -> list[SceneObject]:
     """Place up to `n_objects` random objects without occlusion.
 
     An object that finds no free spot is retried small and then dropped, so a crowded
@@ -86,7 +87,7 @@ def sample_scene(rng: random.Random, n_objects: int, width: int, height: int,
     """
     placed: list[SceneObject] = []
     for _ in range(n_objects):
-        shape, color = rng.choice(list(shapes)), rng.choice(list(COLORS))
+        shape, color = rng.choice(list(shapes)), rng.choice(list(colors))
         size = rng.choice(list(sizes))
         obj = _try_place(rng, shape, color, size, width, height, placed, scale)
         if obj is None and size != "small" and "small" in sizes:
@@ -173,12 +174,13 @@ def generate(
     object_scale: float = 1.0,
     shapes: tuple[str, ...] = SHAPES,
     sizes: tuple[str, ...] = tuple(SIZES),
+    colors: tuple[str, ...] = tuple(COLORS),
 ) -> list[dict]:
     """`n` counting rows {"images": [{"bytes", "path"}], "problem", "answer"}.
 
     `count_range=(lo, hi)` is a shorthand for min_objects=lo, max_objects=hi (e.g. (1, 6)
     for an easy demo). `object_scale` multiplies object sizes (larger objects are easier to
-    count for a small vision tower); `shapes` and `sizes` restrict the objects drawn (one shape
+    count for a small vision tower); `shapes`, `sizes` and `colors` restrict the objects drawn (one shape
     and one size make the count proportional to the painted area: the easiest setting). The answer is the count as a decimal string; colour and shape
     questions can have answer "0".
     """
@@ -192,7 +194,7 @@ def generate(
         # processes, and row i does not depend on how many rows are generated.
         rng = random.Random(f"clevr:{seed}:{i}")
         objects = sample_scene(rng, rng.randint(min_objects, max_objects), width, height, object_scale,
-                               tuple(shapes), tuple(sizes))
+                               tuple(shapes), tuple(sizes), tuple(colors))
         question, answer = make_question(rng, objects, rng.choice(list(question_kinds)))
         rows.append({
             "images": [{"bytes": render_scene(objects, width, height), "path": f"clevr_{i}.png"}],

@@ -1,0 +1,235 @@
+"""Crash safety of resume checkpoints: kill -9 at each write phase, a full disk, what resume=auto picks.
+
+The kill tests run the real trainer under torchrun (2 ranks, tiny model, SFT) with the test hook
+VLRL_FAULT_AT=PHASE@STEP, which SIGKILLs the process at that phase of that step's save. The
+disk-full and folder-scanning tests run in-process on a one-rank gloo group.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.tensor import DTensor
+
+import grpo.checkpoint as ckpt
+from grpo.checkpoint import FAULT_ENV, FAULT_PHASES, find_latest, load_checkpoint, save_checkpoint
+from grpo.config import ModelConfig, OptimConfig
+from grpo.update import build_optimizer
+from models.parallel import build_parallel_dims, init_distributed
+from models.policy import build_policy
+from tests.conftest import ROOT
+
+COMPARED = ("loss/total", "loss/grad_norm", "optim/lr", "perf/tokens")
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file in a checkpoint folder, by name."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in model.state_dict().items()}
+
+
+def sft_args(model, data, run_dir, steps, extra=()):
+    return ["train.py", "--config", "configs/sft_clevr_tiny.yaml", f"model.path={model}", f"data.train_path={data}",
+            f"trainer.run_dir={run_dir}", f"trainer.max_steps={steps}", "data.prompts_per_step=4",
+            "data.shuffle=false", "logging.tensorboard=false", "trainer.progress=false", *extra]
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """torchrun with 2 ranks in its own session, so whatever a killed run leaves behind can be ended by group."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", *args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group this call created: leftovers of a killed run
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# --- kill -9 during checkpoint writes (torchrun, 2 ranks) ------------------------------------
+def _check_after_kill(run: Path, phase: str, step1_digest: dict) -> None:
+    root = run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_1", phase
+    assert digest(root / "step_1") == step1_digest, f"{phase}: the previous checkpoint changed"
+    assert find_latest(run) == root / "step_1", phase
+    if phase == "after_rename":  # complete and renamed, but not yet named by `latest`
+        assert ckpt.is_complete(root / "step_2") and not (root / "step_2.tmp").exists()
+    else:
+        assert (root / "step_2.tmp").is_dir() and not (root / "step_2").exists(), phase
+
+
+@pytest.mark.slow
+def test_kill9_at_every_write_phase_then_resume_exactly(tiny_model, clevr_parquet, tmp_path):
+    """Each run is killed while saving step 2 (a different phase each time) and the next one resumes
+    from step 1. The first run's row for step 2 was computed without any resume, so every later
+    row for step 2 must equal it exactly; a last run without a fault completes the save."""
+    run = tmp_path / "run"
+    args = sft_args(tiny_model, clevr_parquet, run, 2, ["checkpoint.every_steps=1", "checkpoint.keep=3"])
+    reference, step1 = None, None
+    for phase in FAULT_PHASES:
+        proc = launch(args, env={FAULT_ENV: f"{phase}@2"})
+        assert proc.returncode != 0, f"{phase}: the run was not killed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        rows = metric_rows(run)
+        assert [r["step"] for r in rows] == [1, 2], (phase, proc.stderr[-3000:])
+        if reference is None:
+            reference, step1 = rows, digest(run / "checkpoints" / "step_1")
+            assert "resumed from" not in proc.stdout
+        else:
+            assert f"resumed from {run / 'checkpoints' / 'step_1'} at step 1" in proc.stdout, phase
+            for k in COMPARED:
+                assert rows[1][k] == reference[1][k], (phase, k, rows[1][k], reference[1][k])
+        _check_after_kill(run, phase, step1)
+
+    proc = launch(args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout
+    rows = metric_rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for k in COMPARED:
+        assert rows[1][k] == reference[1][k], (k, rows[1][k], reference[1][k])
+    root = run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_2" and find_latest(run) == root / "step_2"
+    assert not list(root.glob("*.tmp")), "stale temporary folders were not removed"
+    assert digest(root / "step_1") == step1
+
+
+# --- in-process: full disk, folder scanning ---------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tiny_model):
+    """A one-rank policy and an optimizer with state (one step taken)."""
+    init_distributed()
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    optimizer = build_optimizer(policy, OptimConfig(lr=1e-3))
+    nudge(policy, optimizer)
+    return policy, optimizer
+
+
+def nudge(policy, optimizer) -> None:
+    """One optimizer step with a fixed gradient, so weights and Adam moments change."""
+    for p in policy.model.parameters():
+        p.grad = torch.full_like(p, 0.01)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def save(run: Path, step: int, trained, model_path, keep: int = 2) -> Path:
+    policy, optimizer = trained
+    return save_checkpoint(run, step, policy.model, optimizer, {"data": {"step_seen": step}, "counters": {}},
+                           str(model_path), keep=keep)
+
+
+def _disk_full(path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_disk_full_while_writing_shards(trained, tiny_model, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    first = save(run, 1, trained, tiny_model)
+    kept, weights = digest(first), full_weights(trained[0].model)
+    nudge(*trained)
+    real = FileSystem.create_stream
+
+    def full(self, path, mode):
+        if "w" in mode:
+            raise _disk_full(path)
+        return real(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", full)
+    with pytest.raises(OSError) as info:
+        save(run, 2, trained, tiny_model)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC
+    assert str(run / "checkpoints" / "step_2.tmp") in message and "No space left" in message
+    assert f"previous checkpoint {first} is intact" in message
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_1" and find_latest(run) == first
+    assert digest(first) == kept
+    assert not (run / "checkpoints" / "step_2.tmp").exists(), "the partial folder was left on a full disk"
+    # the kept checkpoint still restores the weights it was written with
+    state = load_checkpoint(first, trained[0].model, trained[1])
+    assert state["step"] == 1 and state["data"] == {"step_seen": 1}
+    restored = full_weights(trained[0].model)
+    assert all(torch.equal(restored[k], weights[k]) for k in weights)
+    # and once there is space again, the next save goes through
+    second = save(run, 2, trained, tiny_model)
+    assert find_latest(run) == second and (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+
+
+def test_disk_full_while_writing_trainer_state(trained, tiny_model, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    first = save(run, 1, trained, tiny_model)
+    kept = digest(first)
+    real = ckpt._write_durable
+
+    def full(path, text):
+        if Path(path).name == "trainer_state.json":
+            raise _disk_full(path)
+        return real(path, text)
+
+    monkeypatch.setattr(ckpt, "_write_durable", full)
+    with pytest.raises(OSError, match=r"step_2\.tmp failed .*No space left on device.*step_1 is intact"):
+        save(run, 2, trained, tiny_model)
+    assert find_latest(run) == first and digest(first) == kept
+    assert not (run / "checkpoints" / "step_2").exists() and not (run / "checkpoints" / "step_2.tmp").exists()
+
+
+def test_find_latest_skips_incomplete_folders_and_bad_pointers(trained, tiny_model, tmp_path):
+    run = tmp_path / "run"
+    good = save(run, 1, trained, tiny_model, keep=0)
+    root = run / "checkpoints"
+    for name, drop in (("step_5.tmp", None), ("step_3", ".metadata"), ("step_4", "trainer_state.json")):
+        (root / name).mkdir()
+        for f in good.iterdir():
+            if f.name != drop:
+                (root / name / f.name).write_bytes(f.read_bytes())
+    assert find_latest(run) == good  # step_3/4 lack a file, step_5.tmp was never finished
+    for pointer in ("step_4", "../../../etc", "step_5.tmp", ""):
+        (root / "latest").write_text(pointer + "\n")
+        assert find_latest(run) == good, pointer
+    (root / "latest").unlink()
+    assert find_latest(run) == good
+    assert ckpt.resolve_resume("auto", run) == good and ckpt.resolve_resume("never", run) is None
+    with pytest.raises(FileNotFoundError, match="step_4"):
+        ckpt.resolve_resume(str(root / "step_4"), run)
+
+
+def test_next_save_removes_stale_temporaries_and_prunes(trained, tiny_model, tmp_path):
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    for step in (1, 2):
+        save(run, step, trained, tiny_model, keep=2)
+    (root / "step_7.tmp").mkdir()
+    (root / "step_7.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    (root / "latest.tmp").write_text("step_7\n")
+    third = save(run, 3, trained, tiny_model, keep=2)
+    assert not list(root.glob("*.tmp"))
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_3"]
+    assert find_latest(run) == third
+
+
+def test_unknown_fault_phase_is_refused(trained, tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "after_lunch@1")
+    with pytest.raises(ValueError, match="unknown phase 'after_lunch'; phases: before_dcp"):
+        save(tmp_path / "run", 1, trained, tiny_model)

@@ -19,7 +19,7 @@ import sys
 import torch.distributed as dist
 
 from grpo.config import ConfigError, load_config
-from grpo.trainer import Trainer
+from grpo.trainer import NonFiniteStop, Trainer
 from models.parallel import init_distributed
 
 
@@ -38,11 +38,19 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     init_distributed(cfg.parallel.backend)
     try:
-        trainer = Trainer(cfg)
+        try:
+            trainer = Trainer(cfg)
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
         if args.eval_only:
             result = trainer.evaluate()
         else:
-            trainer.train()
+            try:
+                trainer.train()
+            except NonFiniteStop as exc:
+                print(f"stopped: {exc}", file=sys.stderr, flush=True)
+                return 3
             result = trainer.evaluate() if trainer.eval_feeder and not trainer.preempted else {}
         if dist.get_rank() == 0 and result:
             print("final " + json.dumps(result), flush=True)

@@ -32,6 +32,7 @@ class TrainerConfig:
     eval_samples: int = 64
     eval_max_new_tokens: int = 32
     progress: bool = True  # progress bar with ETA on stderr (rank 0)
+    max_nonfinite_in_row: int = 3  # stop with a checkpoint after this many skipped steps in a row; 0: never
 
 
 @dataclass
@@ -256,6 +257,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'rollout.n' must be >= 1")
     if cfg.algorithm.dual_clip and cfg.algorithm.dual_clip <= 1.0:
         raise ConfigError("config key 'algorithm.dual_clip' must be 0 (off) or > 1")
+    if not (cfg.optim.lr > 0 and cfg.optim.lr < float("inf")):
+        raise ConfigError(f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}")
     if cfg.optim.max_tokens_per_microbatch < 1:
         raise ConfigError("config key 'optim.max_tokens_per_microbatch' must be >= 1")
     if cfg.checkpoint.resume not in ("auto", "never") and not cfg.checkpoint.resume:

@@ -24,6 +24,7 @@ from grpo.checkpoint import checkpoint_dir, load_checkpoint, resolve_resume, sav
 from grpo.config import Config, save_config
 from grpo.metrics import MetricsLogger, peak_memory_gb
 from grpo.preemption import PreemptionGuard
+from grpo.preflight import preflight
 from grpo.update import (
     all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, padded, per_target,
     sequence_logprobs,
@@ -35,6 +36,12 @@ from rollout.factory import build_engine
 
 log = logging.getLogger("vlrl")
 MISMATCH_ALARM = 1.05
+# Reward reasons that mean the scorer could not judge (counted), as opposed to a wrong answer.
+REWARD_FAILURES = ("timeout", "limit_exceeded", "answer_too_long", "invalid_gold_answer")
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many non-finite steps in a row: the run stopped with a checkpoint."""
 
 
 class Trainer:
@@ -42,6 +49,7 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        preflight(cfg)
         self.dims = build_parallel_dims(cfg.parallel.tp)
         self.run_dir = Path(cfg.trainer.run_dir)
         if self.dims.is_main:
@@ -64,7 +72,8 @@ class Trainer:
         self._engine_version = -1  # the policy version whose weights the engine holds
         self.step = 0
         self.preempted = False  # set when a SIGTERM/SIGINT stopped train() early
-        self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0}
+        self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0, "reward_failures": 0}
+        self._nonfinite_in_row = 0
         self._resume()
         self.logger = MetricsLogger(
             self.run_dir, enabled=self.dims.is_main, total_steps=cfg.trainer.max_steps, start_step=self.step,
@@ -151,6 +160,14 @@ class Trainer:
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save()
                 saved_at = self.step
+            self._nonfinite_in_row = self._nonfinite_in_row + 1 if metrics.get("loss/skipped_nonfinite") else 0
+            if self._nonfinite_in_row >= cfg.trainer.max_nonfinite_in_row > 0:
+                path = self.save()
+                raise NonFiniteStop(
+                    f"{self._nonfinite_in_row} non-finite steps in a row (last: step {self.step}); stopped with a "
+                    f"checkpoint at {path}. Lower optim.lr or raise optim.grad_clip, then resume with "
+                    "checkpoint.resume=auto (or set trainer.max_nonfinite_in_row=0 to never stop)"
+                )
             if guard.stop_requested(self.policy.device):  # collective: every rank stops after this step
                 path = self.save() if saved_at != self.step else checkpoint_dir(self.run_dir, self.step)
                 self.preempted = True
@@ -183,6 +200,7 @@ class Trainer:
         total_tokens = sum(t.numel() for t in batch["input_ids"].items)
         (all_tokens,) = all_reduce_sum([total_tokens], self.policy.device)
         return {"loss/total": out["loss/total"], "loss/grad_norm": out["loss/grad_norm"],
+                "loss/skipped_nonfinite": out["loss/skipped_nonfinite"],
                 "loss/skipped_nonfinite_total": float(self.counters["skipped_nonfinite"]),
                 "perf/tokens": all_tokens, "perf/scored_tokens": global_tokens,
                 "perf/tokens_per_s": all_tokens / max(train_s, 1e-9), "perf/train_s": train_s}
@@ -383,6 +401,7 @@ class Trainer:
         keys = ["loss/clip_fraction_sum", "loss/tokens", "loss/kl_sum", "loss/entropy_sum"]
         clip, n, kl, ent = all_reduce_sum([out.get(k, 0.0) for k in keys], self.policy.device)
         metrics = {"loss/total": out["loss/total"], "loss/grad_norm": out["loss/grad_norm"],
+                   "loss/skipped_nonfinite": out["loss/skipped_nonfinite"],
                    "loss/clip_fraction": clip / max(n, 1), "loss/entropy": ent / max(n, 1),
                    "loss/skipped_nonfinite_total": float(self.counters["skipped_nonfinite"])}
         if self.ref is not None:
@@ -394,13 +413,15 @@ class Trainer:
         sums = [float(rewards.sum()), float((rewards**2).sum()), sum(r.accuracy for r in infos),
                 sum(r.format for r in infos), float(sum(lengths)), float(len(gens)),
                 float(sum(g.finish_reason == "length" for g in gens))]
-        s, s2, acc, fmt, ln, n, trunc = all_reduce_sum(sums, self.policy.device)
+        failures = float(sum(r.reason.split(":")[0] in REWARD_FAILURES for r in infos))
+        s, s2, acc, fmt, ln, n, trunc, fail = all_reduce_sum(sums + [failures], self.policy.device)
+        self.counters["reward_failures"] += int(fail)
         (max_len,) = [all_reduce_max_int(max(lengths, default=0), self.policy.device)]
         n = max(n, 1)
         mean = s / n
         return {"reward/mean": mean, "reward/std": max(s2 / n - mean**2, 0.0) ** 0.5, "reward/accuracy": acc / n,
                 "reward/format": fmt / n, "rollout/response_len_mean": ln / n, "rollout/response_len_max": float(max_len),
-                "rollout/truncated_frac": trunc / n}
+                "rollout/truncated_frac": trunc / n, "reward/failures_total": float(self.counters["reward_failures"])}
 
     def _throughput(self, batch: Batch, timings: dict) -> dict:
         tokens = sum(t.numel() for t in batch["input_ids"].items)

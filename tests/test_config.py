@@ -40,6 +40,8 @@ def test_wrong_type_names_key_and_type():
 
 def test_int_widens_to_float_and_cross_checks():
     assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_config(None, ["optim.lr=.nan"])
     with pytest.raises(ConfigError, match="dual_clip"):
         load_config(None, ["algorithm.dual_clip=0.5"])
 

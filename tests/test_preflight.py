@@ -1,0 +1,62 @@
+"""Start-up checks fail before anything heavy loads, naming the key to change; K non-finite steps stop a run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from grpo.config import ConfigError, load_config
+from grpo.preflight import preflight
+from tests.conftest import ROOT
+
+
+def cfg_for(model, data, *extra):
+    return load_config(None, [f"model.path={model}", f"data.train_path={data}", "rollout.engine=torch", *extra])
+
+
+def test_good_config_passes(tiny_model, clevr_parquet):
+    preflight(cfg_for(tiny_model, clevr_parquet))
+
+
+def test_model_folder_problems(tiny_model, clevr_parquet, tmp_path):
+    with pytest.raises(ConfigError, match="model.path.*config.json"):
+        preflight(cfg_for(tmp_path / "nothing", clevr_parquet))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (odd / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="'llama' is not supported; supported: qwen2_5_vl, qwen2_vl"):
+        preflight(cfg_for(odd, clevr_parquet))
+    (odd / "model.safetensors").unlink()
+    (odd / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="never pickle"):
+        preflight(cfg_for(odd, clevr_parquet))
+
+
+def test_data_and_engine_problems(tiny_model, clevr_parquet, tmp_path):
+    with pytest.raises(ConfigError, match="data.train_path.*not found"):
+        preflight(cfg_for(tiny_model, tmp_path / "missing.parquet"))
+    with pytest.raises(ConfigError, match="data.eval_path"):
+        preflight(cfg_for(tiny_model, clevr_parquet, f"data.eval_path={tmp_path / 'missing.parquet'}"))
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="rollout.engine=vllm"):
+            preflight(cfg_for(tiny_model, clevr_parquet, "rollout.engine=vllm"))
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_in_a_row_stop_with_checkpoint(tiny_model, clevr_parquet, tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "train.py",
+           "--config", "configs/sft_clevr_tiny.yaml", f"model.path={tiny_model}", f"data.train_path={clevr_parquet}",
+           f"trainer.run_dir={run}", "trainer.max_steps=8", "optim.lr=1e30", "optim.grad_clip=0", "optim.warmup_steps=0",
+           "trainer.max_nonfinite_in_row=3", "logging.tensorboard=false", "data.prompts_per_step=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0
+    assert "3 non-finite steps in a row" in proc.stderr and "optim.lr" in proc.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss/skipped_nonfinite"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_4"

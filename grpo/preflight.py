@@ -56,8 +56,18 @@ def _check_engine(cfg: Config) -> None:
                               f"{want / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB is free on this GPU; lower it")
 
 
-def preflight(cfg: Config) -> None:
+def _check_batch(cfg: Config, world_size: int) -> None:
+    if world_size % cfg.parallel.tp:
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} does not divide the world size {world_size}")
+    dp = world_size // cfg.parallel.tp
+    if cfg.data.prompts_per_step % dp:
+        raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not divide across {dp} "
+                          f"data-parallel ranks; use a multiple of {dp}")
+
+
+def preflight(cfg: Config, world_size: int = 1) -> None:
     """Raise ConfigError naming the key to change; run before distributed models are built."""
+    _check_batch(cfg, world_size)
     _check_model(cfg.model.path)
     _check_data(cfg)
     _check_engine(cfg)

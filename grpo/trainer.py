@@ -49,7 +49,7 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        preflight(cfg)
+        preflight(cfg, dist.get_world_size())
         self.dims = build_parallel_dims(cfg.parallel.tp)
         self.run_dir = Path(cfg.trainer.run_dir)
         if self.dims.is_main:

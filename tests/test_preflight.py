@@ -19,6 +19,14 @@ def test_good_config_passes(tiny_model, clevr_parquet):
     preflight(cfg_for(tiny_model, clevr_parquet))
 
 
+def test_batch_must_divide_across_ranks(tiny_model, clevr_parquet):
+    preflight(cfg_for(tiny_model, clevr_parquet, "data.prompts_per_step=8"), world_size=4)
+    with pytest.raises(ConfigError, match="data.prompts_per_step=6 does not divide across 4"):
+        preflight(cfg_for(tiny_model, clevr_parquet, "data.prompts_per_step=6"), world_size=4)
+    with pytest.raises(ConfigError, match="parallel.tp=3"):
+        preflight(cfg_for(tiny_model, clevr_parquet, "parallel.tp=3"), world_size=4)
+
+
 def test_model_folder_problems(tiny_model, clevr_parquet, tmp_path):
     with pytest.raises(ConfigError, match="model.path.*config.json"):
         preflight(cfg_for(tmp_path / "nothing", clevr_parquet))

@@ -61,7 +61,7 @@ def plot(series: dict[str, list[tuple[int, float]]], out: Path, title: str = "",
             d.line(xy, fill=color, width=2)
         for x, y in xy:
             d.ellipse([x - 3, y - 3, x + 3, y + 3], fill=color)
-        d.text((w - right - 180, top + 8 + 14 * k), f"— {name}", fill=color)
+        d.text((w - right - 180, top + 8 + 14 * k), f"- {name}", fill=color)
     img.save(out)
     return out
 

@@ -6,7 +6,7 @@
 Prints one JSON object: packed_vs_padded_max_abs_dlogp (the policy's logprobs of the same tokens
 with and without packing), token_mult_prob_error {mean, median, max} over sequences (each
 sequence's mean of exp(|lp_engine − lp_policy|)), gen_kl, tokens, engine, dtype, and the worst
-tokens with their context.
+tokens with their context; `--png` draws per-token |Δlogprob| for the worst sequences.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _parse(argv):
     p.add_argument("--task", default="clevr")
     p.add_argument("--engine", default="auto", choices=["auto", "torch", "vllm"])
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--n", "--responses-per-prompt", dest="n", type=int, default=4,
+                   help="responses per prompt (use the long name under torchrun, which claims --n)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -42,6 +43,7 @@ def _parse(argv):
     p.add_argument("--max-pixels", type=int, default=12544)
     p.add_argument("--worst", type=int, default=5, help="how many worst tokens to show")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--png", default=None, help="write a PNG of per-token |dlogprob| for the worst sequences")
     return p.parse_args(argv)
 
 
@@ -92,13 +94,25 @@ def _report(trainer, gens, policy_lp, batch, args, gen_s) -> dict:
             ctx = trainer.tokenizer.decode(g.token_ids[max(0, t - 5): t + 1])
             worst.append({"seq": i, "pos": t, "abs_dlogp": float(d[t]), "engine": float(eng[t]),
                           "policy": float(lp[t]), "context": ctx})
-    local = [json.dumps({"per_seq": per_seq, "worst": worst, "kl": total_kl, "tokens": tokens})]
+    curves = sorted(((float((torch.tensor(g.logprobs, dtype=torch.float64) - lp.double()).abs().max()), i)
+                     for i, (g, lp) in enumerate(zip(gens, policy_lp)) if lp.numel()), reverse=True)[:3]
+    series = {f"rank{dist.get_rank()} seq {i}": [
+        (t, float(abs(gens[i].logprobs[t] - float(policy_lp[i][t])))) for t in range(policy_lp[i].numel())]
+        for _, i in curves}
+    local = [json.dumps({"per_seq": per_seq, "worst": worst, "kl": total_kl, "tokens": tokens, "series": series})]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local[0])
     parts = [json.loads(x) for x in gathered]
     seqs = torch.tensor([v for p in parts for v in p["per_seq"]] or [1.0], dtype=torch.float64)
     all_tokens = sum(p["tokens"] for p in parts)
     worst_all = sorted((w for p in parts for w in p["worst"]), key=lambda w: -w["abs_dlogp"])[: args.worst]
+    if args.png and dist.get_rank() == 0:
+        from tools.plot_metrics import plot
+
+        series = {k: v for p in parts for k, v in p["series"].items()}
+        top = dict(sorted(series.items(), key=lambda kv: -max((y for _, y in kv[1]), default=0))[:3])
+        plot(top, Path(args.png), title="per-token |logprob engine - logprob policy| (worst sequences)",
+             xlabel="response token", unit_range=False)
     return {
         "token_mult_prob_error": {"mean": float(seqs.mean()), "median": float(seqs.median()), "max": float(seqs.max())},
         "gen_kl": sum(p["kl"] for p in parts) / max(all_tokens, 1),

@@ -28,8 +28,10 @@ def read_series(metrics_path: Path, keys) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def plot(series: dict[str, list[tuple[int, float]]], out: Path, title: str = "", size=(900, 500)) -> Path:
-    """Line chart of each series on a shared step axis and a [min(0, lo), max(1, hi)] value axis."""
+def plot(series: dict[str, list[tuple[int, float]]], out: Path, title: str = "", size=(900, 500),
+         xlabel: str = "step", unit_range: bool = True) -> Path:
+    """Line chart of each series on a shared x axis; the value axis spans [min(0, lo), max(1, hi)]
+    with `unit_range`, else the data's own range."""
     w, h = size
     left, right, top, bottom = 60, 20, 40, 60
     img = Image.new("RGB", size, "white")
@@ -40,7 +42,8 @@ def plot(series: dict[str, list[tuple[int, float]]], out: Path, title: str = "",
         img.save(out)
         return out
     x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
-    y0, y1 = min(0.0, min(p[1] for p in points)), max(1.0, max(p[1] for p in points))
+    lo, hi = min(p[1] for p in points), max(p[1] for p in points)
+    y0, y1 = (min(0.0, lo), max(1.0, hi)) if unit_range else (lo, hi if hi > lo else lo + 1e-12)
     x1 = x1 if x1 > x0 else x0 + 1
     sx = lambda x: left + (x - x0) / (x1 - x0) * (w - left - right)  # noqa: E731
     sy = lambda y: h - bottom - (y - y0) / (y1 - y0) * (h - top - bottom)  # noqa: E731
@@ -48,11 +51,11 @@ def plot(series: dict[str, list[tuple[int, float]]], out: Path, title: str = "",
     for i in range(5):
         yv = y0 + (y1 - y0) * i / 4
         d.line([left, sy(yv), w - right, sy(yv)], fill=(225, 225, 225))
-        d.text((8, sy(yv) - 6), f"{yv:.2f}", fill="black")
+        d.text((8, sy(yv) - 6), f"{yv:.2f}" if unit_range else f"{yv:.1e}", fill="black")
     for i in range(6):
         xv = x0 + (x1 - x0) * i / 5
         d.text((sx(xv) - 8, h - bottom + 6), f"{xv:.0f}", fill="black")
-    d.text((w // 2 - 15, h - 30), "step", fill="black")
+    d.text((w // 2 - 15, h - 30), xlabel, fill="black")
     d.text((left, 12), title, fill="black")
     for k, (name, pts) in enumerate(series.items()):
         color = COLORS[k % len(COLORS)]

@@ -32,6 +32,11 @@ class PackedMicrobatch:
     target_ids: torch.Tensor  # (K,)
     target_seq: torch.Tensor  # (K,)
     sample_indices: list[int]
+    # Which distinct image group (a sample's pixel tensor, possibly several images) each sequence
+    # uses, -1 for text-only: the G responses of a prompt share one group, so the vision tower
+    # runs once per prompt. pixel_values/image_grid_thw hold the distinct groups only.
+    image_group: list[int] | None = None
+    images_per_group: list[int] | None = None  # grid rows (images) in each distinct group
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +51,7 @@ class PackedMicrobatch:
         return PackedMicrobatch(
             move(self.input_ids), move(self.position_ids), move(self.pixel_values), move(self.image_grid_thw),
             move(self.cu_seqlens), move(self.target_positions), move(self.target_ids), move(self.target_seq),
-            list(self.sample_indices),
+            list(self.sample_indices), self.image_group, self.images_per_group,
         )
 
 
@@ -113,17 +118,38 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
         target_positions.append(scored - 1 + offsets[s])
         target_ids.append(seq[scored])
         target_seq.append(torch.full_like(scored, s))
+    pixels, grids, groups = _distinct_images(sub)
     return PackedMicrobatch(
         input_ids=torch.cat(ids).unsqueeze(0),
         position_ids=torch.cat(pos, dim=1).unsqueeze(1),
-        pixel_values=sub["pixel_values"].as_tensor() if "pixel_values" in sub else None,
-        image_grid_thw=sub["image_grid_thw"].as_tensor() if "image_grid_thw" in sub else None,
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
         cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
         target_positions=torch.cat(target_positions),
         target_ids=torch.cat(target_ids),
         target_seq=torch.cat(target_seq),
         sample_indices=list(indices),
+        image_group=groups,
+        images_per_group=[g.shape[0] for g in grids],
     )
+
+
+def _distinct_images(sub: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Pixel/grid tensors of the distinct image groups (by tensor identity) and each sample's group."""
+    if "pixel_values" not in sub:
+        return [], [], [-1] * len(sub)
+    seen: dict[int, int] = {}
+    pixels, grids, groups = [], [], []
+    for pix, grid in zip(sub["pixel_values"].items, sub["image_grid_thw"].items):
+        if pix is None:
+            groups.append(-1)
+            continue
+        if id(pix) not in seen:
+            seen[id(pix)] = len(pixels)
+            pixels.append(pix)
+            grids.append(grid)
+        groups.append(seen[id(pix)])
+    return pixels, grids, groups
 
 
 def unpack_per_sequence(values: torch.Tensor, mb: PackedMicrobatch) -> list[torch.Tensor]:

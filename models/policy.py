@@ -190,15 +190,42 @@ class Policy:
         return feats.float().sum() * 0.0
 
     def hidden_states(self, mb: PackedMicrobatch) -> torch.Tensor:
-        """Last hidden states (L, H) of a packed row."""
+        """Last hidden states (L, H) of a packed row.
+
+        The vision tower runs once per distinct image group (the G responses of a prompt share
+        one); its features are repeated into every sequence that uses them, so autograd sums
+        their gradients. The features replace the image placeholders, as the model's own
+        forward does, and the language model runs on the packed embeddings.
+        """
         inner = self.model.model
-        kwargs = dict(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-        if mb.pixel_values is not None:
-            kwargs.update(pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw)
-        hidden = inner(**kwargs).last_hidden_state[0]
+        embeds = self.adapter.embed_tokens(self.model)(mb.input_ids)
         if mb.pixel_values is None:
-            hidden = hidden + self._vision_keepalive().to(hidden.dtype)
-        return hidden
+            keepalive = self._vision_keepalive().to(embeds.dtype)
+        else:
+            per_group = self._image_features(mb)
+            feats = torch.cat([per_group[g] for g in mb.image_group if g >= 0]).to(embeds.dtype)
+            mask = (mb.input_ids == self.adapter.image_token_id).unsqueeze(-1)
+            if int(mask.sum()) != feats.shape[0]:
+                raise ValueError(f"{int(mask.sum())} image placeholders but {feats.shape[0]} image features")
+            embeds = embeds.masked_scatter(mask.expand_as(embeds), feats)
+            keepalive = None
+        out = inner.language_model(inputs_embeds=embeds, position_ids=mb.position_ids, use_cache=False)
+        hidden = out.last_hidden_state[0]
+        return hidden if keepalive is None else hidden + keepalive
+
+    def _image_features(self, mb: PackedMicrobatch) -> list[torch.Tensor]:
+        """Merged vision features per distinct image group of the micro-batch."""
+        out = self.adapter.vision_tower(self.model)(mb.pixel_values, grid_thw=mb.image_grid_thw)
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        if isinstance(feats, (tuple, list)):
+            feats = torch.cat(list(feats))
+        tokens = (mb.image_grid_thw.prod(-1) // self.adapter.spatial_merge_size**2).tolist()
+        per_image = list(torch.split(feats, tokens))
+        groups, start = [], 0
+        for n in mb.images_per_group:
+            groups.append(torch.cat(per_image[start:start + n]))
+            start += n
+        return groups
 
     def logprobs(
         self, mb: PackedMicrobatch, *, temperature: float = 1.0, with_entropy: bool = False

@@ -183,3 +183,45 @@ def test_offload_reload_exact(policy):
     assert len(state) == len(after) > 0
     assert all(torch.equal(state[k], after[k]) for k in state)
     opt.zero_grad(set_to_none=True)
+
+
+def test_vision_runs_once_per_prompt_group(policy):
+    """G responses sharing one pixel tensor: one vision forward, same logprobs and gradients as copies."""
+    base = mixed_batch(policy.adapter)
+    G = 3
+    rows = [0] * G + [2] * G  # two prompts (one with two images), G responses each
+    g = torch.Generator().manual_seed(1)
+    ids, masks, pos = [], [], []
+    for i in rows:
+        extra = torch.randint(10, 200, (4,), generator=g)
+        seq = torch.cat([base["input_ids"][i], extra])
+        ids.append(seq)
+        masks.append(torch.cat([base["loss_mask"][i], torch.ones(4, dtype=torch.long)]))
+        pos.append(policy.adapter.position_ids(seq, base["image_grid_thw"][i]))
+
+    def build(share: bool) -> Batch:
+        pix = [base["pixel_values"][i] if share else base["pixel_values"][i].clone() for i in rows]
+        return Batch({"input_ids": ids, "loss_mask": masks, "pixel_values": pix,
+                      "image_grid_thw": [base["image_grid_thw"][i] for i in rows],
+                      "position_ids": PackedGenericDataItem(pos, dim=1)})
+
+    calls = []
+    hook = policy.adapter.vision_tower(policy.model).register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    results = {}
+    try:
+        for share in (True, False):
+            calls.clear()
+            mb = pack(build(share), list(range(len(rows))))
+            lp, _ = policy.logprobs(mb)
+            lp.sum().backward()
+            grads = {n: getattr(p.grad, "full_tensor", lambda: p.grad)().detach().clone()
+                     for n, p in policy.model.named_parameters() if p.grad is not None}
+            policy.model.zero_grad(set_to_none=True)
+            results[share] = (lp.detach(), grads, list(calls))
+    finally:
+        hook.remove()
+    shared, copied = results[True], results[False]
+    assert shared[2] == [16 + 24 + 8] and copied[2] == [G * (16 + 24 + 8)]  # patches through the tower
+    assert torch.allclose(shared[0], copied[0], atol=1e-6)
+    for name, grad in shared[1].items():
+        assert torch.allclose(grad, copied[1][name], atol=1e-5, rtol=1e-4), name

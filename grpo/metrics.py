@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 # Keys shown on the compact stdout line, in order, when present.
 STDOUT_KEYS = (
@@ -22,26 +21,6 @@ STDOUT_KEYS = (
     "rollout/response_len_mean", "fidelity/token_mult_prob_error", "loss/clip_fraction", "loss/kl",
     "eval/accuracy", "perf/step_s", "perf/tokens_per_s",
 )
-
-
-def reduce_mean(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Average scalar metrics over ranks (every rank must pass the same keys)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
-        return dict(values)
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    t /= dist.get_world_size()
-    return dict(zip(keys, t.tolist()))
-
-
-def reduce_op(values: dict[str, float], device: torch.device, op) -> dict[str, float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
-        return dict(values)
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return dict(zip(keys, t.tolist()))
 
 
 def _fmt(v: float) -> str:

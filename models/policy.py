@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -62,27 +61,18 @@ def load_model_config(path: str, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
 
 
-def _open_weights(path: str) -> dict[str, str]:
-    """Map canonical weight name → safetensors file for a model folder (single file or sharded index)."""
+def _open_weights(path: str) -> dict[str, tuple[str, str]]:
+    """Map canonical weight name → (safetensors file, key in that file) for a model folder."""
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = json.loads(index.read_text())["weight_map"]
-        return {canonical_weight_name(k): str(folder / v) for k, v in files.items()}
+        return {canonical_weight_name(k): (str(folder / v), k) for k, v in files.items()}
     single = folder / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     with safe_open(str(single), framework="pt") as f:
-        return {canonical_weight_name(k): str(single) for k in f.keys()}
-
-
-def _raw_key(file_keys: set[str], name: str) -> str:
-    if name in file_keys:
-        return name
-    for key in file_keys:
-        if canonical_weight_name(key) == name:
-            return key
-    raise KeyError(name)
+        return {canonical_weight_name(k): (str(single), k) for k in f.keys()}
 
 
 def load_safetensors_into(model: nn.Module, path: str) -> None:
@@ -103,11 +93,10 @@ def load_safetensors_into(model: nn.Module, path: str) -> None:
                 continue
             missing.append(name)
             continue
-        file = where[name]
+        file, key = where[name]
         if file not in handles:
             handles[file] = safe_open(file, framework="pt")
-        f = handles[file]
-        full = f.get_tensor(_raw_key(set(f.keys()), name))
+        full = handles[file].get_tensor(key)
         if tuple(full.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(tensor.shape)}")
         with torch.no_grad():
@@ -391,8 +380,3 @@ def _bind_forward(model: nn.Module):
         return model._vlrl_policy._forward(mb, temperature, with_entropy)
 
     return forward
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

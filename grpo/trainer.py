@@ -136,7 +136,7 @@ class Trainer:
 
     def _train(self, guard: PreemptionGuard) -> dict:
         cfg = self.cfg
-        per_rank = _per_rank(cfg.data.prompts_per_step, self.dims.dp, "data.prompts_per_step")
+        per_rank = cfg.data.prompts_per_step // self.dims.dp  # divisibility checked by preflight
         last = {}
         saved_at = -1
         while self.step < cfg.trainer.max_steps:
@@ -325,8 +325,8 @@ class Trainer:
                 return keep_p, keep_g, keep_i
             prompts, gens, infos = self._generate_and_score(self.feeder.next(need))
 
-    def _generate_and_score(self, prompts):
-        gens = self.generate(prompts, self.sampling_params()) if prompts else []
+    def _generate_and_score(self, prompts, params: SamplingParams | None = None):
+        gens = self.generate(prompts, params or self.sampling_params()) if prompts else []
         texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
         infos = [score(self.cfg.data.task, text, prompts[g.prompt_index].answer) for g, text in zip(gens, texts)]
         return prompts, gens, infos
@@ -439,19 +439,11 @@ class Trainer:
         n = min(max_samples or self.cfg.trainer.eval_samples, len(self.eval_feeder.dataset))
         self.eval_feeder.stream.position, self.eval_feeder.stream.epoch = 0, 0
         per_rank = max(n // self.dims.dp, 1)
-        prompts = self.eval_feeder.next(per_rank)
-        gens = self.generate(prompts, self.sampling_params(greedy=True, max_new_tokens=self.cfg.trainer.eval_max_new_tokens))
-        texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
-        infos = [score(self.cfg.data.task, t, prompts[g.prompt_index].answer) for g, t in zip(gens, texts)]
+        greedy = self.sampling_params(greedy=True, max_new_tokens=self.cfg.trainer.eval_max_new_tokens)
+        _, _, infos = self._generate_and_score(self.eval_feeder.next(per_rank), greedy)
         acc, fmt, cnt = all_reduce_sum([sum(r.accuracy for r in infos), sum(r.format for r in infos), len(infos)],
                                        self.policy.device)
         return {"eval/accuracy": acc / max(cnt, 1), "eval/format": fmt / max(cnt, 1), "eval/samples": cnt}
-
-
-def _per_rank(total: int, dp: int, key: str) -> int:
-    if total % dp:
-        raise ValueError(f"config key '{key}'={total} does not divide across {dp} data-parallel ranks")
-    return total // dp
 
 
 def _stop_token_ids(tokenizer) -> list[int]:

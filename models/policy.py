@@ -221,8 +221,8 @@ class Policy:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probabilities (K,) of the micro-batch's scored tokens under softmax(logits / temperature).
 
-        Must be called through `self.model(...)`-equivalent hooks: we call the root module so FSDP
-        gathers the root unit (embeddings, norm, lm_head) for the whole forward.
+        Goes through the root module's call (its forward is bound to `_forward`), so FSDP gathers
+        the root unit (embeddings, norm, lm_head) for the whole forward.
         """
         mb = mb.to(self.device)
         return self.model(mb, temperature, with_entropy)

@@ -178,6 +178,7 @@ class SizeSpec:
     fullatt_blocks: tuple[int, ...]  # Qwen2.5-VL blocks with full attention
     min_pixels: int
     max_pixels: int
+    vocab_size: int = 0  # model vocab; 0 = the tokenizer length rounded up to VOCAB_MULTIPLE
 
 
 FAMILIES = {
@@ -209,6 +210,15 @@ SIZES = {
         vision_hidden=128, vision_depth=4, vision_heads=4, vision_mlp_ratio=4,
         vision_intermediate=384, window_size=112, fullatt_blocks=(1, 3),
         min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64,
+    ),
+    # The shapes of Qwen2.5-VL-3B-Instruct (3.75B parameters, 151936-row embedding) with a
+    # small local tokenizer: for GPU benchmarks and fidelity checks, not for CPU tests.
+    "3b": SizeSpec(
+        bpe_vocab=3000, text_hidden=2048, text_layers=36, text_heads=16, text_kv_heads=2,
+        text_intermediate=11008, mrope_section=(16, 24, 24), max_positions=128000,
+        vision_hidden=1280, vision_depth=32, vision_heads=16, vision_mlp_ratio=4,
+        vision_intermediate=3420, window_size=112, fullatt_blocks=(7, 15, 23, 31),
+        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 1280, vocab_size=151936,
     ),
 }
 
@@ -333,7 +343,9 @@ def build_config(family_name: str, size: SizeSpec, tokenizer):
     """The family's config class with the size's shapes and the tokenizer's token ids."""
     family = FAMILIES[family_name]
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    vocab_size = size.vocab_size or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"make_tiny_model: vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     text_config = dict(
         vocab_size=vocab_size,
         hidden_size=size.text_hidden,
@@ -363,10 +375,13 @@ def build_config(family_name: str, size: SizeSpec, tokenizer):
     )
 
 
-def build_model(family_name: str, config, tokenizer, seed: int):
-    """A randomly initialized model of the family; the same seed gives the same weights."""
+def build_model(family_name: str, config, tokenizer, seed: int, device: str = "cpu",
+                dtype: torch.dtype = torch.float32):
+    """A randomly initialized model of the family; the same seed gives the same weights
+    (on the same device: CUDA draws other numbers than the CPU)."""
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family_name].model_class)(config).to(torch.float32)
+    with torch.device(device):
+        model = getattr(transformers, FAMILIES[family_name].model_class)(config).to(dtype)
     eot, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot
@@ -429,7 +444,8 @@ def _summary(out: Path, family_name: str, size_name: str, model, tokenizer, seco
     """One line describing what was built."""
     total = sum(p.numel() for p in model.parameters())
     vision = sum(p.numel() for p in model.model.visual.parameters())
-    size = SIZES[size_name]
+    size = SIZES[size_name] if isinstance(size_name, str) else size_name
+    size_name = size_name if isinstance(size_name, str) else "custom"
     return (
         f"make_tiny_model: {family_name}/{size_name} -> {out} | params {total / 1e6:.2f}M "
         f"(vision {vision / 1e6:.2f}M) | tokenizer {len(tokenizer)} tokens, model vocab "
@@ -442,11 +458,13 @@ def _summary(out: Path, family_name: str, size_name: str, model, tokenizer, seco
 def make_tiny_model(
     out: str | os.PathLike,
     family: str = "qwen2_5_vl",
-    size: str = "tiny",
+    size: str | SizeSpec = "tiny",
     seed: int = 0,
     overwrite: bool = False,
     verbose: bool = False,
     weight_names: str = "hub",
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> Path:
     """Build a random-weight checkpoint of `family` at `size` into the folder `out`.
 
@@ -454,10 +472,13 @@ def make_tiny_model(
     picks the tensor names in model.safetensors (see `_save_weights`). The folder is
     written under a temporary name and renamed when complete, so it never exists
     half-written. An existing `out` is an error unless `overwrite`. With `verbose`,
-    prints a one-line summary. Returns the folder's path.
+    prints a one-line summary. `size` is a name in SIZES or a SizeSpec; `device` and
+    `dtype` ("float32" or "bfloat16") are where the weights are drawn and how they are
+    saved (the 3b size is best drawn on a GPU and saved in bfloat16). Returns the folder.
     """
     family_spec = _lookup(FAMILIES, family, "family")
-    size_spec = _lookup(SIZES, size, "size")
+    size_spec = size if isinstance(size, SizeSpec) else _lookup(SIZES, size, "size")
+    torch_dtype = _lookup({"float32": torch.float32, "bfloat16": torch.bfloat16}, dtype, "dtype")
     if weight_names not in WEIGHT_NAMES:
         raise ValueError(f"make_tiny_model: weight_names must be one of {WEIGHT_NAMES}, got {weight_names!r}")
     _check_size(size_spec)
@@ -467,7 +488,7 @@ def make_tiny_model(
     start = time.perf_counter()
     tokenizer = build_tokenizer(family_spec, size_spec)
     config = build_config(family, size_spec, tokenizer)
-    model = build_model(family, config, tokenizer, seed)
+    model = build_model(family, config, tokenizer, seed, device=device, dtype=torch_dtype)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -494,10 +515,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     parser.add_argument("--weight-names", choices=WEIGHT_NAMES, default="hub",
                         help="tensor names in model.safetensors: the hub checkpoints' (default) or the modules' own")
+    parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda is much faster for --size 3b)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the saved weights")
     args = parser.parse_args(argv)
     try:
         make_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed,
-                        overwrite=args.overwrite, verbose=True, weight_names=args.weight_names)
+                        overwrite=args.overwrite, verbose=True, weight_names=args.weight_names,
+                        device=args.device, dtype=args.dtype)
     except (ValueError, FileExistsError) as err:
         parser.error(str(err))
 

@@ -270,8 +270,10 @@ class Trainer:
         responses = [torch.tensor(g.token_ids, dtype=torch.long) for g in gens]
         batch = self._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
         max_tokens = cfg.optim.max_tokens_per_microbatch
-        old, _ = sequence_logprobs(self.policy, batch, max_tokens, cfg.rollout.temperature)
-        batch["old_logprobs"] = old
+        reuse = self._old_logprobs_from_update()
+        if not reuse:
+            old, _ = sequence_logprobs(self.policy, batch, max_tokens, cfg.rollout.temperature)
+            batch["old_logprobs"] = old
         batch["engine_logprobs"] = [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens]
         if self.ref is not None:
             batch["ref_logprobs"], _ = sequence_logprobs(self.ref, batch, max_tokens, cfg.rollout.temperature)
@@ -283,17 +285,23 @@ class Trainer:
         if alg_cfg.overlong_buffer > 0:
             rewards = rewards + alg.overlong_penalty(lengths, cfg.rollout.max_new_tokens, alg_cfg.overlong_buffer,
                                                      alg_cfg.overlong_penalty)
-        if self.ref is not None and alg_cfg.kl_in_reward:
-            kl = [alg.kl_penalty(o, r, alg_cfg.kl_estimator).sum() for o, r in zip(old, batch["ref_logprobs"].items)]
+        if self.ref is not None and alg_cfg.kl_in_reward:  # reuse is off here: old logprobs exist
+            kl = [alg.kl_penalty(o, r, alg_cfg.kl_estimator).sum()
+                  for o, r in zip(batch["old_logprobs"].items, batch["ref_logprobs"].items)]
             rewards = rewards - alg_cfg.kl_coef * torch.stack(kl)
         adv = alg.compute_advantages(rewards, G, alg_cfg.adv_estimator) if len(rewards) else rewards
         batch["advantages"] = [a.reshape(1) for a in adv]
-        fidelity = self._fidelity(batch)
+        if reuse:
+            batch["mismatch_keep"] = [torch.ones(1) for _ in gens]
+        else:
+            fidelity = self._fidelity(batch)
         timings["perf/score_s"] = time.monotonic() - t
 
         t = time.monotonic()
-        train = self._ppo_update(batch)
+        train = self._ppo_update(batch, old_from_update=reuse)
         timings["perf/train_s"] = time.monotonic() - t
+        if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now
+            fidelity = self._fidelity(batch)
 
         timings["perf/refit_s"] = self.refit()
         return {**self._rollout_metrics(gens, rewards_info, rewards), **fidelity, **train, **timings,
@@ -359,9 +367,22 @@ class Trainer:
         return {"fidelity/token_mult_prob_error": value, "fidelity/token_mult_prob_error_seq_max": float(t.item()),
                 "fidelity/gen_kl": kl / max(count, 1), "fidelity/masked_seqs": masked_all}
 
-    def _ppo_update(self, batch: Batch) -> dict:
+    def _old_logprobs_from_update(self) -> bool:
+        """Whether the single PPO epoch's own forward can supply the old logprobs.
+
+        With one epoch the policy has not moved between the old-logprob pass and the update's
+        forward, so that pass computes the same numbers a second time; its detached values serve
+        as the old logprobs (ratio 1, the on-policy gradient). Not when anything needs them before
+        the update: masking by mismatch, or a KL penalty folded into the reward.
+        """
+        a = self.cfg.algorithm
+        return (a.ppo_epochs == 1 and a.mismatch_mask_threshold <= 0
+                and not (self.ref is not None and a.kl_in_reward))
+
+    def _ppo_update(self, batch: Batch, old_from_update: bool = False) -> dict:
         cfg, a = self.cfg, self.cfg.algorithm
-        masks = [torch.ones(x.numel()) * k for x, k in zip(batch["old_logprobs"].items, batch["mismatch_keep"].items)]
+        masks = [torch.ones(x.numel()) * k for x, k in zip(batch["engine_logprobs"].items, batch["mismatch_keep"].items)]
+        collected: list[torch.Tensor | None] = [None] * len(batch)
         tokens = sum(float(m.sum()) for m in masks)
         seqs = sum(1.0 for m in masks if m.sum() > 0)
         g_tokens, g_seqs = all_reduce_sum([tokens, seqs], self.policy.device)
@@ -370,7 +391,13 @@ class Trainer:
         def loss_fn(lp, mb, den):
             dev = lp.device
             logp, mask = padded(lp, mb)
-            old, _ = padded(per_target(batch, mb, "old_logprobs").to(dev), mb)
+            if old_from_update:
+                old = logp.detach()
+                counts = torch.bincount(mb.target_seq, minlength=len(mb.sample_indices)).tolist()
+                for i, chunk in zip(mb.sample_indices, torch.split(lp.detach().float().cpu(), counts)):
+                    collected[i] = chunk
+            else:
+                old, _ = padded(per_target(batch, mb, "old_logprobs").to(dev), mb)
             w, _ = padded(per_target(batch, mb, "token_weight").to(dev), mb)
             mask = mask & (w > 0)
             adv = torch.cat([batch["advantages"][i] for i in mb.sample_indices]).to(dev)
@@ -398,6 +425,8 @@ class Trainer:
                                  denominators={"tokens": g_tokens, "seqs": g_seqs})
             self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
             self.version += 1
+        if old_from_update:
+            batch["old_logprobs"] = [c if c is not None else torch.zeros(0) for c in collected]
         keys = ["loss/clip_fraction_sum", "loss/tokens", "loss/kl_sum", "loss/entropy_sum"]
         clip, n, kl, ent = all_reduce_sum([out.get(k, 0.0) for k in keys], self.policy.device)
         metrics = {"loss/total": out["loss/total"], "loss/grad_norm": out["loss/grad_norm"],

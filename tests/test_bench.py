@@ -1,0 +1,50 @@
+"""The benchmark suite: FLOP counting by hand, and a CPU run at tiny size that reports every key."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import ROOT
+from tools.bench import llm_flops, missed_targets
+
+REQUIRED = ("date", "device", "command", "model", "train_tokens_per_s", "gen_tokens_per_s", "refit_s",
+            "sleep_s", "wake_s", "padding_waste", "peak_mem_gb", "grpo_step_s", "grpo_gen_s", "grpo_train_s",
+            "overhead_frac", "achieved_tflops_llm", "achieved_tflops_total")
+
+
+def test_llm_flops_by_hand():
+    cfg = SimpleNamespace(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
+                          num_hidden_layers=3, vocab_size=100)
+    # head_dim 4; mlp 3·8·16 = 384; attention projections q 8, k 4, v 4, o 8 wide: 8·24 = 192
+    dense = (384 + 8 * (8 + 4 + 4 + 8)) * 3 + 2 * 100 * 8
+    tokens = [5, 7]
+    expected = 6 * dense * 12 + 12 * (25 + 49) * 4 * 2 * 3
+    assert llm_flops(cfg, tokens) == expected
+
+
+def test_missed_targets_say_by_how_much():
+    missed = missed_targets({"mfu_llm": 0.30, "refit_s": 0.2, "overhead_frac": 0.10})
+    assert set(missed) == {"mfu_llm", "overhead_frac"}
+    assert missed["mfu_llm"]["off_by"] == pytest.approx(1 / 3, abs=1e-3)
+    assert missed["overhead_frac"]["target"] == "<= 0.05"
+
+
+@pytest.mark.slow
+def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
+    cmd = [sys.executable, "tools/bench.py", "--size", "tiny", "--engine", "torch", "--image-size", "56",
+           "--response-len", "16", "--train-seqs", "8", "--group", "4", "--train-steps", "1", "--gen-prompts", "4",
+           "--gen-tokens", "8", "--grpo-steps", "1", "--grpo-prompts", "2", "--grpo-new-tokens", "8",
+           "--max-tokens", "512", "--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in REQUIRED:
+        assert key in result, key
+    assert result["train_tokens_per_s"] > 0 and result["gen_tokens"] == 4 * 4 * 8
+    assert 0 <= result["padding_waste"] < 1 and 0 <= result["overhead_frac"] < 1
+    assert result["achieved_tflops_total"] > result["achieved_tflops_llm"] > 0
+    assert result["grpo_token_mult_prob_error"] <= 1.0001

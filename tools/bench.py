@@ -1,0 +1,378 @@
+"""The benchmark suite: training MFU, generation throughput, refit, sleep/wake, GRPO step phases.
+
+    python tools/bench.py --size 3b                         # one GPU, Qwen2.5-VL-3B shapes, vLLM
+    python tools/bench.py --size tiny --engine torch        # CPU smoke run at tiny size
+    python tools/bench.py --size 3b --append                # also append to docs/benchmarks.*
+
+One run measures, on one model:
+- training: packed micro-batches of prompt (with image) + response sequences through the policy's
+  forward/backward and an AdamW step; tokens/s and MFU. `mfu_llm` counts the language model's
+  FLOPs the way EasyR1/veRL do (6·N·tokens with N the dense parameters including embedding and
+  lm_head, plus 12·Σ seqlen²·head_dim·heads·layers for attention); `mfu_total` adds the vision
+  tower's FLOPs for the images it actually ran (once per distinct image). Peak: --peak-tflops
+  (989 for an H100/H200 SXM in dense bf16).
+- padding waste: the token slots computed beyond the real tokens (padded rows, dummy
+  micro-batches that keep ranks in step), as a fraction of all slots computed.
+- generation: the in-process engine on the same prompts as a standalone vLLM (`LLM(...)` with
+  its defaults, in a child process, run first so it has the GPU alone); `gen_vs_standalone`.
+- refit seconds (full weights from the policy into the engine), sleep and wake seconds.
+- a few full GRPO steps with per-phase seconds; `overhead_frac` is the share of a step that is
+  neither generation nor training (logprobs, scoring, refit, offload and reload, sleep, wake).
+
+Prints one JSON object; `--append` adds it to docs/benchmarks.jsonl and a row to the table in
+docs/benchmarks.md. Where a target of issue 6 is missed, the row says by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+TARGETS = {"mfu_llm": (">=", 0.45), "refit_s": ("<=", 0.5), "sleep_wake_s": ("<=", 1.0),
+           "gen_vs_standalone": (">=", 0.95), "padding_waste": ("<=", 0.05), "overhead_frac": ("<=", 0.05)}
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="3b", help="make_tiny_model size: tiny, demo or 3b")
+    p.add_argument("--workdir", default="/tmp/vlrl_bench")
+    p.add_argument("--engine", default="auto", choices=["auto", "torch", "vllm"])
+    p.add_argument("--image-size", type=int, default=448, help="square image side in pixels")
+    p.add_argument("--response-len", type=int, default=1024, help="response tokens per training sequence")
+    p.add_argument("--train-seqs", type=int, default=64, help="sequences per training step")
+    p.add_argument("--group", type=int, default=8, help="responses per prompt (share one image)")
+    p.add_argument("--train-steps", type=int, default=3, help="measured training steps (after one warm-up)")
+    p.add_argument("--max-tokens", type=int, default=16384, help="optim.max_tokens_per_microbatch")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--attn", default="auto", help="model.attn_implementation")
+    p.add_argument("--gen-prompts", type=int, default=64)
+    p.add_argument("--gen-tokens", type=int, default=512, help="new tokens per response in the generation test")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--grpo-steps", type=int, default=2, help="full GRPO steps timed (after one warm-up)")
+    p.add_argument("--grpo-prompts", type=int, default=16)
+    p.add_argument("--grpo-new-tokens", type=int, default=256)
+    p.add_argument("--no-standalone", action="store_true", help="skip the standalone vLLM comparison")
+    p.add_argument("--peak-tflops", type=float, default=None, help="default: 989 on CUDA, 0 (no MFU) on CPU")
+    p.add_argument("--append", action="store_true", help="append to docs/benchmarks.jsonl and docs/benchmarks.md")
+    p.add_argument("--standalone-child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# --- FLOPs -----------------------------------------------------------------------------------
+def llm_flops(text_cfg, seqlens: list[int]) -> float:
+    """Training FLOPs (forward + backward) of the language model, counted as EasyR1/veRL count them."""
+    h, heads = text_cfg.hidden_size, text_cfg.num_attention_heads
+    kv = text_cfg.num_key_value_heads
+    head_dim = getattr(text_cfg, "head_dim", None) or h // heads
+    mlp = 3 * h * text_cfg.intermediate_size
+    attn_linear = h * (heads * head_dim + 2 * kv * head_dim + heads * head_dim)
+    dense = (mlp + attn_linear) * text_cfg.num_hidden_layers + 2 * text_cfg.vocab_size * h
+    attn = 12 * sum(s * s for s in seqlens) * head_dim * heads * text_cfg.num_hidden_layers
+    return 6.0 * dense * sum(seqlens) + attn
+
+
+def vision_flops(vision_model, grids: list[torch.Tensor]) -> float:
+    """Training FLOPs of the vision tower for these images: 6·N·patches plus full attention per image
+    (an upper bound for Qwen2.5-VL's windowed blocks)."""
+    n = sum(p.numel() for p in vision_model.parameters() if p.dim() >= 2)
+    cfg = vision_model.config
+    width = getattr(cfg, "hidden_size", None) if hasattr(cfg, "out_hidden_size") else getattr(cfg, "embed_dim", None)
+    patches = [int(g.prod()) for grid in grids for g in grid.reshape(-1, 3)]
+    return 6.0 * n * sum(patches) + 12 * sum(p * p for p in patches) * (width or 0) * cfg.depth
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn):
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    return time.perf_counter() - t0, out
+
+
+def _prepare(args) -> tuple[Path, Path]:
+    from tools.make_dataset import make_dataset
+    from tools.make_tiny_model import make_tiny_model
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / f"model_{args.size}"
+    if not (model / "config.json").is_file():
+        cuda = torch.cuda.is_available()
+        print(f"bench: building the {args.size} model in {model}", flush=True)
+        make_tiny_model(model, family="qwen2_5_vl", size=args.size, seed=0, overwrite=True, verbose=True,
+                        device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32")
+    data = work / f"clevr_{args.image_size}.parquet"
+    if not data.is_file():
+        rows = max(args.train_seqs // args.group, args.gen_prompts, args.grpo_prompts * 4) * 2
+        make_dataset("clevr", rows, 0, data, size=(args.image_size, args.image_size))
+    return model, data
+
+
+def _config(args, model: Path, data: Path):
+    from grpo.config import load_config
+
+    pixels = args.image_size * args.image_size
+    return load_config(None, [
+        "trainer.mode=grpo", f"model.path={model}", f"data.train_path={data}", "data.task=clevr",
+        f"data.min_pixels={pixels}", f"data.max_pixels={pixels}", f"rollout.engine={args.engine}",
+        f"rollout.n={args.group}", f"rollout.max_new_tokens={args.grpo_new_tokens}",
+        f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
+        f"data.prompts_per_step={args.grpo_prompts}", f"optim.max_tokens_per_microbatch={args.max_tokens}",
+        f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+        f"model.attn_implementation={args.attn}", "optim.lr=1e-6", "trainer.run_dir=/tmp/vlrl_bench/run",
+        "checkpoint.resume=never", "logging.tensorboard=false", "logging.stdout=false", "trainer.progress=false",
+    ])
+
+
+# --- standalone vLLM (child process) ---------------------------------------------------------------
+def standalone(args) -> dict:
+    """Plain `vllm.LLM` with its defaults on the bench prompts; runs alone in its own process."""
+    from vllm import LLM
+    from vllm import SamplingParams as VSP
+
+    from data.datasets import VLDataset
+    from data.loader import PromptFeeder
+    from data.processing import load_processor
+    from rollout.weight_names import collapse_image_pads
+
+    model, data = _prepare(args)
+    cfg = _config(args, model, data)
+    proc = load_processor(str(model))
+    ds = VLDataset(str(data), "clevr", min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    prompts = PromptFeeder(ds, proc, "clevr", seed=0, shuffle=False, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                           rank=0, world=1, reduce_max=lambda v: v).next(args.gen_prompts)
+    pad = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    requests = [{"prompt_token_ids": collapse_image_pads(p.input_ids.tolist(), pad),
+                 "multi_modal_data": {"image": list(p.images)}} for p in prompts]
+    pixels = cfg.data.min_pixels
+    t_build, llm = _timed(lambda: LLM(
+        model=str(model), dtype="bfloat16", load_format="dummy", gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=cfg.data.max_prompt_tokens + args.gen_tokens, seed=0, generation_config="vllm",
+        mm_processor_kwargs={"size": {"shortest_edge": pixels, "longest_edge": pixels}, "do_resize": False},
+        limit_mm_per_prompt={"image": 1, "video": 0}))
+    sp = VSP(n=args.group, temperature=1.0, max_tokens=args.gen_tokens, ignore_eos=True, logprobs=0, detokenize=False)
+    llm.generate(requests[:4], sp, use_tqdm=False)
+    seconds, outs = _timed(lambda: llm.generate(requests, sp, use_tqdm=False))
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"standalone_build_s": t_build, "standalone_gen_tokens": tokens,
+            "standalone_gen_tokens_per_s": tokens / seconds}
+
+
+def _run_standalone(args) -> dict:
+    out = Path(args.workdir) / "standalone.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--standalone-child", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    print("bench: standalone vLLM in a child process", flush=True)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT)
+    if proc.returncode or not out.is_file():
+        return {"standalone_error": f"child exited {proc.returncode}"}
+    return json.loads(out.read_text())
+
+
+# --- the in-process measurements -------------------------------------------------------------
+def bench_train(trainer, args) -> dict:
+    """SFT-shaped steps over packed prompt+response sequences: the cost of a PPO update."""
+    from grpo.update import common_microbatches, optimizer_step
+
+    prompts = trainer.feeder.next(max(args.train_seqs // args.group, 1))
+    g = torch.Generator().manual_seed(0)
+    vocab = len(trainer.tokenizer) - 64  # ordinary tokens, away from the special ones at the end
+    responses = [torch.randint(0, vocab, (args.response_len,), generator=g) for _ in range(len(prompts) * args.group)]
+    owner = [i // args.group for i in range(len(responses))]
+    batch = trainer._sequence_batch(prompts, responses, owner)
+    seqlens = [t.numel() for t in batch["input_ids"].items]
+    scored = sum(args.response_len for _ in responses)
+
+    def loss_fn(lp, mb, den):
+        return -lp.sum() / den["tokens"], {}
+
+    def step():
+        return optimizer_step(trainer.policy, trainer.optimizer, batch, loss_fn, max_tokens=args.max_tokens,
+                              grad_clip=1.0, denominators={"tokens": scored})
+
+    step()  # warm-up: optimizer state, allocator, kernels
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times = [_timed(step)[0] for _ in range(args.train_steps)]
+    seconds = statistics.median(times)
+    bins = common_microbatches(batch, args.max_tokens, trainer.policy.device)
+    slots = sum(max(sum(seqlens[i] for i in b), 2) if b else 2 for b in bins)
+    model = trainer.policy.model
+    text_cfg = getattr(model.config, "text_config", model.config)
+    distinct = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
+    f_llm = llm_flops(text_cfg, seqlens)
+    f_vis = vision_flops(trainer.adapter.vision_tower(model), distinct)
+    return {
+        "train_seqs": len(seqlens), "train_tokens": sum(seqlens), "train_microbatches": len(bins),
+        "train_step_s": seconds, "train_step_s_all": times, "train_tokens_per_s": sum(seqlens) / seconds,
+        "llm_tflops_per_step": f_llm / 1e12, "vision_tflops_per_step": f_vis / 1e12,
+        "achieved_tflops_llm": f_llm / seconds / 1e12, "achieved_tflops_total": (f_llm + f_vis) / seconds / 1e12,
+        "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
+    }
+
+
+def _peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def bench_engine(trainer, args) -> dict:
+    """Refit, sleep/wake and generation through the trainer's own engine."""
+    from rollout.base import PromptInput, SamplingParams
+
+    t_build, engine = _timed(trainer._engine)  # builds, then refits from the policy
+    refits = [trainer.refit() for _ in range(3)]
+    out = {"engine": type(engine).__name__, "engine_build_s": t_build, "refit_s": statistics.median(refits),
+           "refit_s_all": refits}
+    if hasattr(engine, "memory_gb"):
+        before = engine.memory_gb()["device_used"]
+        sleep_s, _ = _timed(engine.sleep)
+        asleep = engine.memory_gb()["device_used"]
+        wake_s, _ = _timed(engine.wake)
+        out.update(sleep_s=sleep_s, wake_s=wake_s, sleep_freed_gb=before - asleep, device_used_awake_gb=before)
+    else:
+        sleep_s, _ = _timed(engine.sleep)
+        wake_s, _ = _timed(engine.wake)
+        out.update(sleep_s=sleep_s, wake_s=wake_s)
+    out["sleep_wake_s"] = out["sleep_s"] + out["wake_s"]
+    prompts = trainer.feeder.next(args.gen_prompts)
+    inputs = [PromptInput(p.input_ids.tolist(), p.images, p.pixel_values, p.image_grid_thw) for p in prompts]
+    params = SamplingParams(n=args.group, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.gen_tokens,
+                            stop_token_ids=[], banned_token_ids=trainer.adapter.banned_token_ids, seed=None)
+    engine.generate(inputs[:4], params)
+    seconds, gens = _timed(lambda: engine.generate(inputs, params))
+    tokens = sum(len(g.token_ids) for g in gens)
+    out.update(gen_tokens=tokens, gen_s=seconds, gen_tokens_per_s=tokens / seconds)
+    return out
+
+
+def bench_grpo(trainer, args) -> dict:
+    """Full GRPO steps through the trainer; the first is a warm-up and is not reported."""
+    from grpo.update import lr_at
+
+    per_rank = args.grpo_prompts // trainer.dims.dp
+    rows = []
+    for i in range(args.grpo_steps + 1):
+        trainer.step += 1
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = lr_at(trainer.step, trainer.cfg.optim, 10**6)
+        seconds, m = _timed(lambda: trainer.grpo_step(per_rank))
+        m["perf/step_s"] = seconds
+        if i:
+            rows.append(m)
+    keys = ["perf/step_s", "perf/gen_s", "perf/logprob_s", "perf/score_s", "perf/train_s", "perf/refit_s"]
+    phases = {k.split("/")[1]: statistics.median(r[k] for r in rows) for k in keys}
+    overhead = phases["step_s"] - phases["gen_s"] - phases["train_s"]
+    return {"grpo_" + k: v for k, v in phases.items()} | {
+        "overhead_frac": overhead / phases["step_s"],
+        "grpo_token_mult_prob_error": statistics.median(r["fidelity/token_mult_prob_error"] for r in rows),
+        "grpo_response_len_mean": statistics.median(r["rollout/response_len_mean"] for r in rows),
+    }
+
+
+def run(args) -> dict:
+    from grpo.trainer import Trainer
+    from models.parallel import init_distributed
+
+    model, data = _prepare(args)
+    cuda = torch.cuda.is_available()
+    result = {"date": datetime.date.today().isoformat(),
+              "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
+              "command": "python tools/bench.py " + " ".join(sys.argv[1:]),
+              "model": f"qwen2_5_vl size {args.size}", "torch": torch.__version__}
+    from rollout.factory import resolve_engine_name
+
+    engine = resolve_engine_name(args.engine)
+    if engine == "vllm" and not args.no_standalone:
+        result.update(_run_standalone(args))
+    init_distributed()
+    trainer = Trainer(_config(args, model, data))
+    result["params_b"] = sum(p.numel() for p in trainer.policy.model.parameters()) / 1e9
+    result.update(bench_train(trainer, args))
+    peak = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else 0.0)
+    if peak:
+        result["peak_tflops"] = peak
+        result["mfu_llm"] = result["achieved_tflops_llm"] / peak
+        result["mfu_total"] = result["achieved_tflops_total"] / peak
+    result.update(bench_engine(trainer, args))
+    if "standalone_gen_tokens_per_s" in result:
+        result["gen_vs_standalone"] = result["gen_tokens_per_s"] / result["standalone_gen_tokens_per_s"]
+    result.update(bench_grpo(trainer, args))
+    result["peak_mem_gb"] = max(_peak_gb(), result["peak_mem_gb_train"])
+    result["missed"] = missed_targets(result)
+    return result
+
+
+def missed_targets(result: dict) -> dict:
+    """Each issue-6 target this run missed, with the measured value and the shortfall."""
+    out = {}
+    for key, (op, goal) in TARGETS.items():
+        value = result.get(key)
+        if value is None:
+            continue
+        ok = value >= goal if op == ">=" else value <= goal
+        if not ok:
+            out[key] = {"value": round(value, 4), "target": f"{op} {goal}",
+                        "off_by": round(abs(value - goal) / goal, 3)}
+    return out
+
+
+def _fmt(v, digits=3):
+    return "–" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
+
+
+def append(result: dict) -> None:
+    with open(ROOT / "docs" / "benchmarks.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(result) + "\n")
+    md = ROOT / "docs" / "benchmarks.md"
+    text = md.read_text(encoding="utf-8")
+    header = "## Benchmark suite (`tools/bench.py`)"
+    cols = ["date", "device", "model", "mfu_llm", "mfu_total", "train_tokens_per_s", "gen_tokens_per_s",
+            "gen_vs_standalone", "refit_s", "sleep_s", "wake_s", "padding_waste", "overhead_frac", "peak_mem_gb"]
+    if header not in text:
+        text += (f"\n{header}\n\nOne row per run of `tools/bench.py --append`; the full JSON (command, every "
+                 "phase, missed targets) is the same run's line in `benchmarks.jsonl`.\n\n| "
+                 + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+    row = "| " + " | ".join(_fmt(result.get(c)) for c in cols) + " |\n"
+    head, _, tail = text.partition(header)
+    table_end = tail.find("\n\n", tail.find("|---|"))
+    tail = tail + row if table_end < 0 else tail[:table_end + 1] + row + tail[table_end + 1:]
+    md.write_text(head + header + tail, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.standalone_child:
+        Path(args.standalone_child).write_text(json.dumps(standalone(args)))
+        return 0
+    result = run(args)
+    print(json.dumps(result), flush=True)
+    if args.append:
+        append(result)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,19 +1,22 @@
 """From a dataset sample to model inputs: chat template + processor, once per prompt.
 
-Images arrive canonical (RGB, sides multiples of patch × merge, within min/max pixels — see
-`data.images.canonicalize_image`), so the processor is told not to resize: the trainer, not the
-processor or the engine, decides every image's size. Prompts are never truncated; one longer
+Images arrive canonical (RGB, sides multiples of 28, within min/max pixels — see
+`data.images.canonicalize_image`); the family's image rule brings them to the pixels its model
+sees (a no-op for Qwen2/2.5-VL), and the processor is told not to resize again: the trainer,
+not the processor or the engine, decides every image's size, and the engine gets these images. Prompts are never truncated; one longer
 than the limit is rejected with a reason (cutting it would cut image tokens).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from PIL import Image
 
-from data.images import BadSample
+from data.images import BadSample, canonicalize_image, to_rgb
 from data.prompts import build_messages
 
 SFT_TARGETS = {
@@ -35,40 +38,147 @@ class EncodedPrompt:
     answer: str = ""
 
 
+def _field(size, key: str):
+    """A field of an image processor's size dict (a dict or transformers' SizeDict), or None."""
+    if size is None:
+        return None
+    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+
+class QwenImages:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: dynamic resolution, one `<|image_pad|>` per merged patch.
+
+    Images are re-fit (a no-op for canonical ones) to multiples of patch × merge, the family's
+    grid (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), within the image processor's pixel limits.
+    pixel_values: (patches, dim); image_grid_thw: the (t, h, w) patch grid per image.
+    """
+
+    placeholder = "<|image_pad|>"
+
+    def __init__(self, image_processor, config: dict):
+        self.image_processor = image_processor
+        self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        self.factor = int(getattr(image_processor, "patch_size", 14)) * self.merge_size
+        size = getattr(image_processor, "size", None)
+        self.min_pixels = int(getattr(image_processor, "min_pixels", None) or _field(size, "shortest_edge") or self.factor**2)
+        self.max_pixels = int(getattr(image_processor, "max_pixels", None) or _field(size, "longest_edge") or 1 << 24)
+
+    def prepare(self, image):
+        if image.width % self.factor == 0 and image.height % self.factor == 0:
+            return to_rgb(image)
+        top = max(self.max_pixels, image.width * image.height, self.factor**2)
+        return canonicalize_image(image, min_pixels=min(self.min_pixels, top), max_pixels=top, factor=self.factor)
+
+    def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.image_processor(images=images, do_resize=False, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def expansion(self, grid_row: torch.Tensor) -> str:
+        return self.placeholder * (int(grid_row.prod()) // self.merge_size**2)
+
+
+class FixedSizeImages:
+    """LLaVA: every image resized to the vision tower's square input; a fixed `<image>` run per image.
+
+    pixel_values: (images, 3, H, W); image_grid_thw: (1, H / patch, W / patch) per image, one
+    token per patch (the CLS token is dropped under the "default" feature strategy, kept under
+    "full" as one more token, written as a row (1, 1, 1) more — see `expansion`).
+    """
+
+    placeholder = "<image>"
+
+    def __init__(self, image_processor, config: dict):
+        self.image_processor = image_processor
+        crop = getattr(image_processor, "crop_size", None) or getattr(image_processor, "size", None)
+        side = _field(crop, "height") or _field(crop, "shortest_edge")
+        self.size = (int(_field(crop, "height") or side), int(_field(crop, "width") or side))
+        self.patch_size = int(config["patch_size"])
+        self.extra = int(config.get("num_additional_image_tokens", 0))
+        if config.get("vision_feature_select_strategy", "default") == "default":
+            self.extra -= 1
+
+    def prepare(self, image):
+        image = to_rgb(image)
+        if image.size == (self.size[1], self.size[0]):
+            return image
+        return image.resize((self.size[1], self.size[0]), resample=Image.Resampling.BICUBIC)
+
+    def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        h, w = self.size[0] // self.patch_size, self.size[1] // self.patch_size
+        return pixels, torch.tensor([[1, h, w]] * len(images))
+
+    def expansion(self, grid_row: torch.Tensor) -> str:
+        return self.placeholder * (int(grid_row.prod()) + self.extra)
+
+
+# Image rules by the checkpoint's processor class (processor_config.json / preprocessor_config.json).
+IMAGE_RULES = {
+    "Qwen2VLProcessor": QwenImages,
+    "Qwen2_5_VLProcessor": QwenImages,
+    "Qwen3VLProcessor": QwenImages,
+    "LlavaProcessor": FixedSizeImages,
+}
+
+
+def _processor_config(folder: Path) -> dict:
+    """The processor's settings: processor_config.json over preprocessor_config.json (either may be absent)."""
+    merged: dict = {}
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        f = folder / name
+        if f.is_file():
+            data = json.loads(f.read_text(encoding="utf-8"))
+            merged.update({k: v for k, v in data.items() if k != "image_processor"})
+    return merged
+
+
 class VLProcessor:
     """Tokenizer + image processor of a model folder, with placeholder expansion done here.
 
     Loading the pieces directly (not through AutoProcessor) keeps the image path free of the
-    video processor, which needs torchvision. Expansion is the family rule: each image part's
-    single `<|image_pad|>` becomes grid_t·grid_h·grid_w / merge² placeholders.
+    video processor, which needs torchvision. The family's image rule (`IMAGE_RULES`, chosen
+    by the checkpoint's processor class) says which size every image is brought to (the pixels
+    the trainer and the engine both see), which tensors the processor emits, and what each
+    image's placeholder in the chat-templated text expands to.
     """
 
     def __init__(self, model_path: str, trust_remote_code: bool = False):
         from transformers import AutoImageProcessor, AutoTokenizer
 
-        if not Path(model_path).is_dir():
+        folder = Path(model_path)
+        if not folder.is_dir():
             raise FileNotFoundError(f"model folder not found: {model_path}")
         kw = dict(local_files_only=True, trust_remote_code=trust_remote_code)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, **kw)
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, **kw)
-        self.merge_size = int(getattr(self.image_processor, "merge_size", 2))
-        self.image_pad = "<|image_pad|>"
+        config = _processor_config(folder)
+        kind = config.get("processor_class", "Qwen2VLProcessor")
+        if kind not in IMAGE_RULES:
+            raise ValueError(f"{model_path}: processor class {kind!r} is not supported; supported: {sorted(IMAGE_RULES)}")
+        self.images = IMAGE_RULES[kind](self.image_processor, config)
+        self.image_pad = self.images.placeholder
         if self.tokenizer.chat_template is None:
             raise ValueError(f"the tokenizer in {model_path} has no chat template")
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
+    def prepare_images(self, images: list) -> list:
+        """The images at the pixels the model sees (a no-op for images already at them)."""
+        return [self.images.prepare(img) for img in images]
+
     def __call__(self, text: str, images: list) -> dict:
+        """Token ids with every image placeholder expanded, and the processor's image tensors.
+
+        `images` must already be prepared (`prepare_images`).
+        """
         pixel_values, grid = None, None
         if images:
-            out = self.image_processor(images=images, do_resize=False, return_tensors="pt")
-            pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+            pixel_values, grid = self.images.encode(images)
             parts = text.split(self.image_pad)
             if len(parts) - 1 != len(images):
                 raise BadSample("image_count_mismatch", f"{len(parts) - 1} image parts for {len(images)} images")
-            counts = [int(g.prod()) // self.merge_size**2 for g in grid]
-            text = parts[0] + "".join(self.image_pad * n + rest for n, rest in zip(counts, parts[1:]))
+            text = parts[0] + "".join(self.images.expansion(g) + rest for g, rest in zip(grid, parts[1:]))
         ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
         return {"input_ids": ids, "pixel_values": pixel_values, "image_grid_thw": grid}
 
@@ -80,11 +190,12 @@ def load_processor(model_path: str, trust_remote_code: bool = False) -> VLProces
 def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: int) -> EncodedPrompt:
     """Chat template + image processing on one sample; raises BadSample('prompt_too_long') instead of truncating."""
     text = processor.apply_chat_template(build_messages(sample, task))
-    out = processor(text, list(sample.images))
+    images = processor.prepare_images(list(sample.images))
+    out = processor(text, images)
     ids = out["input_ids"]
     if ids.numel() > max_prompt_tokens:
         raise BadSample("prompt_too_long", f"{ids.numel()} tokens > data.max_prompt_tokens={max_prompt_tokens}")
-    return EncodedPrompt(sample.index, ids, out["pixel_values"], out["image_grid_thw"], list(sample.images), sample.answer)
+    return EncodedPrompt(sample.index, ids, out["pixel_values"], out["image_grid_thw"], images, sample.answer)
 
 
 def encode_response(tokenizer, text: str, eos_token: str = "<|im_end|>") -> torch.Tensor:

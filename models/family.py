@@ -1,14 +1,28 @@
 """Family adapters: everything model-family specific lives here and the rest asks the adapter.
 
-An adapter knows a family's special token ids, how it computes position ids (Qwen-VL: 3-D
-m-rope, per sequence from that sequence's own image grid), which submodules are the FSDP units,
-and which tokens must never be sampled. Adding a family means one new adapter class and one row
-in `ADAPTERS`.
+An adapter knows a family's special token ids, how it computes position ids, how many
+placeholder tokens an image takes, how the vision tower is called and how its features enter
+the language model, which submodules are the FSDP units, how the inputs of the family's own
+`model.model(...)` forward are spelled (for the built-in engine), and which tokens must never
+be sampled. Adding a family means one adapter class and one row in `ADAPTERS`.
+
+Two per-prompt image tensors travel through the data pipeline, the batch and the engines
+for every family (their names are historical, from the first family):
+
+- `pixel_values`: what the vision tower takes, concatenated over images along dim 0 (Qwen-VL:
+  patch rows; LLaVA: one (3, H, W) image per row);
+- `image_grid_thw`: one int row (t, h, w) per image saying how many placeholder tokens the
+  image takes and how they are laid out (Qwen-VL: the patch grid, t·h·w / merge² tokens; LLaVA:
+  (1, h, w) with h·w the fixed token count).
+
+Position ids are kept per sequence as an (R, L) tensor. Row 0 is always the plain 1-D position,
+restarting at 0 for each sequence: packed attention finds sequence boundaries from it. Qwen-VL
+families add three m-rope rows (R = 4); 1-D families have R = 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -16,17 +30,139 @@ from torch import nn
 
 @dataclass
 class FamilyAdapter:
-    """Qwen2-VL / Qwen2.5-VL: m-rope positions, vision tower `model.visual`, decoder in `model.language_model`."""
+    """What every family shares; subclasses fill in the family-specific parts."""
 
     name: str
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    spatial_merge_size: int
-    patch_size: int
-    temporal_patch_size: int
     hf_architecture: str
+    image_token_id: int
+    extra_banned_ids: tuple[int, ...] = field(default=())
+    # False: the language model cannot run several sequences in one packed row (the policy then
+    # runs each sequence of a micro-batch on its own; see Policy.hidden_states).
+    packable: bool = True
+
+    @property
+    def banned_token_ids(self) -> list[int]:
+        """Tokens a response must never contain: sampling one breaks the next forward."""
+        return [self.image_token_id, *self.extra_banned_ids]
+
+    # --- images -----------------------------------------------------------------------------
+    def image_token_count(self, grid_row: torch.Tensor) -> int:
+        """Placeholder tokens one image (one `image_grid_thw` row) takes in the prompt."""
+        return int(torch.as_tensor(grid_row).prod())
+
+    def pixel_rows(self, grid: torch.Tensor) -> int:
+        """Rows of `pixel_values` the images of `grid` take."""
+        return int(grid.shape[0])
+
+    def check_pixels(self, pixels: torch.Tensor, grid: torch.Tensor) -> None:
+        """Raise ValueError when `pixels` does not hold exactly the images `grid` describes."""
+        need = self.pixel_rows(grid)
+        if pixels.shape[0] != need:
+            raise ValueError(f"pixel_values has {pixels.shape[0]} rows, image_grid_thw {grid.tolist()} needs {need}")
+
+    def dummy_vision_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The smallest valid (pixel_values, image_grid_thw), for zero-weighted keep-alive forwards."""
+        raise NotImplementedError
+
+    def image_features(self, model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        """Vision features of the images, in image order: a list of streams, each (tokens, hidden).
+
+        Stream 0 replaces the image placeholders in the input embeddings; further streams (Qwen3-VL's
+        deepstack levels) are handed to `run_language_model` aligned with the placeholders.
+        """
+        raise NotImplementedError
+
+    # --- positions --------------------------------------------------------------------------
+    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """(1, L) plain positions of one sequence; m-rope families return (4, L)."""
+        self._check_placeholders(input_ids, image_grid_thw)
+        return torch.arange(input_ids.numel()).unsqueeze(0)
+
+    def _check_placeholders(self, input_ids: torch.Tensor, grid: torch.Tensor | None) -> None:
+        have = int((input_ids == self.image_token_id).sum())
+        need = 0 if grid is None else sum(self.image_token_count(g) for g in grid)
+        if have != need:
+            raise ValueError(f"sequence has {have} image placeholder tokens, its images need {need}")
+
+    def next_rope_position(self, position_ids: torch.Tensor) -> int:
+        """The position a token appended after this (R, L) sequence takes."""
+        return int(position_ids[-1].max()) + 1 if position_ids.shape[1] else 0
+
+    def rope_rows(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of (R, ...) position ids the family's own forward takes."""
+        return position_ids[:1]
+
+    @property
+    def rope_row_count(self) -> int:
+        """How many rows `rope_rows` keeps."""
+        return 1
+
+    # --- forward ----------------------------------------------------------------------------
+    def run_language_model(self, model: nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor,
+                           image_mask: torch.Tensor, extra_streams: list[torch.Tensor]) -> torch.Tensor:
+        """Last hidden states (B, L, H) of the decoder on input embeddings.
+
+        `position_ids` is (R, B, L) as packed; row 0 restarting at 0 marks packed sequences.
+        """
+        out = self.language_model(model)(inputs_embeds=embeds, position_ids=position_ids[0], use_cache=False)
+        return out.last_hidden_state
+
+    def engine_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
+                      pixels: torch.Tensor | None, grid: torch.Tensor | None) -> dict:
+        """Keyword arguments of the family's `model.model(...)` for the built-in engine.
+
+        `positions` holds `rope_rows` of each row's position ids, shape (r, B, L).
+        """
+        kwargs = dict(input_ids=input_ids, position_ids=positions[0], attention_mask=attention_mask)
+        if pixels is not None:
+            kwargs["pixel_values"] = pixels
+        return kwargs
+
+    # --- module structure -------------------------------------------------------------------
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return model.model.visual
+
+    def language_model(self, model: nn.Module) -> nn.Module:
+        return model.model.language_model
+
+    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        return list(self.language_model(model).layers)
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return self.language_model(model).norm
+
+    def lm_head(self, model: nn.Module) -> nn.Module:
+        return model.lm_head
+
+    def embed_tokens(self, model: nn.Module) -> nn.Module:
+        return self.language_model(model).embed_tokens
+
+    def tp_plan(self) -> dict[str, str]:
+        """Per-decoder-block tensor-parallel plan (submodule → 'colwise' | 'rowwise')."""
+        return {
+            "self_attn.q_proj": "colwise",
+            "self_attn.k_proj": "colwise",
+            "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise",
+            "mlp.gate_proj": "colwise",
+            "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise",
+        }
+
+
+@dataclass
+class QwenVLAdapter(FamilyAdapter):
+    """Qwen2-VL / Qwen2.5-VL: m-rope positions, vision tower `model.visual`, decoder in `model.language_model`.
+
+    pixel_values: (patches, 3·temporal_patch·patch²) rows; image_grid_thw: the patch grid (t, h, w).
+    """
+
+    video_token_id: int = 0
+    vision_start_token_id: int = 0
+    vision_end_token_id: int = 0
+    spatial_merge_size: int = 2
+    patch_size: int = 14
+    temporal_patch_size: int = 2
 
     @property
     def pixel_factor(self) -> int:
@@ -35,11 +171,25 @@ class FamilyAdapter:
 
     @property
     def banned_token_ids(self) -> list[int]:
-        """Tokens a response must never contain: sampling one breaks the next forward."""
         return [self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id]
 
     def image_token_count(self, grid_thw: torch.Tensor) -> int:
-        return int(grid_thw.prod()) // self.spatial_merge_size**2
+        return int(torch.as_tensor(grid_thw).prod()) // self.spatial_merge_size**2
+
+    def pixel_rows(self, grid: torch.Tensor) -> int:
+        return int(grid.prod(dim=-1).sum())
+
+    def dummy_vision_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        grid = torch.tensor([[1, self.spatial_merge_size, self.spatial_merge_size]])
+        pixels = torch.zeros(int(grid.prod()), 3 * self.temporal_patch_size * self.patch_size**2)
+        return pixels.to(device), grid.to(device)
+
+    def image_features(self, model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        out = self.vision_tower(model)(pixels, grid_thw=grid)
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        if isinstance(feats, (tuple, list)):
+            feats = torch.cat(list(feats))
+        return [feats]
 
     def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
         """(4, L) positions of one sequence: row 0 the plain 1-D positions, rows 1–3 m-rope (t, h, w).
@@ -86,39 +236,51 @@ class FamilyAdapter:
         """The m-rope position a token appended after this (4, L) sequence takes."""
         return int(position_ids[1:].max()) + 1 if position_ids.shape[1] else 0
 
-    # --- module structure -------------------------------------------------------------------
-    def vision_tower(self, model: nn.Module) -> nn.Module:
-        return model.model.visual
+    def rope_rows(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return position_ids[1:]
 
-    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.model.language_model.layers)
+    @property
+    def rope_row_count(self) -> int:
+        return 3
 
-    def final_norm(self, model: nn.Module) -> nn.Module:
-        return model.model.language_model.norm
+    def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
+        out = self.language_model(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
 
-    def lm_head(self, model: nn.Module) -> nn.Module:
-        return model.lm_head
-
-    def embed_tokens(self, model: nn.Module) -> nn.Module:
-        return model.model.language_model.embed_tokens
-
-    def tp_plan(self) -> dict[str, str]:
-        """Per-decoder-block tensor-parallel plan (submodule → 'colwise' | 'rowwise')."""
-        return {
-            "self_attn.q_proj": "colwise",
-            "self_attn.k_proj": "colwise",
-            "self_attn.v_proj": "colwise",
-            "self_attn.o_proj": "rowwise",
-            "mlp.gate_proj": "colwise",
-            "mlp.up_proj": "colwise",
-            "mlp.down_proj": "rowwise",
-        }
+    def engine_inputs(self, input_ids, positions, attention_mask, pixels, grid):
+        kwargs = dict(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask)
+        if pixels is not None:
+            kwargs.update(pixel_values=pixels, image_grid_thw=grid)
+        return kwargs
 
 
-def _qwen_adapter(config, name: str, arch: str) -> FamilyAdapter:
+@dataclass
+class Qwen3VLAdapter(QwenVLAdapter):
+    """Qwen3-VL: Qwen-VL positions and inputs, plus DeepStack.
+
+    The vision tower also returns features of a few intermediate blocks (one stream per
+    deepstack level, aligned with the image tokens); the decoder adds level k to the hidden
+    states at the image positions after its k-th layer. Position ids are Qwen2-VL's for images
+    (interleaved m-rope sections are the rotary embedding's business, not the ids').
+    """
+
+    def image_features(self, model, pixels, grid):
+        out = self.vision_tower(model)(pixels, grid_thw=grid)
+        return [out.pooler_output, *out.deepstack_features]
+
+    def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
+        kwargs = {}
+        if extra_streams:
+            kwargs = dict(visual_pos_masks=image_mask, deepstack_visual_embeds=list(extra_streams))
+        out = self.language_model(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **kwargs)
+        return out.last_hidden_state
+
+
+def _qwen_adapter(config, name: str, arch: str, cls=QwenVLAdapter) -> QwenVLAdapter:
     vc = config.vision_config
-    return FamilyAdapter(
+    return cls(
         name=name,
+        hf_architecture=arch,
         image_token_id=config.image_token_id,
         video_token_id=config.video_token_id,
         vision_start_token_id=config.vision_start_token_id,
@@ -126,13 +288,13 @@ def _qwen_adapter(config, name: str, arch: str) -> FamilyAdapter:
         spatial_merge_size=vc.spatial_merge_size,
         patch_size=vc.patch_size,
         temporal_patch_size=vc.temporal_patch_size,
-        hf_architecture=arch,
     )
 
 
 ADAPTERS = {
     "qwen2_vl": lambda cfg: _qwen_adapter(cfg, "qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": lambda cfg: _qwen_adapter(cfg, "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": lambda cfg: _qwen_adapter(cfg, "qwen3_vl", "Qwen3VLForConditionalGeneration", Qwen3VLAdapter),
 }
 
 

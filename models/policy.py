@@ -166,17 +166,9 @@ class Policy:
         holding only text-only samples would hang the others.
         """
         if self._dummy_vision is None:
-            a = self.adapter
-            grid = torch.tensor([[1, a.spatial_merge_size, a.spatial_merge_size]])
-            dim = 3 * a.temporal_patch_size * a.patch_size**2
-            pixels = torch.zeros(int(grid.prod()), dim)
-            self._dummy_vision = (pixels.to(self.device), grid.to(self.device))
-        pixels, grid = self._dummy_vision
-        out = self.adapter.vision_tower(self.model)(pixels, grid_thw=grid)
-        feats = out.pooler_output if hasattr(out, "pooler_output") else out
-        if isinstance(feats, (tuple, list)):
-            feats = torch.cat(list(feats))
-        return feats.float().sum() * 0.0
+            self._dummy_vision = self.adapter.dummy_vision_inputs(self.device)
+        streams = self.adapter.image_features(self.model, *self._dummy_vision)
+        return sum(s.float().sum() for s in streams) * 0.0
 
     def hidden_states(self, mb: PackedMicrobatch) -> torch.Tensor:
         """Last hidden states (L, H) of a packed row.
@@ -184,35 +176,52 @@ class Policy:
         The vision tower runs once per distinct image group (the G responses of a prompt share
         one); its features are repeated into every sequence that uses them, so autograd sums
         their gradients. The features replace the image placeholders, as the model's own
-        forward does, and the language model runs on the packed embeddings.
+        forward does, and the language model runs on the packed embeddings. A family that
+        cannot pack (`adapter.packable` false) runs the language model once per sequence of the
+        row, on that sequence's slice: the same logprobs as one sequence per micro-batch.
         """
-        inner = self.model.model
-        embeds = self.adapter.embed_tokens(self.model)(mb.input_ids)
+        a = self.adapter
+        embeds = a.embed_tokens(self.model)(mb.input_ids)
+        image_mask = mb.input_ids == a.image_token_id
+        streams: list[torch.Tensor] = []
         if mb.pixel_values is None:
             keepalive = self._vision_keepalive().to(embeds.dtype)
         else:
             per_group = self._image_features(mb)
-            feats = torch.cat([per_group[g] for g in mb.image_group if g >= 0]).to(embeds.dtype)
-            mask = (mb.input_ids == self.adapter.image_token_id).unsqueeze(-1)
-            if int(mask.sum()) != feats.shape[0]:
-                raise ValueError(f"{int(mask.sum())} image placeholders but {feats.shape[0]} image features")
-            embeds = embeds.masked_scatter(mask.expand_as(embeds), feats)
+            streams = [torch.cat([g[k] for g in (per_group[i] for i in mb.image_group if i >= 0)]).to(embeds.dtype)
+                       for k in range(len(per_group[0]))]
+            if int(image_mask.sum()) != streams[0].shape[0]:
+                raise ValueError(f"{int(image_mask.sum())} image placeholders but {streams[0].shape[0]} image features")
+            embeds = embeds.masked_scatter(image_mask.unsqueeze(-1).expand_as(embeds), streams[0])
             keepalive = None
-        out = inner.language_model(inputs_embeds=embeds, position_ids=mb.position_ids, use_cache=False)
-        hidden = out.last_hidden_state[0]
+        if a.packable or mb.cu_seqlens.numel() <= 2:
+            hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, streams[1:])[0]
+        else:
+            hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, streams[1:]))
         return hidden if keepalive is None else hidden + keepalive
 
-    def _image_features(self, mb: PackedMicrobatch) -> list[torch.Tensor]:
-        """Merged vision features per distinct image group of the micro-batch."""
-        out = self.adapter.vision_tower(self.model)(mb.pixel_values, grid_thw=mb.image_grid_thw)
-        feats = out.pooler_output if hasattr(out, "pooler_output") else out
-        if isinstance(feats, (tuple, list)):
-            feats = torch.cat(list(feats))
-        tokens = (mb.image_grid_thw.prod(-1) // self.adapter.spatial_merge_size**2).tolist()
-        per_image = list(torch.split(feats, tokens))
+    def _per_sequence(self, mb: PackedMicrobatch, embeds, image_mask, extra) -> list[torch.Tensor]:
+        """Hidden states of each sequence of the row, run on its own (families that cannot pack)."""
+        out, used = [], 0
+        bounds = mb.cu_seqlens.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            mask = image_mask[:, start:end]
+            n = int(mask.sum())
+            seq_extra = [s[used:used + n] for s in extra]
+            used += n
+            out.append(self.adapter.run_language_model(
+                self.model, embeds[:, start:end], mb.position_ids[:, :, start:end], mask, seq_extra)[0])
+        return out
+
+    def _image_features(self, mb: PackedMicrobatch) -> list[list[torch.Tensor]]:
+        """Vision feature streams per distinct image group of the micro-batch: [group][stream] → (tokens, H)."""
+        a = self.adapter
+        streams = a.image_features(self.model, mb.pixel_values, mb.image_grid_thw)
+        tokens = [a.image_token_count(g) for g in mb.image_grid_thw]
+        per_image = [list(torch.split(s, tokens)) for s in streams]
         groups, start = [], 0
         for n in mb.images_per_group:
-            groups.append(torch.cat(per_image[start:start + n]))
+            groups.append([torch.cat(p[start:start + n]) for p in per_image])
             start += n
         return groups
 

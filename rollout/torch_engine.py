@@ -4,11 +4,11 @@ It is the CPU path (tests, the demo) and the reference the vLLM engine is measur
 it favours being exactly right over being fast:
 
 - prompts are right-padded into one batch and prefilled once, with the images of all prompts
-  and the explicit m-rope position ids the family adapter computes (the same ids the trainer
+  and the explicit position ids the family adapter computes (Qwen-VL: m-rope; the same ids the trainer
   packs), plus a 2-D attention mask that hides the padding. Right padding keeps every query row
   attending to at least one real token, so no softmax row is fully masked;
 - the KV cache rows are repeated `n` times after prefill (the vision tower and the prompt run
-  once per prompt), then decoding appends one token per row at m-rope position
+  once per prompt), then decoding appends one token per row at position
   `next_rope_position + t`; rows that sampled a stop token are dropped from the batch;
 - logits are fp32, and the reported logprob of a sampled token is
   `log_softmax(logits / temperature)` over the full vocabulary, exactly what
@@ -163,12 +163,10 @@ class TorchEngine(Engine):
             raise ValueError(f"prompt {index}: pixel_values and image_grid_thw must be given together")
         if grid is not None:
             grid = grid.reshape(-1, 3).long().cpu()
-            patches = int(grid.prod(dim=1).sum())
-            if prompt.pixel_values.shape[0] != patches:
-                raise ValueError(
-                    f"prompt {index}: pixel_values has {prompt.pixel_values.shape[0]} patch rows, "
-                    f"image_grid_thw {grid.tolist()} needs {patches}"
-                )
+            try:
+                self.adapter.check_pixels(prompt.pixel_values, grid)
+            except ValueError as err:
+                raise ValueError(f"prompt {index}: {err}") from err
         try:
             positions = self.adapter.position_ids(ids, grid)
         except ValueError as err:
@@ -220,24 +218,23 @@ class TorchEngine(Engine):
         lengths = [p.ids.numel() for p in chunk]
         width = max(lengths)
         pad_id = self._pad_id()
+        rows = [self.adapter.rope_rows(p.positions) for p in chunk]
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        positions = torch.zeros(3, len(chunk), width, dtype=torch.long)
+        positions = torch.zeros(rows[0].shape[0], len(chunk), width, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
         for b, p in enumerate(chunk):
             ids[b, : lengths[b]] = p.ids
-            positions[:, b, : lengths[b]] = p.positions[1:]
+            positions[:, b, : lengths[b]] = rows[b]
             mask[b, : lengths[b]] = 1
-        kwargs = dict(
-            input_ids=ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=mask.to(self.device),
-            use_cache=True,
-        )
+        pixels = grid = None
         images = [p for p in chunk if p.grid is not None]
         if images:
             # The model scatters image features into placeholders in row-major order: prompt order.
-            kwargs["pixel_values"] = torch.cat([p.pixels for p in images]).to(self.device, self.dtype)
-            kwargs["image_grid_thw"] = torch.cat([p.grid for p in images]).to(self.device)
+            pixels = torch.cat([p.pixels for p in images]).to(self.device, self.dtype)
+            grid = torch.cat([p.grid for p in images]).to(self.device)
+        kwargs = self.adapter.engine_inputs(ids.to(self.device), positions.to(self.device), mask.to(self.device),
+                                            pixels, grid)
+        kwargs["use_cache"] = True
         out = self.model.model(**kwargs)
         cache = getattr(out, "cache", None)
         if cache is None:
@@ -250,13 +247,10 @@ class TorchEngine(Engine):
 
     def _decode(self, token: torch.Tensor, position: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """One decoding step for the active rows: fp32 logits (R, V) of the next token."""
-        out = self.model.model(
-            input_ids=token.view(-1, 1),
-            position_ids=position.view(1, -1, 1).expand(3, -1, 1),
-            attention_mask=mask,
-            use_cache=True,
-            **{self._cache_kwarg: cache},
-        )
+        rows = self.adapter.rope_row_count
+        kwargs = self.adapter.engine_inputs(token.view(-1, 1), position.view(1, -1, 1).expand(rows, -1, 1), mask,
+                                            None, None)
+        out = self.model.model(use_cache=True, **{self._cache_kwarg: cache}, **kwargs)
         return self._logits(out.last_hidden_state[:, -1])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,9 @@ _QWEN_VL_PREFIXES = [
 HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
     "qwen2_vl": list(_QWEN_VL_PREFIXES),
     "qwen2_5_vl": list(_QWEN_VL_PREFIXES),
+    # Qwen3-VL: the same module paths (vLLM's Qwen3VLForConditionalGeneration mapper); its vision
+    # blocks, merger and deepstack mergers use linear_fc1/linear_fc2 and a fused attn.qkv.
+    "qwen3_vl": list(_QWEN_VL_PREFIXES),
 }
 
 # vLLM parameters that hold several checkpoint tensors, and the checkpoint module names
@@ -59,6 +62,7 @@ SHARD_IDS: dict[str, str | int] = {"q_proj": "q", "k_proj": "k", "v_proj": "v", 
 STACKING_SCOPES: dict[str, tuple[str, ...]] = {
     "qwen2_vl": ("language_model.model.layers.",),
     "qwen2_5_vl": ("language_model.model.layers.", "visual.blocks."),
+    "qwen3_vl": ("language_model.model.layers.",),
 }
 
 _MEMBER_TO_STACK = {member: stacked for stacked, members in STACKED for member in members}

@@ -118,7 +118,7 @@ CHAT_TEMPLATE = """\
                 {%- if add_vision_id -%}
                     {{- 'Picture ' + seen.images | string + ': ' -}}
                 {%- endif -%}
-                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+                {{- '""" + "@IMAGE_PART@" + """' -}}
             {%- elif part['type'] == 'video' or 'video' in part -%}
                 {%- set seen.videos = seen.videos + 1 -%}
                 {%- if add_vision_id -%}
@@ -136,6 +136,13 @@ CHAT_TEMPLATE = """\
     {{- '<|im_start|>assistant\\n' -}}
 {%- endif -%}
 """
+
+
+
+def chat_template(family: FamilySpec) -> str:
+    """The ChatML template with the family's image part (every tiny family uses ChatML turns)."""
+    return CHAT_TEMPLATE.replace("@IMAGE_PART@", family.image_part)
+
 
 # OpenAI CLIP normalization, which both families' image processors use.
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -155,6 +162,9 @@ class FamilySpec:
     model_class: str
     processor_class: str
     extra_tokens: tuple[tuple[str, bool], ...]
+    # What the chat template writes for one image part (the processor expands it).
+    image_part: str = "<|vision_start|><|image_pad|><|vision_end|>"
+    patch_size: int = PATCH_SIZE
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,15 @@ FAMILIES = {
         model_class="Qwen2_5_VLForConditionalGeneration",
         processor_class="Qwen2_5_VLProcessor",
         extra_tokens=QWEN2_5_EXTRA_TOKENS,
+    ),
+    # Qwen3-VL: 16-pixel patches (32-pixel grid), learned position embeddings interpolated to
+    # the image's grid, DeepStack features from a few vision blocks, interleaved m-rope.
+    "qwen3_vl": FamilySpec(
+        config_class="Qwen3VLConfig",
+        model_class="Qwen3VLForConditionalGeneration",
+        processor_class="Qwen3VLProcessor",
+        extra_tokens=QWEN2_5_EXTRA_TOKENS + (("<think>", False), ("</think>", False)),
+        patch_size=16,
     ),
 }
 
@@ -289,20 +308,27 @@ def build_tokenizer(family: FamilySpec, size: SizeSpec):
         split_special_tokens=False,
         model_max_length=size.max_positions,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template(family)
     ids = [tokenizer.convert_tokens_to_ids(content) for content, _ in added]
     if ids != list(range(size.bpe_vocab, size.bpe_vocab + len(added))):
         raise RuntimeError(f"build_tokenizer: added tokens got ids {ids}, expected them right after the BPE vocab")
     return tokenizer
 
 
-def build_image_processor(size: SizeSpec):
+def build_image_processor(size: SizeSpec, family_name: str = "qwen2_5_vl"):
     """The family's image processor with the size's pixel limits.
 
     The PIL flavour is used where it exists because it needs no torchvision; it saves
     under the family's canonical name, so loaders pick whichever flavour they have.
+    Qwen3-VL's grid is 32 pixels, not 28: its limits are the size's, scaled by (32/28)².
     """
+    family = FAMILIES[family_name]
     cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+    if family_name == "qwen3_vl":
+        scale = (family.patch_size * MERGE_SIZE) ** 2 / (PATCH_SIZE * MERGE_SIZE) ** 2
+        return cls(min_pixels=int(size.min_pixels * scale), max_pixels=int(size.max_pixels * scale),
+                   patch_size=family.patch_size, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     return cls(
         min_pixels=size.min_pixels,
         max_pixels=size.max_pixels,
@@ -328,6 +354,14 @@ def _vision_config(family_name: str, size: SizeSpec) -> dict:
         # Qwen2-VL: embed_dim is the tower's width, hidden_size the merger's output.
         return dict(common, embed_dim=size.vision_hidden, hidden_size=size.text_hidden,
                     mlp_ratio=size.vision_mlp_ratio)
+    if family_name == "qwen3_vl":
+        # DeepStack levels at 1/4, 1/2 and 3/4 of the depth (the 8B model: blocks 8, 16, 24 of 27),
+        # a learned 8x8 position table interpolated to each image's grid.
+        depth = size.vision_depth
+        deepstack = sorted({min(depth - 1, depth * k // 4) for k in (1, 2, 3)})
+        return dict(common, patch_size=FAMILIES[family_name].patch_size, hidden_size=size.vision_hidden,
+                    intermediate_size=size.vision_intermediate, out_hidden_size=size.text_hidden,
+                    num_position_embeddings=64, deepstack_visual_indexes=deepstack)
     return dict(
         common,
         hidden_size=size.vision_hidden,
@@ -337,6 +371,13 @@ def _vision_config(family_name: str, size: SizeSpec) -> dict:
         fullatt_block_indexes=list(size.fullatt_blocks),
         tokens_per_second=2,
     )
+
+
+def _rope_parameters(family_name: str, size: SizeSpec) -> dict:
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(size.mrope_section)}
+    if family_name == "qwen3_vl":
+        rope.update(rope_theta=5000000.0, mrope_interleaved=True)
+    return rope
 
 
 def build_config(family_name: str, size: SizeSpec, tokenizer):
@@ -358,10 +399,14 @@ def build_config(family_name: str, size: SizeSpec, tokenizer):
         use_sliding_window=False,
         rms_norm_eps=1e-6,
         hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(size.mrope_section)},
+        rope_parameters=_rope_parameters(family_name, size),
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
     )
+    if family_name == "qwen3_vl":
+        text_config["head_dim"] = size.text_hidden // size.text_heads
+        for key in ("max_window_layers", "use_sliding_window"):
+            text_config.pop(key)
     config_class = getattr(transformers, family.config_class)
     return config_class(
         text_config=text_config,
@@ -394,7 +439,9 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def save_processor_files(out: Path, tokenizer, image_processor, processor_class: str) -> None:
+def save_processor_files(out: Path, tokenizer, image_processor, processor_class: str,
+                         template: str = CHAT_TEMPLATE.replace("@IMAGE_PART@", FAMILIES["qwen2_vl"].image_part),
+                         processor_fields: dict | None = None) -> None:
     """Write the tokenizer, chat template, image processor and processor config.
 
     This writes what `ProcessorMixin.save_pretrained` writes in transformers 5, without
@@ -410,8 +457,8 @@ def save_processor_files(out: Path, tokenizer, image_processor, processor_class:
     flat["processor_class"] = processor_class
     _write_json(out / "preprocessor_config.json", flat)
     _write_json(out / "processor_config.json", {"image_processor": image_processor.to_dict(),
-                                                 "processor_class": processor_class})
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+                                                 "processor_class": processor_class, **(processor_fields or {})})
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
 
@@ -443,7 +490,9 @@ def _save_weights(model, out: Path, weight_names: str) -> None:
 def _summary(out: Path, family_name: str, size_name: str, model, tokenizer, seconds: float) -> str:
     """One line describing what was built."""
     total = sum(p.numel() for p in model.parameters())
-    vision = sum(p.numel() for p in model.model.visual.parameters())
+    tower = getattr(model.model, "visual", None) or getattr(model.model, "vision_tower", None)
+    tower = tower if tower is not None else model.model.vision_model
+    vision = sum(p.numel() for p in tower.parameters())
     size = SIZES[size_name] if isinstance(size_name, str) else size_name
     size_name = size_name if isinstance(size_name, str) else "custom"
     return (
@@ -494,7 +543,8 @@ def make_tiny_model(
     staging.mkdir(parents=True)
     try:
         _save_weights(model, staging, weight_names)
-        save_processor_files(staging, tokenizer, build_image_processor(size_spec), family_spec.processor_class)
+        save_processor_files(staging, tokenizer, build_image_processor(size_spec, family), family_spec.processor_class,
+                             chat_template(family_spec))
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

@@ -1,0 +1,149 @@
+"""Every family beyond Qwen2/2.5-VL, on a tiny checkpoint built here: the built-in engine's logprobs
+equal the policy's (packed, and one sequence per micro-batch), one SFT and one GRPO step run
+through the trainer, and every weight has exactly one home in vLLM's model.
+
+The measured token_mult_prob_error of each family is printed (`pytest -s`); the README's family
+table quotes these numbers.
+"""
+
+import json
+
+import pytest
+import torch
+
+from data.batch import Batch
+from data.processing import VLProcessor
+from data.prompts import build_messages
+from grpo.config import ModelConfig, load_config
+from models.packing import pack, unpack_per_sequence
+from models.parallel import build_parallel_dims, init_distributed
+from models.policy import build_policy
+from rollout.base import PromptInput, SamplingParams
+from rollout.torch_engine import TorchEngine
+from rollout.weight_names import vllm_param_for
+
+FAMILIES = ["qwen3_vl"]
+HEAD_SCALE = 40.0  # sharpens the random model's near-uniform next-token distribution
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request, tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    family = request.param
+    return family, make_tiny_model(tmp_path_factory.mktemp("families") / family, family=family, size="tiny", seed=0)
+
+
+def _prompts(path):
+    """Two image prompts of different sizes and one text-only prompt, through the real data path."""
+    from PIL import Image
+
+    processor = VLProcessor(str(path))
+    prompts = []
+    for k, size in enumerate([(56, 56), (84, 56), None]):
+        images = [] if size is None else [Image.new("RGB", size, (40 * k + 20, 200, 30 * k))]
+        problem = ("<image>" if images else "") + f"How many objects are there, case {k}?"
+        text = processor.apply_chat_template(build_messages((problem, images), "clevr"))
+        images = processor.prepare_images(images)
+        out = processor(text, images)
+        prompts.append(PromptInput(out["input_ids"].tolist(), images, out["pixel_values"], out["image_grid_thw"]))
+    return prompts
+
+
+def _policy_logprobs(policy, prompts, gens, max_per_bin):
+    """The trainer's logprobs of each generation; samples of a prompt share its pixel tensor."""
+    a = policy.adapter
+    ids, masks, pixels, grids, pos = [], [], [], [], []
+    for gen in gens:
+        p = prompts[gen.prompt_index]
+        seq = torch.tensor(p.input_ids + gen.token_ids)
+        mask = torch.zeros_like(seq)
+        mask[len(p.input_ids):] = 1
+        ids.append(seq)
+        masks.append(mask)
+        pixels.append(p.pixel_values)
+        grids.append(p.image_grid_thw)
+        pos.append(a.position_ids(seq, p.image_grid_thw))
+    batch = Batch({"input_ids": ids, "loss_mask": masks, "pixel_values": pixels, "image_grid_thw": grids})
+    batch["position_ids"] = pos
+    out = []
+    for first in range(0, len(gens), max_per_bin):
+        mb = pack(batch, list(range(first, min(first + max_per_bin, len(gens)))))
+        with torch.no_grad():
+            lp, _ = policy.logprobs(mb)
+        out += unpack_per_sequence(lp, mb)
+    return out
+
+
+def test_engine_logprobs_match_policy(family_model):
+    family, path = family_model
+    init_distributed()
+    policy = build_policy(ModelConfig(path=str(path), dtype="float32", attn_implementation="sdpa"),
+                          build_parallel_dims())
+    engine = TorchEngine(str(path))
+    with torch.no_grad():
+        policy.adapter.lm_head(policy.model).weight.mul_(HEAD_SCALE)
+    engine.refit(policy.full_state_dict())
+    prompts = _prompts(path)
+    gens = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))
+    assert len(gens) == 6 and all(len(g.token_ids) == 8 for g in gens)
+    banned = set(policy.adapter.banned_token_ids)
+    assert not any(banned & set(g.token_ids) for g in gens)
+
+    packed = _policy_logprobs(policy, prompts, gens, max_per_bin=len(gens))
+    single = _policy_logprobs(policy, prompts, gens, max_per_bin=1)
+    ours = torch.cat([torch.tensor(g.logprobs) for g in gens])
+    delta = (ours - torch.cat(packed)).abs()
+    tmpe = torch.exp(delta).mean().item()
+    print(f"\n{family}: token_mult_prob_error {tmpe:.7f}, max |dlogp| {delta.max().item():.2e}")
+    assert ours.min() < -0.5  # not a degenerate, near-certain distribution
+    assert delta.max().item() < 1e-4 and tmpe <= 1.0001
+    assert (torch.cat(packed) - torch.cat(single)).abs().max().item() < 1e-5
+
+
+def _train(path, data, run_dir, mode):
+    from grpo.trainer import Trainer
+
+    init_distributed()
+    cfg = load_config(None, [
+        f"trainer.mode={mode}", f"model.path={path}", f"data.train_path={data}", "rollout.engine=torch",
+        "rollout.n=2", "data.prompts_per_step=2", "rollout.max_new_tokens=6", "data.min_pixels=3136",
+        "data.max_pixels=3136", f"trainer.run_dir={run_dir}", "logging.tensorboard=false", "checkpoint.resume=never",
+        "checkpoint.every_steps=0", "trainer.max_steps=1", "optim.max_tokens_per_microbatch=256",
+    ])
+    Trainer(cfg).train()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_and_grpo_steps_run(family_model, clevr_parquet, tmp_path):
+    family, path = family_model
+    (sft,) = _train(path, clevr_parquet, tmp_path / "sft", "sft")
+    assert torch.isfinite(torch.tensor(sft["loss/total"])) and sft["loss/grad_norm"] > 0
+    (grpo,) = _train(path, clevr_parquet, tmp_path / "grpo", "grpo")
+    assert 1.0 <= grpo["fidelity/token_mult_prob_error"] <= 1.0001, grpo["fidelity/token_mult_prob_error"]
+    assert grpo["rollout/response_len_mean"] > 0 and grpo["loss/entropy"] > 0
+
+
+def test_every_weight_has_one_vllm_home(family_model):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    family, path = family_model
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
+    memory = list(model.state_dict())
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        saved = list(f.keys())
+    homes = {}
+    for name in memory:
+        home = vllm_param_for(family, name)
+        assert home not in homes, f"{name} and {homes.get(home)} both map to {home}"
+        homes[home] = name
+    assert {vllm_param_for(family, n) for n in saved} == set(homes)
+    stacked = {}
+    for param, shard in homes:
+        if shard is not None:
+            stacked.setdefault(param, set()).add(shard)
+    assert stacked, "nothing was stacked"
+    for param, shards in stacked.items():
+        assert shards in ({"q", "k", "v"}, {0, 1}), (param, shards)

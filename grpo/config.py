@@ -39,7 +39,8 @@ class TrainerConfig:
 class ModelConfig:
     path: str = ""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 compute on CUDA, fp32 on CPU
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    # varlen: FlashAttention's variable-length kernel over packed rows (CUDA; sdpa elsewhere)
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "varlen"] = "auto"
     activation_checkpointing: bool = False
     trust_remote_code: bool = False
 

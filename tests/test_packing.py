@@ -225,3 +225,22 @@ def test_vision_runs_once_per_prompt_group(policy):
     assert torch.allclose(shared[0], copied[0], atol=1e-6)
     for name, grad in shared[1].items():
         assert torch.allclose(grad, copied[1][name], atol=1e-5, rtol=1e-4), name
+
+
+def test_varlen_name_falls_back_to_sdpa_off_gpu(tiny_model):
+    """attn_implementation=varlen builds and, without the CUDA kernel, gives sdpa's packed logprobs."""
+    from grpo.config import ModelConfig
+    from models.attention import register
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy
+
+    register()
+    varlen = build_policy(ModelConfig(path=str(tiny_model), attn_implementation="varlen"), build_parallel_dims())
+    sdpa = build_policy(ModelConfig(path=str(tiny_model), attn_implementation="sdpa"), build_parallel_dims())
+    assert varlen.model.config._attn_implementation == "varlen"
+    batch = mixed_batch(sdpa.adapter)
+    mb = pack(batch, list(range(len(batch))))
+    with torch.no_grad():
+        a, _ = varlen.logprobs(mb)
+        b, _ = sdpa.logprobs(mb)
+    assert torch.allclose(a, b, atol=1e-6)

@@ -65,7 +65,11 @@ def _parse(argv):
     p.add_argument("--grpo-new-tokens", type=int, default=256)
     p.add_argument("--no-standalone", action="store_true", help="skip the standalone vLLM comparison")
     p.add_argument("--peak-tflops", type=float, default=None, help="default: 989 on CUDA, 0 (no MFU) on CPU")
+    p.add_argument("--phases", default="train,engine,grpo", help="comma-separated subset of train,engine,grpo")
+    p.add_argument("--json-out", default=None, help="also write the JSON object to this file")
     p.add_argument("--append", action="store_true", help="append to docs/benchmarks.jsonl and docs/benchmarks.md")
+    p.add_argument("--append-from", default=None,
+                   help="append a JSON object a run wrote (e.g. on another machine) and exit")
     p.add_argument("--standalone-child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -238,7 +242,7 @@ def bench_engine(trainer, args) -> dict:
     """Refit, sleep/wake and generation through the trainer's own engine."""
     from rollout.base import PromptInput, SamplingParams
 
-    t_build, engine = _timed(trainer._engine)  # builds, then refits from the policy
+    t_build, engine = _timed(trainer._engine)  # builds (after emptying torch's cache), then refits
     refits = [trainer.refit() for _ in range(3)]
     out = {"engine": type(engine).__name__, "engine_build_s": t_build, "refit_s": statistics.median(refits),
            "refit_s_all": refits}
@@ -300,23 +304,32 @@ def run(args) -> dict:
               "model": f"qwen2_5_vl size {args.size}", "torch": torch.__version__}
     from rollout.factory import resolve_engine_name
 
+    phases = set(args.phases.split(","))
+    unknown = phases - {"train", "engine", "grpo"}
+    if unknown:
+        raise SystemExit(f"bench: unknown phases {sorted(unknown)}; choose from train, engine, grpo")
     engine = resolve_engine_name(args.engine)
-    if engine == "vllm" and not args.no_standalone:
+    if engine == "vllm" and "engine" in phases and not args.no_standalone:
         result.update(_run_standalone(args))
     init_distributed()
     trainer = Trainer(_config(args, model, data))
     result["params_b"] = sum(p.numel() for p in trainer.policy.model.parameters()) / 1e9
-    result.update(bench_train(trainer, args))
-    peak = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else 0.0)
-    if peak:
-        result["peak_tflops"] = peak
-        result["mfu_llm"] = result["achieved_tflops_llm"] / peak
-        result["mfu_total"] = result["achieved_tflops_total"] / peak
-    result.update(bench_engine(trainer, args))
-    if "standalone_gen_tokens_per_s" in result:
-        result["gen_vs_standalone"] = result["gen_tokens_per_s"] / result["standalone_gen_tokens_per_s"]
-    result.update(bench_grpo(trainer, args))
-    result["peak_mem_gb"] = max(_peak_gb(), result["peak_mem_gb_train"])
+    result["attn_implementation"] = trainer.policy.model.config._attn_implementation
+    result["activation_checkpointing"] = args.activation_checkpointing
+    if "train" in phases:
+        result.update(bench_train(trainer, args))
+        peak = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else 0.0)
+        if peak:
+            result["peak_tflops"] = peak
+            result["mfu_llm"] = result["achieved_tflops_llm"] / peak
+            result["mfu_total"] = result["achieved_tflops_total"] / peak
+    if "engine" in phases:
+        result.update(bench_engine(trainer, args))
+        if "standalone_gen_tokens_per_s" in result:
+            result["gen_vs_standalone"] = result["gen_tokens_per_s"] / result["standalone_gen_tokens_per_s"]
+    if "grpo" in phases:
+        result.update(bench_grpo(trainer, args))
+    result["peak_mem_gb"] = max(_peak_gb(), result.get("peak_mem_gb_train", 0.0))
     result["missed"] = missed_targets(result)
     return result
 
@@ -363,8 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.standalone_child:
         Path(args.standalone_child).write_text(json.dumps(standalone(args)))
         return 0
+    if args.append_from:
+        for line in Path(args.append_from).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                append(json.loads(line))
+        return 0
     result = run(args)
     print(json.dumps(result), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result) + "\n", encoding="utf-8")
     if args.append:
         append(result)
     import torch.distributed as dist

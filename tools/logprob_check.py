@@ -42,14 +42,44 @@ def _parse(argv):
     p.add_argument("--min-pixels", type=int, default=3136)
     p.add_argument("--max-pixels", type=int, default=12544)
     p.add_argument("--worst", type=int, default=5, help="how many worst tokens to show")
+    p.add_argument("--sharpen", type=float, default=1.0,
+                   help="scale lm_head by this factor in a copy of the model first: a random model's near-uniform "
+                        "next-token distributions hide mismatch; sharper ones resemble a trained model's "
+                        "(entropy_mean in the output says how sharp)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--png", default=None, help="write a PNG of per-token |dlogprob| for the worst sequences")
     return p.parse_args(argv)
 
 
+def sharpened_copy(src: str, factor: float, out: Path) -> str:
+    """A copy of the model folder with lm_head.weight × factor (rank 0 writes; every rank waits)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if dist.get_rank() == 0:
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in Path(src).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors"):
+                shutil.copyfile(f, tmp / f.name)
+        for f in Path(src).glob("*.safetensors"):
+            tensors = load_file(str(f))
+            for name in [n for n in tensors if n.endswith("lm_head.weight")]:
+                tensors[name] = (tensors[name].float() * factor).to(tensors[name].dtype)
+            save_file(tensors, str(tmp / f.name), metadata={"format": "pt"})
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    dist.barrier()
+    return str(out)
+
+
 def check(args) -> dict:
     from grpo.trainer import Trainer
 
+    if args.sharpen != 1.0:
+        args.model = sharpened_copy(args.model, args.sharpen, Path("/tmp/vlrl_logprob_check") / f"sharpened_{args.sharpen:g}")
     max_tokens = 1 if args.packing == "padded" else 16384
     cfg = load_config(None, [
         f"model.path={args.model}", f"model.dtype={args.dtype}", f"data.train_path={args.data}",
@@ -69,10 +99,15 @@ def check(args) -> dict:
     batch = trainer._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
     from grpo.update import sequence_logprobs
 
-    policy_lp, _ = sequence_logprobs(trainer.policy, batch, max_tokens, args.temperature)
+    policy_lp, entropies = sequence_logprobs(trainer.policy, batch, max_tokens, args.temperature, with_entropy=True)
     other, _ = sequence_logprobs(trainer.policy, batch, 16384 if max_tokens == 1 else 1, args.temperature)
     diffs = [float((a - b).abs().max()) for a, b in zip(policy_lp, other) if a.numel()]
     report = _report(trainer, gens, policy_lp, batch, args, gen_s)
+    ent = torch.tensor([float(torch.cat(entropies).sum()) if entropies else 0.0,
+                        float(sum(e.numel() for e in entropies))], dtype=torch.float64, device=trainer.policy.device)
+    dist.all_reduce(ent)
+    report["entropy_mean"] = float(ent[0] / max(float(ent[1]), 1.0))
+    report["sharpen"] = args.sharpen
     t = torch.tensor([max(diffs, default=0.0)], device=trainer.policy.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     report["packed_vs_padded_max_abs_dlogp"] = float(t.item())

@@ -1,0 +1,93 @@
+"""The "varlen" attention implementation: packed rows through FlashAttention's variable-length kernel.
+
+`model.attn_implementation: varlen` registers this with transformers. In a packed row the plain
+positions restart at 0 where each sequence starts; from them the function builds the cumulative
+sequence lengths and calls `torch.nn.attention.varlen.varlen_attn`, causal within each sequence
+and never across. sdpa over a packed row needs a block-diagonal mask instead, which computes the
+whole row's L² scores (for 12 sequences of 1.3k tokens in a 16k row, 13× the useful work).
+
+Where the kernel cannot run (CPU, a torch without it, no positions given — the vision tower's
+windows) the call falls back to transformers' sdpa path, with the mask transformers builds for
+sdpa, so results are the same everywhere, only slower.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+NAME = "varlen"
+_cache: dict = {"key": None, "value": None}
+
+
+def _kernel():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, set()
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative lengths (N+1,) int32 and the longest length of the sequences in a packed row.
+
+    Every layer asks with the same tensor; the answer is kept for the last one asked about.
+    """
+    key = (position_ids.data_ptr(), position_ids.shape, position_ids._version)
+    if _cache["key"] != key:
+        pos = position_ids.reshape(-1)
+        starts = torch.nonzero(pos == 0).flatten()
+        total = torch.tensor([pos.numel()], device=pos.device)
+        cu = torch.cat([starts, total]).to(torch.int32)
+        _cache["key"], _cache["value"] = key, (cu, int((cu[1:] - cu[:-1]).max()))
+    return _cache["value"]
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                     is_causal=None, **kwargs):
+    """transformers attention interface: query (1, H, L, D), key/value (1, Hkv, L, D) → ((1, L, H, D), None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kernel, params = _kernel()
+    position_ids = kwargs.get("position_ids")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if (kernel is None or query.device.type != "cuda" or position_ids is None or query.shape[0] != 1
+            or not causal or dropout):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    cu, longest = _cu_seqlens(position_ids)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, D)
+    extra = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    if "is_causal" in params:
+        extra["is_causal"] = True
+    else:
+        extra["window_size"] = (-1, 0)
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
+    return out.unsqueeze(0), None
+
+
+def _mask(*args, **kwargs):
+    """No mask for the kernel (it takes sequence boundaries); sdpa's mask where the call falls back."""
+    from transformers.masking_utils import sdpa_mask
+
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cuda" and _kernel()[0] is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> str:
+    """Make `attn_implementation="varlen"` known to transformers; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, varlen_attention)
+    AttentionMaskInterface.register(NAME, _mask)
+    return NAME

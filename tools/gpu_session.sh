@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU measurements behind docs/benchmarks.md, one stage per call of a GPU session.
+#   bash tools/gpu_session.sh STAGE OUTDIR
+# Stages (each fits in a 10-minute call on one or two H200s, after `. /opt/vb/env.sh` for vLLM):
+#   tiny      tools/gpu_check.sh on the tiny Qwen2.5-VL, then tests/gpu (vLLM engine, varlen attention)
+#   train     build the 3B-shaped model; training throughput with sdpa and with varlen attention
+#   full      the whole benchmark suite on the 3B-shaped model (ATTN=varlen|sdpa, default varlen)
+#   fidelity  vLLM vs policy logprobs on the 3B-shaped model, plain and with a sharpened lm_head
+#   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM tensor parallel 2
+set -u
+STAGE=$1
+OUT=${2:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+W=/tmp/vlrl_bench
+M=$W/model_3b
+case "$STAGE" in
+tiny)
+  bash tools/gpu_check.sh "$OUT/check"
+  timeout 300 $PY -m pytest -q -s tests/gpu > "$OUT/pytest_gpu.log" 2>&1; echo "pytest gpu rc=$?" >> "$OUT/check/summary.txt"
+  tail -5 "$OUT/pytest_gpu.log"
+  ;;
+train)
+  for attn in sdpa varlen; do
+    timeout 280 $PY tools/bench.py --size 3b --phases train --train-steps 2 --attn "$attn" --json-out "$OUT/train_$attn.json" \
+      > "$OUT/train_$attn.log" 2>&1; echo "train $attn rc=$?"
+  done
+  ;;
+full)
+  timeout 560 $PY tools/bench.py --size 3b --attn "${ATTN:-varlen}" --json-out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"
+  ;;
+fidelity)
+  $PY tools/make_dataset.py --kind clevr --n 64 --seed 3 --out $W/fid.parquet --size 448x448 > /dev/null
+  for s in 1 ${SHARPEN:-40}; do
+    timeout 240 $PY tools/logprob_check.py --model $M --data $W/fid.parquet --engine vllm --num-prompts 16 --n 4 \
+      --max-new-tokens 128 --min-pixels 200704 --max-pixels 200704 --sharpen "$s" --out "$OUT/fid_3b_$s.json" \
+      > "$OUT/fid_3b_$s.log" 2>&1; echo "fidelity sharpen=$s rc=$?"
+  done
+  ;;
+multi)
+  $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
+  $PY tools/make_dataset.py --kind clevr --n 96 --seed 0 --out $W/c56.parquet --size 56x56 > /dev/null
+  for tp in 2 1; do
+    timeout 200 $PY -m torch.distributed.run --standalone --nproc-per-node 2 train.py --config configs/demo.yaml \
+      model.path=$W/tiny data.train_path=$W/c56.parquet data.eval_path=$W/c56.parquet trainer.run_dir=$W/multi_tp$tp \
+      trainer.max_steps=3 rollout.engine=vllm rollout.tensor_parallel_size=$tp trainer.eval_every=0 \
+      trainer.eval_samples=16 data.min_pixels=3136 data.max_pixels=3136 rollout.gpu_memory_utilization=0.3 \
+      checkpoint.every_steps=0 > "$OUT/multi_tp$tp.log" 2>&1; echo "2 GPUs, vLLM TP=$tp rc=$?"
+    cp $W/multi_tp$tp/metrics.jsonl "$OUT/multi_tp${tp}_metrics.jsonl" 2>/dev/null
+  done
+  ;;
+*)
+  echo "unknown stage $STAGE" >&2; exit 2
+  ;;
+esac

@@ -22,6 +22,7 @@ families add three m-rope rows (R = 4); 1-D families have R = 1.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,18 @@ class FamilyAdapter:
     def banned_token_ids(self) -> list[int]:
         """Tokens a response must never contain: sampling one breaks the next forward."""
         return [self.image_token_id, *self.extra_banned_ids]
+
+    # Checkpoint-file names → transformers' current module names: (pattern, replacement), first
+    # match wins. Hub checkpoints saved before transformers 4.52 (and transformers 5's
+    # save_pretrained, which converts back on save) use the old layout.
+    legacy_weight_names: tuple[tuple[str, str], ...] = ()
+
+    def canonical_weight_name(self, name: str) -> str:
+        """A checkpoint key in transformers' current naming."""
+        for pattern, repl in self.legacy_weight_names:
+            if re.match(pattern, name):
+                return re.sub(pattern, repl, name, count=1)
+        return name
 
     # --- images -----------------------------------------------------------------------------
     def image_token_count(self, grid_row: torch.Tensor) -> int:
@@ -157,6 +170,10 @@ class QwenVLAdapter(FamilyAdapter):
     pixel_values: (patches, 3·temporal_patch·patch²) rows; image_grid_thw: the patch grid (t, h, w).
     """
 
+    legacy_weight_names: tuple[tuple[str, str], ...] = (
+        (r"^visual\.", "model.visual."),
+        (r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
+    )
     video_token_id: int = 0
     vision_start_token_id: int = 0
     vision_end_token_id: int = 0
@@ -276,6 +293,87 @@ class Qwen3VLAdapter(QwenVLAdapter):
         return out.last_hidden_state
 
 
+# LLaVA-style checkpoints (LLaVA, Gemma3) before transformers 4.52: language_model.model.*,
+# language_model.lm_head.*, vision_tower.*, multi_modal_projector.* at the top level.
+_LLAVA_LEGACY_NAMES = (
+    (r"^language_model\.model\.", "model.language_model."),
+    (r"^language_model\.lm_head\.", "lm_head."),
+    (r"^vision_tower\.", "model.vision_tower."),
+    (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+)
+
+
+@dataclass
+class LlavaAdapter(FamilyAdapter):
+    """LLaVA (1.5 layout): a CLIP/SigLIP tower at one fixed square size, an MLP projector, any decoder.
+
+    Every image becomes the same run of `<image>` tokens, one per patch of the selected vision
+    layer (plus the CLS token under the "full" feature strategy); positions are plain 1-D, so
+    sequences pack like text. pixel_values: (images, 3, S, S); image_grid_thw: (1, S/p, S/p).
+    """
+
+    legacy_weight_names: tuple[tuple[str, str], ...] = _LLAVA_LEGACY_NAMES
+    image_size: int = 336
+    patch_size: int = 14
+    cls_token: int = 0  # 1 under vision_feature_select_strategy="full"
+    feature_layer: int = -2  # the vision hidden state the projector reads
+
+    def image_token_count(self, grid_row: torch.Tensor) -> int:
+        return int(torch.as_tensor(grid_row).prod()) + self.cls_token
+
+    def dummy_vision_inputs(self, device):
+        side = self.image_size // self.patch_size
+        return torch.zeros(1, 3, self.image_size, self.image_size, device=device), torch.tensor([[1, side, side]])
+
+    def image_features(self, model, pixels, grid):
+        feats = _encoder_layer_output(self.vision_tower(model), pixels, self.feature_layer)
+        if not self.cls_token:
+            feats = feats[:, 1:]
+        return [model.model.multi_modal_projector(feats).flatten(0, 1)]
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return model.model.vision_tower
+
+
+def _encoder_layer_output(tower: nn.Module, pixels: torch.Tensor, feature_layer: int) -> torch.Tensor:
+    """`hidden_states[feature_layer]` of a CLIP/SigLIP tower, taken by a hook on that encoder layer.
+
+    The model's own `output_hidden_states` capture is looked up by the tower's class, which FSDP
+    replaces when it wraps the tower, so the layer's output is caught here instead. Index k >= 1
+    is the output of layer k - 1; negative indices count from the last layer's output (-1).
+    """
+    layers = getattr(tower, "vision_model", tower).encoder.layers
+    if feature_layer == 0 or not -len(layers) <= feature_layer <= len(layers):
+        raise ValueError(f"vision_feature_layer {feature_layer} is not an encoder layer output of {len(layers)} layers")
+    index = len(layers) + feature_layer if feature_layer < 0 else feature_layer - 1
+    captured: list[torch.Tensor] = []
+    handle = layers[index].register_forward_hook(
+        lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        out = tower(pixels)
+    finally:
+        handle.remove()
+    # FSDP gathers the tower's weights for backward when the gradient reaches the tower's
+    # outputs; a gradient entering at an inner layer alone would find them freed. Tying the
+    # tower's output in with weight zero makes that happen first (it depends on this layer).
+    return captured[0] + out.last_hidden_state.sum() * 0.0
+
+
+def _llava_adapter(config) -> LlavaAdapter:
+    vc = config.vision_config
+    if not isinstance(config.vision_feature_layer, int):
+        raise ValueError(f"llava: vision_feature_layer {config.vision_feature_layer} (several layers) is not supported")
+    return LlavaAdapter(
+        name="llava",
+        hf_architecture="LlavaForConditionalGeneration",
+        image_token_id=getattr(config, "image_token_id", None) or config.image_token_index,
+        image_size=vc.image_size,
+        patch_size=vc.patch_size,
+        cls_token=1 if config.vision_feature_select_strategy == "full" else 0,
+        feature_layer=config.vision_feature_layer,
+    )
+
+
 def _qwen_adapter(config, name: str, arch: str, cls=QwenVLAdapter) -> QwenVLAdapter:
     vc = config.vision_config
     return cls(
@@ -295,6 +393,7 @@ ADAPTERS = {
     "qwen2_vl": lambda cfg: _qwen_adapter(cfg, "qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": lambda cfg: _qwen_adapter(cfg, "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": lambda cfg: _qwen_adapter(cfg, "qwen3_vl", "Qwen3VLForConditionalGeneration", Qwen3VLAdapter),
+    "llava": _llava_adapter,
 }
 
 

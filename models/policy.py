@@ -9,7 +9,6 @@ fp32 logits never exist for the whole pack at once.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -21,17 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from models.family import FamilyAdapter, build_adapter
+from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
 from models.packing import PackedMicrobatch
 from models.parallel import ParallelDims, apply_parallelism
 
 LOGPROB_CHUNK = 1024  # scored tokens per lm_head chunk
-
-# Checkpoints saved before transformers renamed VLM weights (hub Qwen2/2.5-VL) use these prefixes.
-_LEGACY_KEYS = [
-    (re.compile(r"^visual\."), "model.visual."),
-    (re.compile(r"^model\.(?!visual\.|language_model\.)"), "model.language_model."),
-]
 
 # Files of a model folder that export copies next to the weights.
 _SIDE_FILES = (
@@ -41,12 +34,14 @@ _SIDE_FILES = (
 )
 
 
-def canonical_weight_name(name: str) -> str:
-    """A checkpoint key in transformers' current naming (model.language_model.*, model.visual.*, lm_head.*)."""
-    for pattern, repl in _LEGACY_KEYS:
-        if pattern.match(name):
-            return pattern.sub(repl, name, count=1)
-    return name
+def canonical_weight_name(name: str, adapter: FamilyAdapter | None = None) -> str:
+    """A checkpoint key in transformers' current naming (model.language_model.*, model.visual.*, lm_head.*).
+
+    The family's adapter knows its legacy layouts; without one, the Qwen-VL rules apply.
+    """
+    if adapter is None:
+        adapter = QwenVLAdapter(name="", hf_architecture="", image_token_id=-1)
+    return adapter.canonical_weight_name(name)
 
 
 def load_model_config(path: str, trust_remote_code: bool = False):
@@ -61,27 +56,27 @@ def load_model_config(path: str, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
 
 
-def _open_weights(path: str) -> dict[str, tuple[str, str]]:
+def _open_weights(path: str, adapter: FamilyAdapter | None = None) -> dict[str, tuple[str, str]]:
     """Map canonical weight name → (safetensors file, key in that file) for a model folder."""
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = json.loads(index.read_text())["weight_map"]
-        return {canonical_weight_name(k): (str(folder / v), k) for k, v in files.items()}
+        return {canonical_weight_name(k, adapter): (str(folder / v), k) for k, v in files.items()}
     single = folder / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     with safe_open(str(single), framework="pt") as f:
-        return {canonical_weight_name(k): (str(single), k) for k in f.keys()}
+        return {canonical_weight_name(k, adapter): (str(single), k) for k in f.keys()}
 
 
-def load_safetensors_into(model: nn.Module, path: str) -> None:
+def load_safetensors_into(model: nn.Module, path: str, adapter: FamilyAdapter | None = None) -> None:
     """Fill every parameter and persistent buffer of a (possibly sharded) model from a folder's safetensors.
 
     Each rank reads one full tensor at a time and keeps its own shard. Tied weights (lm_head
     sharing the embedding) may be absent from the files.
     """
-    where = _open_weights(path)
+    where = _open_weights(path, adapter)
     handles: dict[str, object] = {}
     tied = bool(getattr(getattr(model.config, "text_config", model.config), "tie_word_embeddings", False)) or bool(
         getattr(model.config, "tie_word_embeddings", False)
@@ -369,7 +364,7 @@ def build_policy(cfg_model, dims: ParallelDims) -> Policy:
     )
     model.to_empty(device=dims.device)
     _reinit_nonpersistent_buffers(model, dims.device)
-    load_safetensors_into(model, cfg_model.path)
+    load_safetensors_into(model, cfg_model.path, adapter)
     left = _has_meta(model)
     if left:
         raise RuntimeError(f"{len(left)} tensors still on the meta device after loading, e.g. {left[:3]}")

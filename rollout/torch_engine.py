@@ -82,7 +82,7 @@ class TorchEngine(Engine):
         unknown: list[str] = []
         with torch.no_grad():
             for name, tensor in named_tensors:
-                target = targets.get(canonical_weight_name(name))
+                target = targets.get(canonical_weight_name(name, self.adapter))
                 if target is None:
                     unknown.append(name)
                     continue

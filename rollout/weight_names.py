@@ -38,12 +38,26 @@ _QWEN_VL_PREFIXES = [
     (r"^visual\.", "visual."),
     (r"^lm_head\.", "language_model.lm_head."),
 ]
+# LLaVA-style models (vLLM's LlavaForConditionalGeneration / Gemma3ForConditionalGeneration
+# mappers): current transformers names first, then the pre-4.52 hub layout, which is already
+# vLLM's own.
+_LLAVA_PREFIXES = [
+    (r"^model\.language_model\.", "language_model.model."),
+    (r"^model\.vision_tower\.", "vision_tower."),
+    (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
+    (r"^lm_head\.", "language_model.lm_head."),
+    (r"^language_model\.model\.", "language_model.model."),
+    (r"^language_model\.lm_head\.", "language_model.lm_head."),
+    (r"^vision_tower\.", "vision_tower."),
+    (r"^multi_modal_projector\.", "multi_modal_projector."),
+]
 HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
     "qwen2_vl": list(_QWEN_VL_PREFIXES),
     "qwen2_5_vl": list(_QWEN_VL_PREFIXES),
     # Qwen3-VL: the same module paths (vLLM's Qwen3VLForConditionalGeneration mapper); its vision
     # blocks, merger and deepstack mergers use linear_fc1/linear_fc2 and a fused attn.qkv.
     "qwen3_vl": list(_QWEN_VL_PREFIXES),
+    "llava": list(_LLAVA_PREFIXES),
 }
 
 # vLLM parameters that hold several checkpoint tensors, and the checkpoint module names
@@ -63,6 +77,10 @@ STACKING_SCOPES: dict[str, tuple[str, ...]] = {
     "qwen2_vl": ("language_model.model.layers.",),
     "qwen2_5_vl": ("language_model.model.layers.", "visual.blocks."),
     "qwen3_vl": ("language_model.model.layers.",),
+    # vLLM's CLIP/SigLIP attention fuses q/k/v into qkv_proj; their MLP is fc1/fc2. vLLM builds the
+    # tower only up to vision_feature_layer and without post_layernorm: those checkpoint tensors
+    # (the last CLIP layer under the default -2) have a name here but no parameter in vLLM.
+    "llava": ("language_model.model.layers.", "vision_tower.vision_model.encoder.layers."),
 }
 
 _MEMBER_TO_STACK = {member: stacked for stacked, members in STACKED for member in members}

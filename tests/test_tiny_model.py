@@ -266,8 +266,8 @@ def test_other_seed_changes_only_the_weights(built, tmp_path, capsys):
 
 
 def test_bad_arguments_fail_with_clear_errors(built, tmp_path):
-    with pytest.raises(ValueError, match="unknown family 'llava'"):
-        make_tiny_model(tmp_path / "x", family="llava")
+    with pytest.raises(ValueError, match="unknown family 'blip2'"):
+        make_tiny_model(tmp_path / "x", family="blip2")
     with pytest.raises(ValueError, match="unknown size 'huge'"):
         make_tiny_model(tmp_path / "x", size="huge")
     with pytest.raises(FileExistsError, match="already exists"):

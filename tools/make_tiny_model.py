@@ -213,6 +213,21 @@ FAMILIES = {
         extra_tokens=QWEN2_5_EXTRA_TOKENS + (("<think>", False), ("</think>", False)),
         patch_size=16,
     ),
+    # LLaVA (1.5 layout) over a Qwen2 decoder: a CLIP tower at one square size, the second-to-last
+    # layer's patch features (CLS dropped), a 2-layer MLP projector; one <image> token per patch.
+    "llava": FamilySpec(
+        config_class="LlavaConfig",
+        model_class="LlavaForConditionalGeneration",
+        processor_class="LlavaProcessor",
+        extra_tokens=(("<image>", True),),
+        image_part="<image>",
+    ),
+}
+
+# What the family's processor class reads from processor_config.json besides the image processor.
+PROCESSOR_FIELDS = {
+    "llava": {"patch_size": PATCH_SIZE, "vision_feature_select_strategy": "default",
+              "num_additional_image_tokens": 1, "image_token": "<image>"},
 }
 
 SIZES = {
@@ -315,6 +330,11 @@ def build_tokenizer(family: FamilySpec, size: SizeSpec):
     return tokenizer
 
 
+def fixed_image_side(size: SizeSpec) -> int:
+    """The square input side of fixed-size families: twice the side of the size's minimum image."""
+    return int(round((4 * size.min_pixels) ** 0.5 / PATCH_SIZE)) * PATCH_SIZE
+
+
 def build_image_processor(size: SizeSpec, family_name: str = "qwen2_5_vl"):
     """The family's image processor with the size's pixel limits.
 
@@ -323,6 +343,11 @@ def build_image_processor(size: SizeSpec, family_name: str = "qwen2_5_vl"):
     Qwen3-VL's grid is 32 pixels, not 28: its limits are the size's, scaled by (32/28)².
     """
     family = FAMILIES[family_name]
+    if family_name == "llava":
+        side = fixed_image_side(size)
+        cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+        return cls(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                   image_mean=list(IMAGE_MEAN), image_std=list(IMAGE_STD))
     cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
     if family_name == "qwen3_vl":
         scale = (family.patch_size * MERGE_SIZE) ** 2 / (PATCH_SIZE * MERGE_SIZE) ** 2
@@ -354,6 +379,11 @@ def _vision_config(family_name: str, size: SizeSpec) -> dict:
         # Qwen2-VL: embed_dim is the tower's width, hidden_size the merger's output.
         return dict(common, embed_dim=size.vision_hidden, hidden_size=size.text_hidden,
                     mlp_ratio=size.vision_mlp_ratio)
+    if family_name == "llava":
+        return dict(model_type="clip_vision_model", hidden_size=size.vision_hidden,
+                    intermediate_size=size.vision_intermediate, num_hidden_layers=size.vision_depth,
+                    num_attention_heads=size.vision_heads, image_size=fixed_image_side(size), patch_size=PATCH_SIZE,
+                    projection_dim=size.text_hidden, hidden_act="quick_gelu")
     if family_name == "qwen3_vl":
         # DeepStack levels at 1/4, 1/2 and 3/4 of the depth (the 8B model: blocks 8, 16, 24 of 27),
         # a learned 8x8 position table interpolated to each image's grid.
@@ -408,6 +438,16 @@ def build_config(family_name: str, size: SizeSpec, tokenizer):
         for key in ("max_window_layers", "use_sliding_window"):
             text_config.pop(key)
     config_class = getattr(transformers, family.config_class)
+    if family_name == "llava":
+        text_config = dict(text_config, model_type="qwen2")
+        text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+        return config_class(
+            text_config=text_config, vision_config=_vision_config(family_name, size),
+            image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+            image_seq_length=(fixed_image_side(size) // PATCH_SIZE) ** 2, vision_feature_layer=-2,
+            vision_feature_select_strategy="default", projector_hidden_act="gelu", tie_word_embeddings=False,
+            architectures=[family.model_class],
+        )
     return config_class(
         text_config=text_config,
         vision_config=_vision_config(family_name, size),
@@ -544,7 +584,7 @@ def make_tiny_model(
     try:
         _save_weights(model, staging, weight_names)
         save_processor_files(staging, tokenizer, build_image_processor(size_spec, family), family_spec.processor_class,
-                             chat_template(family_spec))
+                             chat_template(family_spec), PROCESSOR_FIELDS.get(family))
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

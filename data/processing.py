@@ -112,12 +112,61 @@ class FixedSizeImages:
         return self.placeholder * (int(grid_row.prod()) + self.extra)
 
 
+class SplitImages:
+    """SmolVLM (Idefics3): images tiled into squares of the vision tower's size plus a global tile.
+
+    `prepare` brings an image to the size the image processor would tile (longest edge at the
+    processor's `size`, both sides multiples of the tile side), in one resize, so the processor
+    itself (called without its first resize) only cuts tiles and downscales the global view, the
+    same on the trainer's and the engine's side. pixel_values: (tiles, 3, S, S) for all images of
+    the prompt; image_grid_thw: (tiles, rows, cols) per image. Each image's placeholder expands
+    to the Idefics3 layout: per tile `<fake_token_around_image><row_r_col_c>` + image_seq_len
+    `<image>`, a newline after each row, then the framed `<global-img>` tile.
+    """
+
+    placeholder = "<image>"
+    fake = "<fake_token_around_image>"
+    global_tag = "<global-img>"
+
+    def __init__(self, image_processor, config: dict):
+        self.image_processor = image_processor
+        self.longest = int(_field(image_processor.size, "longest_edge"))
+        self.tile = int(image_processor.max_image_size["longest_edge"])
+        self.seq_len = int(config["image_seq_len"])
+
+    def prepare(self, image):
+        image = to_rgb(image)
+        w, h = image.size
+        scale = self.longest / max(w, h)
+        w, h = max(1, round(w * scale)), max(1, round(h * scale))
+        w, h = (-(-w // self.tile) * self.tile, -(-h // self.tile) * self.tile)
+        return image if image.size == (w, h) else image.resize((w, h), resample=Image.Resampling.LANCZOS)
+
+    def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.image_processor(images=[images], do_resize=False, do_image_splitting=True,
+                                   return_row_col_info=True, return_tensors="pt")
+        rows, cols = out["rows"][0], out["cols"][0]
+        grid = torch.tensor([[r * c + 1, r, c] for r, c in zip(rows, cols)])
+        return out["pixel_values"][0], grid
+
+    def expansion(self, grid_row: torch.Tensor) -> str:
+        _, rows, cols = (int(v) for v in grid_row)
+        run = self.placeholder * self.seq_len
+        glob = f"{self.fake}{self.global_tag}{run}{self.fake}"
+        if rows == 0 and cols == 0:
+            return glob
+        tiles = "".join("".join(f"{self.fake}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
+                        for r in range(rows))
+        return f"{tiles}\n{glob}"
+
+
 # Image rules by the checkpoint's processor class (processor_config.json / preprocessor_config.json).
 IMAGE_RULES = {
     "Qwen2VLProcessor": QwenImages,
     "Qwen2_5_VLProcessor": QwenImages,
     "Qwen3VLProcessor": QwenImages,
     "LlavaProcessor": FixedSizeImages,
+    "Idefics3Processor": SplitImages,
 }
 
 

@@ -374,6 +374,62 @@ def _llava_adapter(config) -> LlavaAdapter:
     )
 
 
+@dataclass
+class Idefics3Adapter(FamilyAdapter):
+    """SmolVLM (Idefics3): each image split into square tiles plus a downscaled global tile.
+
+    Every tile becomes `image_seq_len` `<image>` tokens (vision patches pixel-shuffled by
+    scale_factor², then projected); the tile runs are framed by `<fake_token_around_image>`,
+    `<row_i_col_j>` and `<global-img>` text tokens. Positions are plain 1-D, so sequences pack.
+    pixel_values: (tiles, 3, S, S) per prompt — the model takes them as (batch, tiles, 3, S, S),
+    images laid along dim 1, which `engine_inputs` and `image_features` add; image_grid_thw:
+    (tiles, rows, cols) per image (rows = cols = 0 when the image was not split).
+    """
+
+    image_size: int = 512
+    image_seq_len: int = 64
+    patch_size: int = 16
+
+    def image_token_count(self, grid_row: torch.Tensor) -> int:
+        return int(grid_row[0]) * self.image_seq_len
+
+    def pixel_rows(self, grid: torch.Tensor) -> int:
+        return int(grid[:, 0].sum())
+
+    def dummy_vision_inputs(self, device):
+        # Not zeros: the model drops all-zero tiles as batch padding.
+        return torch.ones(1, 3, self.image_size, self.image_size, device=device), torch.tensor([[1, 0, 0]])
+
+    def image_features(self, model, pixels, grid):
+        out = model.model.get_image_features(pixel_values=pixels.unsqueeze(0))
+        return [torch.cat(list(out.pooler_output))]
+
+    def engine_inputs(self, input_ids, positions, attention_mask, pixels, grid):
+        kwargs = dict(input_ids=input_ids, position_ids=positions[0], attention_mask=attention_mask)
+        if pixels is not None:
+            kwargs["pixel_values"] = pixels.unsqueeze(0)
+        return kwargs
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return model.model.vision_model
+
+    def language_model(self, model: nn.Module) -> nn.Module:
+        return model.model.text_model
+
+
+def _idefics3_adapter(config) -> Idefics3Adapter:
+    vc = config.vision_config
+    seq = (vc.image_size // vc.patch_size) ** 2 // config.scale_factor**2
+    return Idefics3Adapter(
+        name="idefics3",
+        hf_architecture="Idefics3ForConditionalGeneration",
+        image_token_id=config.image_token_id,
+        image_size=vc.image_size,
+        image_seq_len=seq,
+        patch_size=vc.patch_size,
+    )
+
+
 def _qwen_adapter(config, name: str, arch: str, cls=QwenVLAdapter) -> QwenVLAdapter:
     vc = config.vision_config
     return cls(
@@ -394,6 +450,7 @@ ADAPTERS = {
     "qwen2_5_vl": lambda cfg: _qwen_adapter(cfg, "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": lambda cfg: _qwen_adapter(cfg, "qwen3_vl", "Qwen3VLForConditionalGeneration", Qwen3VLAdapter),
     "llava": _llava_adapter,
+    "idefics3": _idefics3_adapter,
 }
 
 

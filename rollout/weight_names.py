@@ -58,6 +58,9 @@ HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
     # blocks, merger and deepstack mergers use linear_fc1/linear_fc2 and a fused attn.qkv.
     "qwen3_vl": list(_QWEN_VL_PREFIXES),
     "llava": list(_LLAVA_PREFIXES),
+    # SmolVLM (Idefics3): vLLM keeps transformers' module paths (model.vision_model,
+    # model.connector, model.text_model, lm_head).
+    "idefics3": [(r"^model\.", "model."), (r"^lm_head\.", "lm_head.")],
 }
 
 # vLLM parameters that hold several checkpoint tensors, and the checkpoint module names
@@ -81,6 +84,8 @@ STACKING_SCOPES: dict[str, tuple[str, ...]] = {
     # tower only up to vision_feature_layer and without post_layernorm: those checkpoint tensors
     # (the last CLIP layer under the default -2) have a name here but no parameter in vLLM.
     "llava": ("language_model.model.layers.", "vision_tower.vision_model.encoder.layers."),
+    # vLLM's Idefics3 vision attention fuses q/k/v like the Llama decoder.
+    "idefics3": ("model.text_model.layers.", "model.vision_model.encoder.layers."),
 }
 
 _MEMBER_TO_STACK = {member: stacked for stacked, members in STACKED for member in members}

@@ -22,7 +22,7 @@ from rollout.base import PromptInput, SamplingParams
 from rollout.torch_engine import TorchEngine
 from rollout.weight_names import vllm_param_for
 
-FAMILIES = ["qwen3_vl", "llava"]
+FAMILIES = ["qwen3_vl", "llava", "idefics3"]
 HEAD_SCALE = 40.0  # sharpens the random model's near-uniform next-token distribution
 
 

@@ -222,10 +222,22 @@ FAMILIES = {
         extra_tokens=(("<image>", True),),
         image_part="<image>",
     ),
+    # SmolVLM (Idefics3) over a Llama decoder: images tiled into squares of the tower's size plus
+    # a global tile, pixel-shuffled by 2x2, framed by <fake_token_around_image>/<row_r_col_c>/<global-img>.
+    "idefics3": FamilySpec(
+        config_class="Idefics3Config",
+        model_class="Idefics3ForConditionalGeneration",
+        processor_class="Idefics3Processor",
+        extra_tokens=(("<fake_token_around_image>", True), ("<image>", True), ("<global-img>", True),
+                      ("<end_of_utterance>", True))
+        + tuple((f"<row_{r}_col_{c}>", True) for r in range(1, 7) for c in range(1, 7)),
+        image_part="<image>",
+    ),
 }
 
 # What the family's processor class reads from processor_config.json besides the image processor.
 PROCESSOR_FIELDS = {
+    "idefics3": {"image_seq_len": 4},  # (tile / patch)² / scale_factor² = (56 / 14)² / 4
     "llava": {"patch_size": PATCH_SIZE, "vision_feature_select_strategy": "default",
               "num_additional_image_tokens": 1, "image_token": "<image>"},
 }
@@ -343,6 +355,12 @@ def build_image_processor(size: SizeSpec, family_name: str = "qwen2_5_vl"):
     Qwen3-VL's grid is 32 pixels, not 28: its limits are the size's, scaled by (32/28)².
     """
     family = FAMILIES[family_name]
+    if family_name == "idefics3":
+        # Images up to two tiles a side: a 2x2 split plus the global tile at most.
+        tile = fixed_image_side(size)
+        cls = getattr(transformers, "Idefics3ImageProcessorPil", None) or transformers.Idefics3ImageProcessor
+        return cls(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile}, do_image_splitting=True,
+                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     if family_name == "llava":
         side = fixed_image_side(size)
         cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
@@ -379,6 +397,10 @@ def _vision_config(family_name: str, size: SizeSpec) -> dict:
         # Qwen2-VL: embed_dim is the tower's width, hidden_size the merger's output.
         return dict(common, embed_dim=size.vision_hidden, hidden_size=size.text_hidden,
                     mlp_ratio=size.vision_mlp_ratio)
+    if family_name == "idefics3":
+        return dict(hidden_size=size.vision_hidden, intermediate_size=size.vision_intermediate,
+                    num_hidden_layers=size.vision_depth, num_attention_heads=size.vision_heads,
+                    image_size=fixed_image_side(size), patch_size=PATCH_SIZE)
     if family_name == "llava":
         return dict(model_type="clip_vision_model", hidden_size=size.vision_hidden,
                     intermediate_size=size.vision_intermediate, num_hidden_layers=size.vision_depth,
@@ -438,6 +460,14 @@ def build_config(family_name: str, size: SizeSpec, tokenizer):
         for key in ("max_window_layers", "use_sliding_window"):
             text_config.pop(key)
     config_class = getattr(transformers, family.config_class)
+    if family_name == "idefics3":
+        text_config = {k: v for k, v in text_config.items() if k not in ("max_window_layers", "use_sliding_window")}
+        text_config.update(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+        return config_class(
+            text_config=text_config, vision_config=_vision_config(family_name, size),
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=2, tie_word_embeddings=False,
+            architectures=[family.model_class],
+        )
     if family_name == "llava":
         text_config = dict(text_config, model_type="qwen2")
         text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}

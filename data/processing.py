@@ -160,6 +160,31 @@ class SplitImages:
         return f"{tiles}\n{glob}"
 
 
+class Gemma3Images(FixedSizeImages):
+    """Gemma3: a fixed square image of `image_seq_length` soft tokens, framed as the Gemma3Processor does.
+
+    The chat template writes `<start_of_image>` per image; it becomes
+    "\\n\\n<start_of_image>" + image_seq_length × `<image_soft_token>` + "<end_of_image>\\n\\n".
+    image_grid_thw: (1, k, k) with k² = image_seq_length. Pan-and-scan crops are not used.
+    """
+
+    placeholder = "<start_of_image>"
+
+    def __init__(self, image_processor, config: dict):
+        size = image_processor.size
+        self.image_processor = image_processor
+        self.size = (int(_field(size, "height")), int(_field(size, "width")))
+        self.tokens = int(config.get("image_seq_length", 256))
+        self.side = int(round(self.tokens**0.5))
+
+    def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = self.image_processor(images=images, do_pan_and_scan=False, return_tensors="pt")["pixel_values"]
+        return pixels, torch.tensor([[1, self.side, self.side]] * len(images))
+
+    def expansion(self, grid_row: torch.Tensor) -> str:
+        return f"\n\n{self.placeholder}" + "<image_soft_token>" * int(grid_row.prod()) + "<end_of_image>\n\n"
+
+
 # Image rules by the checkpoint's processor class (processor_config.json / preprocessor_config.json).
 IMAGE_RULES = {
     "Qwen2VLProcessor": QwenImages,
@@ -167,6 +192,7 @@ IMAGE_RULES = {
     "Qwen3VLProcessor": QwenImages,
     "LlavaProcessor": FixedSizeImages,
     "Idefics3Processor": SplitImages,
+    "Gemma3Processor": Gemma3Images,
 }
 
 

@@ -40,6 +40,10 @@ class FamilyAdapter:
     # False: the language model cannot run several sequences in one packed row (the policy then
     # runs each sequence of a micro-batch on its own; see Policy.hidden_states).
     packable: bool = True
+    # False: prompts of different lengths must not share a right-padded batch in the built-in
+    # engine (a sliding-window cache counts padding slots as context); it then generates one
+    # prompt (with its n samples, all the same length) at a time.
+    batch_with_padding: bool = True
 
     @property
     def banned_token_ids(self) -> list[int]:
@@ -130,6 +134,10 @@ class FamilyAdapter:
         if pixels is not None:
             kwargs["pixel_values"] = pixels
         return kwargs
+
+    def rebuild_buffers(self, module: nn.Module, device) -> bool:
+        """Refill the non-persistent buffers of a config-less module built on meta; False if unknown."""
+        return False
 
     # --- module structure -------------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
@@ -430,6 +438,91 @@ def _idefics3_adapter(config) -> Idefics3Adapter:
     )
 
 
+@dataclass
+class Gemma3Adapter(LlavaAdapter):
+    """Gemma3: a SigLIP tower at one square size, average-pooled to `mm_tokens_per_image` soft tokens.
+
+    Attention is causal except that the soft tokens of one image see each other both ways
+    (in full and sliding-window layers alike); the model marks them with token_type_ids = 1,
+    which this adapter derives from the image token. Positions are plain 1-D. Sequences pack
+    (see `run_language_model` for the masks; the packed-vs-single test holds them to it).
+    pixel_values: (images, 3, S, S); image_grid_thw: (1, k, k) with k² the tokens per image.
+    Embeddings are scaled by sqrt(hidden) inside `embed_tokens` (not the image features), as in
+    the model's own forward. The built-in engine runs one prompt at a time (sliding windows).
+    """
+
+    tokens_per_image: int = 256
+    batch_with_padding: bool = False  # sliding-window layers
+
+    def image_token_count(self, grid_row: torch.Tensor) -> int:
+        return int(torch.as_tensor(grid_row).prod())
+
+    def rebuild_buffers(self, module, device) -> bool:
+        if hasattr(module, "scalar_embed_scale"):  # Gemma3TextScaledWordEmbedding
+            module._buffers["embed_scale"] = torch.tensor(float(module.scalar_embed_scale), device=device)
+            return True
+        return False
+
+    def dummy_vision_inputs(self, device):
+        side = int(round(self.tokens_per_image**0.5))
+        return torch.zeros(1, 3, self.image_size, self.image_size, device=device), torch.tensor([[1, side, side]])
+
+    def image_features(self, model, pixels, grid):
+        out = model.model.get_image_features(pixels)
+        return [out.pooler_output.flatten(0, 1)]
+
+    def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
+        """The decoder under Gemma3's masks, built so that they also hold for a packed row.
+
+        The model's own mask builder ORs the image blocks into the sliding-window mask as a mask
+        function, which transformers evaluates on per-sequence positions when it detects a packed
+        row: later sequences would then look up the first sequence's image blocks. Here the image
+        blocks go in as `block_sequence_ids`, which are indexed by row position after packing is
+        applied: full layers OR(causal, block), sliding layers OR(AND(causal, window), block),
+        each AND same-sequence. That equals the model's AND(window, OR(causal, block)) whenever
+        an image's tokens fit in the window (256 soft tokens against a 512/1024 window in the
+        released models); an adapter whose images do not fit is built with packable=False and
+        uses the model's own builder.
+        """
+        from transformers.masking_utils import create_causal_mask, sliding_window_overlay
+        from transformers.models.gemma3.modeling_gemma3 import (
+            create_masks_for_vision_model, get_block_sequence_ids_for_mask,
+        )
+
+        lm = self.language_model(model)
+        positions = position_ids[0]
+        kwargs = dict(config=lm.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions,
+                      block_sequence_ids=get_block_sequence_ids_for_mask(image_mask.long(), device=embeds.device))
+        if self.packable:
+            masks = {"full_attention": create_causal_mask(**kwargs),
+                     "sliding_attention": create_causal_mask(
+                         **kwargs, and_mask_function=sliding_window_overlay(lm.config.sliding_window))}
+        else:
+            masks = create_masks_for_vision_model(**kwargs)
+        out = lm(inputs_embeds=embeds, position_ids=positions, attention_mask=masks, use_cache=False)
+        return out.last_hidden_state
+
+    def engine_inputs(self, input_ids, positions, attention_mask, pixels, grid):
+        kwargs = super().engine_inputs(input_ids, positions, attention_mask, pixels, grid)
+        if pixels is not None:
+            kwargs["token_type_ids"] = (input_ids == self.image_token_id).long()
+        return kwargs
+
+
+def _gemma3_adapter(config) -> Gemma3Adapter:
+    vc = config.vision_config
+    return Gemma3Adapter(
+        name="gemma3",
+        hf_architecture="Gemma3ForConditionalGeneration",
+        image_token_id=getattr(config, "image_token_id", None) or config.image_token_index,
+        extra_banned_ids=(config.boi_token_index, config.eoi_token_index),
+        image_size=vc.image_size,
+        patch_size=vc.patch_size,
+        tokens_per_image=config.mm_tokens_per_image,
+        packable=config.mm_tokens_per_image <= (config.text_config.sliding_window or 1 << 30),
+    )
+
+
 def _qwen_adapter(config, name: str, arch: str, cls=QwenVLAdapter) -> QwenVLAdapter:
     vc = config.vision_config
     return cls(
@@ -451,6 +544,7 @@ ADAPTERS = {
     "qwen3_vl": lambda cfg: _qwen_adapter(cfg, "qwen3_vl", "Qwen3VLForConditionalGeneration", Qwen3VLAdapter),
     "llava": _llava_adapter,
     "idefics3": _idefics3_adapter,
+    "gemma3": _gemma3_adapter,
 }
 
 

@@ -104,11 +104,17 @@ def load_safetensors_into(model: nn.Module, path: str, adapter: FamilyAdapter | 
         raise ValueError(f"{len(missing)} weights missing from the checkpoint in {path}, e.g. {missing[:3]}")
 
 
-def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute buffers that are not in checkpoints (rotary inv_freq) after building on meta."""
+def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device, adapter: FamilyAdapter | None = None) -> None:
+    """Recompute buffers that are not in checkpoints (rotary inv_freq) after building on meta.
+
+    A module with a config is rebuilt from it; one without (Gemma3's scaled embedding) is left
+    to the family adapter.
+    """
     for module in model.modules():
         names = [n for n in module._buffers if n in getattr(module, "_non_persistent_buffers_set", set())]
         if not names:
+            continue
+        if not hasattr(module, "config") and adapter is not None and adapter.rebuild_buffers(module, device):
             continue
         if not hasattr(module, "config"):
             raise RuntimeError(f"cannot rebuild non-persistent buffers of {type(module).__name__}")
@@ -363,7 +369,7 @@ def build_policy(cfg_model, dims: ParallelDims) -> Policy:
         activation_checkpointing=cfg_model.activation_checkpointing,
     )
     model.to_empty(device=dims.device)
-    _reinit_nonpersistent_buffers(model, dims.device)
+    _reinit_nonpersistent_buffers(model, dims.device, adapter)
     load_safetensors_into(model, cfg_model.path, adapter)
     left = _has_meta(model)
     if left:

@@ -135,7 +135,7 @@ class TorchEngine(Engine):
             generator.seed()
         else:
             generator.manual_seed(params.seed)
-        per_chunk = max(1, self.max_batch_size // params.n)
+        per_chunk = max(1, self.max_batch_size // params.n) if self.adapter.batch_with_padding else 1
         start = time.perf_counter()
         out: list[Generation] = []
         with torch.no_grad():

@@ -61,6 +61,7 @@ HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
     # SmolVLM (Idefics3): vLLM keeps transformers' module paths (model.vision_model,
     # model.connector, model.text_model, lm_head).
     "idefics3": [(r"^model\.", "model."), (r"^lm_head\.", "lm_head.")],
+    "gemma3": list(_LLAVA_PREFIXES),
 }
 
 # vLLM parameters that hold several checkpoint tensors, and the checkpoint module names
@@ -86,6 +87,7 @@ STACKING_SCOPES: dict[str, tuple[str, ...]] = {
     "llava": ("language_model.model.layers.", "vision_tower.vision_model.encoder.layers."),
     # vLLM's Idefics3 vision attention fuses q/k/v like the Llama decoder.
     "idefics3": ("model.text_model.layers.", "model.vision_model.encoder.layers."),
+    "gemma3": ("language_model.model.layers.", "vision_tower.vision_model.encoder.layers."),
 }
 
 _MEMBER_TO_STACK = {member: stacked for stacked, members in STACKED for member in members}

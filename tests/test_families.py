@@ -22,7 +22,7 @@ from rollout.base import PromptInput, SamplingParams
 from rollout.torch_engine import TorchEngine
 from rollout.weight_names import vllm_param_for
 
-FAMILIES = ["qwen3_vl", "llava", "idefics3"]
+FAMILIES = ["qwen3_vl", "llava", "idefics3", "gemma3"]
 HEAD_SCALE = 40.0  # sharpens the random model's near-uniform next-token distribution
 
 
@@ -99,6 +99,10 @@ def test_engine_logprobs_match_policy(family_model):
     assert ours.min() < -0.5  # not a degenerate, near-certain distribution
     assert delta.max().item() < 1e-4 and tmpe <= 1.0001
     assert (torch.cat(packed) - torch.cat(single)).abs().max().item() < 1e-5
+    # The path a family that cannot pack takes: one language-model call per sequence of the row.
+    policy.adapter.packable = False
+    unpacked = _policy_logprobs(policy, prompts, gens, max_per_bin=len(gens))
+    assert (torch.cat(unpacked) - torch.cat(single)).abs().max().item() < 1e-5
 
 
 def _train(path, data, run_dir, mode):

@@ -233,10 +233,23 @@ FAMILIES = {
         + tuple((f"<row_{r}_col_{c}>", True) for r in range(1, 7) for c in range(1, 7)),
         image_part="<image>",
     ),
+    # Gemma3 (its 4B+ vision models): a SigLIP tower at one square size, average-pooled to a
+    # fixed number of soft tokens, bidirectional attention inside each image, sliding-window
+    # and global decoder layers. The tiny one keeps lm_head untied (Gemma3 ties it).
+    "gemma3": FamilySpec(
+        config_class="Gemma3Config",
+        model_class="Gemma3ForConditionalGeneration",
+        processor_class="Gemma3Processor",
+        extra_tokens=(("<start_of_image>", True), ("<image_soft_token>", True), ("<end_of_image>", True)),
+        image_part="<start_of_image>",
+    ),
 }
 
 # What the family's processor class reads from processor_config.json besides the image processor.
+GEMMA3_TOKENS = 4  # soft tokens per image of the tiny Gemma3 (the 4B model: 256), a square number
+
 PROCESSOR_FIELDS = {
+    "gemma3": {"image_seq_length": GEMMA3_TOKENS},
     "idefics3": {"image_seq_len": 4},  # (tile / patch)² / scale_factor² = (56 / 14)² / 4
     "llava": {"patch_size": PATCH_SIZE, "vision_feature_select_strategy": "default",
               "num_additional_image_tokens": 1, "image_token": "<image>"},
@@ -355,6 +368,11 @@ def build_image_processor(size: SizeSpec, family_name: str = "qwen2_5_vl"):
     Qwen3-VL's grid is 32 pixels, not 28: its limits are the size's, scaled by (32/28)².
     """
     family = FAMILIES[family_name]
+    if family_name == "gemma3":
+        side = fixed_image_side(size)
+        cls = getattr(transformers, "Gemma3ImageProcessorPil", None) or transformers.Gemma3ImageProcessor
+        return cls(size={"height": side, "width": side}, do_pan_and_scan=False,
+                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     if family_name == "idefics3":
         # Images up to two tiles a side: a 2x2 split plus the global tile at most.
         tile = fixed_image_side(size)
@@ -397,6 +415,11 @@ def _vision_config(family_name: str, size: SizeSpec) -> dict:
         # Qwen2-VL: embed_dim is the tower's width, hidden_size the merger's output.
         return dict(common, embed_dim=size.vision_hidden, hidden_size=size.text_hidden,
                     mlp_ratio=size.vision_mlp_ratio)
+    if family_name == "gemma3":
+        return dict(model_type="siglip_vision_model", hidden_size=size.vision_hidden,
+                    intermediate_size=size.vision_intermediate, num_hidden_layers=size.vision_depth,
+                    num_attention_heads=size.vision_heads, image_size=fixed_image_side(size), patch_size=PATCH_SIZE,
+                    vision_use_head=False)
     if family_name == "idefics3":
         return dict(hidden_size=size.vision_hidden, intermediate_size=size.vision_intermediate,
                     num_hidden_layers=size.vision_depth, num_attention_heads=size.vision_heads,
@@ -460,6 +483,23 @@ def build_config(family_name: str, size: SizeSpec, tokenizer):
         for key in ("max_window_layers", "use_sliding_window"):
             text_config.pop(key)
     config_class = getattr(transformers, family.config_class)
+    if family_name == "gemma3":
+        head_dim = size.text_hidden // size.text_heads
+        text = dict(model_type="gemma3_text", vocab_size=text_config["vocab_size"], hidden_size=size.text_hidden,
+                    intermediate_size=size.text_intermediate, num_hidden_layers=size.text_layers,
+                    num_attention_heads=size.text_heads, num_key_value_heads=size.text_kv_heads, head_dim=head_dim,
+                    query_pre_attn_scalar=head_dim, max_position_embeddings=size.max_positions, rms_norm_eps=1e-6,
+                    sliding_window=16, tie_word_embeddings=False,
+                    layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(size.text_layers)],
+                    bos_token_id=text_config["bos_token_id"], eos_token_id=text_config["eos_token_id"],
+                    pad_token_id=text_config["bos_token_id"])
+        return config_class(
+            text_config=text, vision_config=_vision_config(family_name, size), mm_tokens_per_image=GEMMA3_TOKENS,
+            boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+            eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+            image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"), tie_word_embeddings=False,
+            architectures=[family.model_class],
+        )
     if family_name == "idefics3":
         text_config = {k: v for k, v in text_config.items() if k not in ("max_window_layers", "use_sliding_window")}
         text_config.update(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 100000.0})

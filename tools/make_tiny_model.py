@@ -1,7 +1,22 @@
-"""Build tiny offline Qwen2-VL / Qwen2.5-VL checkpoints laid out like hub checkpoints.
+"""Build tiny offline VLM checkpoints laid out like hub checkpoints.
 
     python tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out /tmp/tiny-qwen2_5_vl
     python tools/make_tiny_model.py --family qwen2_vl --size demo --out ckpt/demo --seed 3
+    python tools/make_tiny_model.py --family gemma3 --size tiny --out /tmp/tiny-gemma3
+
+Families: qwen2_vl, qwen2_5_vl, qwen3_vl, llava (a CLIP tower over a Qwen2 decoder),
+idefics3 (SmolVLM: a SigLIP-style tower over a Llama decoder) and gemma3. Every family
+uses ChatML turns (`<|im_start|>`, `<|im_end|>`) in its chat template, so the trainer's
+stop tokens are the same for all; the image part of the template and its special tokens
+are the family's own (`<|vision_start|><|image_pad|><|vision_end|>`, `<image>`,
+`<start_of_image>`), expanded by `data.processing` exactly as the family's processor does.
+The Qwen-specific details below (hub weight names, mrope, window attention) apply to the
+Qwen families; LLaVA and Gemma3 save in their pre-4.52 hub layout (`language_model.*`,
+`vision_tower.*`, `multi_modal_projector.*`), Idefics3 in its only one (`model.text_model.*`,
+`model.vision_model.*`, `model.connector.*`). Fixed-size families take square images of
+twice the size's minimum side (56 pixels tiny, 112 demo); Idefics3 tiles images up to two
+tiles a side plus a global tile; the tiny Gemma3 pools each image to 4 soft tokens and
+keeps lm_head untied.
 
 or, from Python, `make_tiny_model(out, family="qwen2_5_vl", size="tiny", seed=0)`.
 
@@ -245,15 +260,18 @@ FAMILIES = {
     ),
 }
 
-# What the family's processor class reads from processor_config.json besides the image processor.
 GEMMA3_TOKENS = 4  # soft tokens per image of the tiny Gemma3 (the 4B model: 256), a square number
 
-PROCESSOR_FIELDS = {
-    "gemma3": {"image_seq_length": GEMMA3_TOKENS},
-    "idefics3": {"image_seq_len": 4},  # (tile / patch)² / scale_factor² = (56 / 14)² / 4
-    "llava": {"patch_size": PATCH_SIZE, "vision_feature_select_strategy": "default",
-              "num_additional_image_tokens": 1, "image_token": "<image>"},
-}
+def processor_fields(family_name: str, size: SizeSpec) -> dict:
+    """What the family's processor class reads from processor_config.json besides the image processor."""
+    if family_name == "gemma3":
+        return {"image_seq_length": GEMMA3_TOKENS}
+    if family_name == "idefics3":  # tokens per tile: (tile / patch)² / scale_factor², scale_factor 2
+        return {"image_seq_len": (fixed_image_side(size) // PATCH_SIZE) ** 2 // 4}
+    if family_name == "llava":
+        return {"patch_size": PATCH_SIZE, "vision_feature_select_strategy": "default",
+                "num_additional_image_tokens": 1, "image_token": "<image>"}
+    return {}
 
 SIZES = {
     "tiny": SizeSpec(
@@ -654,7 +672,7 @@ def make_tiny_model(
     try:
         _save_weights(model, staging, weight_names)
         save_processor_files(staging, tokenizer, build_image_processor(size_spec, family), family_spec.processor_class,
-                             chat_template(family_spec), PROCESSOR_FIELDS.get(family))
+                             chat_template(family_spec), processor_fields(family, size_spec))
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

@@ -322,10 +322,16 @@ def _move_model(model: nn.Module, device: torch.device) -> None:
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.device != device and not (k == "step" and v.dim() == 0 and v.device.type == "cpu"):
-                state[k] = v.to(device, non_blocking=True)
+    """Move the optimizer's state tensors. The step counter moves too where the optimizer keeps it
+    beside the parameters (fused or capturable AdamW), and otherwise stays on the CPU, as torch wants."""
+    for group in optimizer.param_groups:
+        step_follows = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if k == "step" and not step_follows:
+                    continue
+                if isinstance(v, torch.Tensor) and v.device != device:
+                    optimizer.state[p][k] = v.to(device, non_blocking=True)
 
 
 def export_hf_folder(named_tensors, config, source_path: str, out: str | Path, is_main: bool) -> Path | None:

@@ -67,6 +67,8 @@ def _parse(argv):
     p.add_argument("--peak-tflops", type=float, default=None, help="default: 989 on CUDA, 0 (no MFU) on CPU")
     p.add_argument("--phases", default="train,engine,grpo", help="comma-separated subset of train,engine,grpo")
     p.add_argument("--json-out", default=None, help="also write the JSON object to this file")
+    p.add_argument("--profile", default=None,
+                   help="profile one extra training step with torch.profiler and write its op table to this file")
     p.add_argument("--append", action="store_true", help="append to docs/benchmarks.jsonl and docs/benchmarks.md")
     p.add_argument("--append-from", default=None,
                    help="append a JSON object a run wrote (e.g. on another machine) and exit")
@@ -218,6 +220,8 @@ def bench_train(trainer, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times = [_timed(step)[0] for _ in range(args.train_steps)]
     seconds = statistics.median(times)
+    if args.profile:
+        _profile(step, Path(args.profile))
     bins = common_microbatches(batch, args.max_tokens, trainer.policy.device)
     slots = sum(max(sum(seqlens[i] for i in b), 2) if b else 2 for b in bins)
     model = trainer.policy.model
@@ -232,6 +236,21 @@ def bench_train(trainer, args) -> dict:
         "achieved_tflops_llm": f_llm / seconds / 1e12, "achieved_tflops_total": (f_llm + f_vis) / seconds / 1e12,
         "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
     }
+
+
+def _profile(step, out: Path) -> None:
+    """One step under torch.profiler: the ops by device time (by CPU time without CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=40)
+    out.write_text(table + "\n", encoding="utf-8")
+    print(f"bench: profile of one training step written to {out}", flush=True)
 
 
 def _peak_gb() -> float:
@@ -349,7 +368,11 @@ def missed_targets(result: dict) -> dict:
 
 
 def _fmt(v, digits=3):
-    return "–" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.{digits}g}"
+    return str(v)
 
 
 def append(result: dict) -> None:
@@ -358,7 +381,7 @@ def append(result: dict) -> None:
     md = ROOT / "docs" / "benchmarks.md"
     text = md.read_text(encoding="utf-8")
     header = "## Benchmark suite (`tools/bench.py`)"
-    cols = ["date", "device", "model", "mfu_llm", "mfu_total", "train_tokens_per_s", "gen_tokens_per_s",
+    cols = ["date", "device", "model", "attn_implementation", "activation_checkpointing", "mfu_llm", "mfu_total", "train_tokens_per_s", "gen_tokens_per_s",
             "gen_vs_standalone", "refit_s", "sleep_s", "wake_s", "padding_waste", "overhead_frac", "peak_mem_gb"]
     if header not in text:
         text += (f"\n{header}\n\nOne row per run of `tools/bench.py --append`; the full JSON (command, every "

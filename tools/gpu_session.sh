@@ -23,12 +23,12 @@ tiny)
   ;;
 train)
   for attn in sdpa varlen; do
-    timeout 280 $PY tools/bench.py --size 3b --phases train --train-steps 2 --attn "$attn" --json-out "$OUT/train_$attn.json" \
+    timeout 280 $PY tools/bench.py --size 3b --phases train --train-steps 2 --attn "$attn" --json-out "$OUT/train_$attn.json" ${BENCH_ARGS:-} \
       > "$OUT/train_$attn.log" 2>&1; echo "train $attn rc=$?"
   done
   ;;
 full)
-  timeout 560 $PY tools/bench.py --size 3b --attn "${ATTN:-varlen}" --json-out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  timeout 560 $PY tools/bench.py --size 3b --attn "${ATTN:-varlen}" --json-out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"
   ;;
 fidelity)

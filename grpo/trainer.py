@@ -29,14 +29,12 @@ from grpo.update import (
     all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, padded, per_target,
     sequence_logprobs,
 )
-from models.attention import register as register_varlen_attention
 from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
 from rollout.base import Generation, PromptInput, SamplingParams
 from rollout.factory import build_engine
 
 log = logging.getLogger("vlrl")
-register_varlen_attention()  # model.attn_implementation: varlen
 MISMATCH_ALARM = 1.05
 # Reward reasons that mean the scorer could not judge (counted), as opposed to a wrong answer.
 REWARD_FAILURES = ("timeout", "limit_exceeded", "answer_too_long", "invalid_gold_answer")

@@ -7,8 +7,9 @@ and never across. sdpa over a packed row needs a block-diagonal mask instead, wh
 whole row's L² scores (for 12 sequences of 1.3k tokens in a 16k row, 13× the useful work).
 
 Where the kernel cannot run (CPU, a torch without it, no positions given — the vision tower's
-windows) the call falls back to transformers' sdpa path, with the mask transformers builds for
-sdpa, so results are the same everywhere, only slower.
+windows — or a mask the family built itself) the call falls back to transformers' sdpa path, with
+the mask transformers builds for sdpa, so results are the same everywhere, only slower. On CUDA
+with the kernel present no mask is built for it (it would be an L×L tensor nobody reads).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def _kernel():
     except ImportError:
         return None, set()
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def kernel_available() -> bool:
+    return _kernel()[0] is not None
 
 
 def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -53,7 +58,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     position_ids = kwargs.get("position_ids")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if (kernel is None or query.device.type != "cuda" or position_ids is None or query.shape[0] != 1
-            or not causal or dropout):
+            or not causal or dropout or attention_mask is not None):  # a family's own mask wins
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     cu, longest = _cu_seqlens(position_ids)

@@ -44,6 +44,9 @@ class FamilyAdapter:
     # engine (a sliding-window cache counts padding slots as context); it then generates one
     # prompt (with its n samples, all the same length) at a time.
     batch_with_padding: bool = True
+    # True: on CUDA, `model.attn_implementation: auto` runs packed rows through the varlen kernel
+    # (models/attention.py); set only for families whose varlen path was checked on a GPU.
+    varlen_attention: bool = False
 
     @property
     def banned_token_ids(self) -> list[int]:
@@ -182,6 +185,7 @@ class QwenVLAdapter(FamilyAdapter):
         (r"^visual\.", "model.visual."),
         (r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
     )
+    varlen_attention: bool = True  # tests/gpu/test_varlen_attention.py on the H200 (Qwen2.5-VL)
     video_token_id: int = 0
     vision_start_token_id: int = 0
     vision_end_token_id: int = 0

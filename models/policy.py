@@ -128,17 +128,27 @@ def _has_meta(model: nn.Module) -> list[str]:
     return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
 
 
-def resolve_attn_implementation(name: str, device_type: str) -> str:
-    if name != "auto":
-        return name
-    if device_type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
+def resolve_attn_implementation(name: str, device_type: str, varlen_ok: bool = False) -> str:
+    """The attention implementation to build with. `auto`: on CUDA, the varlen kernel where the
+    family is validated with it (`varlen_ok`) and torch has it, else flash-attn 2 if installed,
+    else sdpa; sdpa on CPU. "varlen" is registered with transformers here."""
+    from models.attention import kernel_available, register
 
-            return "flash_attention_2"
-        except ImportError:
-            return "sdpa"
-    return "sdpa"
+    if name == "auto":
+        if device_type != "cuda":
+            name = "sdpa"
+        elif varlen_ok and kernel_available():
+            name = "varlen"
+        else:
+            try:
+                import flash_attn  # noqa: F401
+
+                name = "flash_attention_2"
+            except ImportError:
+                name = "sdpa"
+    if name == "varlen":
+        register()
+    return name
 
 
 def compute_dtype(name: str, device_type: str) -> torch.dtype:
@@ -363,7 +373,7 @@ def build_policy(cfg_model, dims: ParallelDims) -> Policy:
     config = load_model_config(cfg_model.path, cfg_model.trust_remote_code)
     adapter = build_adapter(config)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
-    attn = resolve_attn_implementation(cfg_model.attn_implementation, dims.device_type)
+    attn = resolve_attn_implementation(cfg_model.attn_implementation, dims.device_type, adapter.varlen_attention)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(
             config, attn_implementation=attn, dtype=torch.float32, trust_remote_code=cfg_model.trust_remote_code

@@ -293,6 +293,8 @@ class Qwen3VLAdapter(QwenVLAdapter):
     (interleaved m-rope sections are the rotary embedding's business, not the ids').
     """
 
+    varlen_attention: bool = False  # not yet checked on a GPU
+
     def image_features(self, model, pixels, grid):
         out = self.vision_tower(model)(pixels, grid_thw=grid)
         return [out.pooler_output, *out.deepstack_features]

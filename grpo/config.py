@@ -120,6 +120,9 @@ class LoggingConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor parallel degree of the policy's language model
+    # HSDP: data-parallel replicas, each sharding the policy over its ranks; 1 = plain FSDP over all
+    # data-parallel ranks, 0 = one replica per node (all-gathers stay inside a node)
+    replicate: int = 1
     offload_during_generate: Literal["auto", "on", "off"] = "auto"  # auto: on with CUDA
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 

@@ -63,6 +63,14 @@ def _check_batch(cfg: Config, world_size: int) -> None:
     if cfg.data.prompts_per_step % dp:
         raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not divide across {dp} "
                           f"data-parallel ranks; use a multiple of {dp}")
+    from models.parallel import resolve_replicate
+
+    if cfg.parallel.replicate < 0:
+        raise ConfigError(f"parallel.replicate={cfg.parallel.replicate} must be 0 (one replica per node) or positive")
+    replicate = resolve_replicate(cfg.parallel.replicate, world_size)
+    if dp % replicate:
+        raise ConfigError(f"parallel.replicate={cfg.parallel.replicate} (→ {replicate} replicas) does not divide the "
+                          f"{dp} data-parallel ranks")
 
 
 def preflight(cfg: Config, world_size: int = 1) -> None:

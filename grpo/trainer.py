@@ -50,9 +50,10 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         preflight(cfg, dist.get_world_size())
-        self.dims = build_parallel_dims(cfg.parallel.tp)
+        self.dims = build_parallel_dims(cfg.parallel.tp, cfg.parallel.replicate)
         self.run_dir = Path(cfg.trainer.run_dir)
         if self.dims.is_main:
+            print(f"parallel: {self.dims.describe()}", flush=True)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         torch.manual_seed(cfg.trainer.seed + self.dims.rank)

@@ -43,24 +43,40 @@ def init_distributed(backend: str = "auto") -> None:
 
 @dataclass
 class ParallelDims:
-    """The policy's device mesh: data parallel (FSDP) × tensor parallel."""
+    """The policy's device mesh: data parallel (FSDP, or HSDP: replicas × shards) × tensor parallel.
+
+    With `replicate` > 1 the data-parallel ranks form `replicate` groups that each hold a full
+    sharded copy (shards within a group, gradients all-reduced across groups): HSDP, with one
+    group per node when `replicate` is the node count, so parameter all-gathers stay on the
+    node's fast links. Data is split over all data-parallel ranks either way.
+    """
 
     world_size: int
     tp: int
     device_type: str
+    replicate: int = 1
 
     def __post_init__(self):
         if self.world_size % self.tp:
             raise ValueError(f"parallel.tp={self.tp} does not divide the world size {self.world_size}")
         self.dp = self.world_size // self.tp
-        if self.tp > 1:
-            self.mesh = init_device_mesh(self.device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
-        else:
-            self.mesh = init_device_mesh(self.device_type, (self.dp,), mesh_dim_names=("dp",))
+        if self.replicate < 1 or self.dp % self.replicate:
+            raise ValueError(f"parallel.replicate={self.replicate} does not divide the {self.dp} data-parallel ranks")
+        self.shard = self.dp // self.replicate
+        dims = ([("dp_replicate", self.replicate)] if self.replicate > 1 else []) + [("dp_shard", self.shard)]
+        dims += [("tp", self.tp)] if self.tp > 1 else []
+        self.mesh = init_device_mesh(self.device_type, tuple(n for _, n in dims),
+                                     mesh_dim_names=tuple(name for name, _ in dims))
+
+    def describe(self) -> str:
+        """One line for the log: the mesh in words."""
+        dp = f"{self.replicate} replicas × {self.shard} shards (HSDP)" if self.replicate > 1 else f"{self.dp} (FSDP)"
+        return f"{self.world_size} ranks: data parallel {dp}, tensor parallel {self.tp}"
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.mesh["dp"]
+        """The mesh FSDP2 shards over: 1-D (FSDP) or (replicate, shard) (HSDP)."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.replicate > 1 else self.mesh["dp_shard"]
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -68,7 +84,11 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        return self.dp_mesh.get_local_rank()
+        """This rank's index among all data-parallel ranks (which slice of the data it reads)."""
+        shard = self.mesh["dp_shard"].get_local_rank()
+        if self.replicate == 1:
+            return shard
+        return self.mesh["dp_replicate"].get_local_rank() * self.shard + shard
 
     @property
     def rank(self) -> int:
@@ -91,9 +111,19 @@ class ParallelDims:
         return self.rank == 0
 
 
-def build_parallel_dims(tp: int = 1) -> ParallelDims:
+def resolve_replicate(replicate: int, world_size: int) -> int:
+    """parallel.replicate: 0 means one replica per node (torchrun's LOCAL_WORLD_SIZE ranks each)."""
+    if replicate:
+        return replicate
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(world_size // max(local, 1), 1)
+
+
+def build_parallel_dims(tp: int = 1, replicate: int = 1) -> ParallelDims:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return ParallelDims(world_size=dist.get_world_size(), tp=tp, device_type=device_type)
+    world = dist.get_world_size()
+    return ParallelDims(world_size=world, tp=tp, device_type=device_type,
+                        replicate=resolve_replicate(replicate, world))
 
 
 def _apply_tp(model: nn.Module, adapter, tp_mesh: DeviceMesh) -> None:

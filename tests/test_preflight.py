@@ -27,6 +27,19 @@ def test_batch_must_divide_across_ranks(tiny_model, clevr_parquet):
         preflight(cfg_for(tiny_model, clevr_parquet, "parallel.tp=3"), world_size=4)
 
 
+def test_hsdp_replicas_must_divide_data_parallel_ranks(tiny_model, clevr_parquet, monkeypatch):
+    preflight(cfg_for(tiny_model, clevr_parquet, "data.prompts_per_step=8", "parallel.replicate=2"), world_size=4)
+    with pytest.raises(ConfigError, match="parallel.replicate=3"):
+        preflight(cfg_for(tiny_model, clevr_parquet, "data.prompts_per_step=12", "parallel.replicate=3"), world_size=4)
+    with pytest.raises(ConfigError, match="must be 0"):
+        preflight(cfg_for(tiny_model, clevr_parquet, "parallel.replicate=-1"), world_size=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 0 = one replica per node: 6 ranks on nodes of 3 → 2
+    preflight(cfg_for(tiny_model, clevr_parquet, "data.prompts_per_step=6", "parallel.replicate=0"), world_size=6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 8 ranks, tp 4 → dp 2; nodes of 4 → 2 replicas
+    preflight(cfg_for(tiny_model, clevr_parquet, "data.prompts_per_step=2", "parallel.replicate=0", "parallel.tp=4"),
+              world_size=8)
+
+
 def test_model_folder_problems(tiny_model, clevr_parquet, tmp_path):
     with pytest.raises(ConfigError, match="model.path.*config.json"):
         preflight(cfg_for(tmp_path / "nothing", clevr_parquet))

@@ -311,6 +311,12 @@ def bench_grpo(trainer, args) -> dict:
     }
 
 
+def _checkpoint(result: dict, args) -> None:
+    """Write what is measured so far, so a phase that fails later does not lose the earlier ones."""
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result) + "\n", encoding="utf-8")
+
+
 def run(args) -> dict:
     from grpo.trainer import Trainer
     from models.parallel import init_distributed
@@ -330,6 +336,7 @@ def run(args) -> dict:
     engine = resolve_engine_name(args.engine)
     if engine == "vllm" and "engine" in phases and not args.no_standalone:
         result.update(_run_standalone(args))
+        _checkpoint(result, args)
     init_distributed()
     trainer = Trainer(_config(args, model, data))
     result["params_b"] = sum(p.numel() for p in trainer.policy.model.parameters()) / 1e9
@@ -342,10 +349,12 @@ def run(args) -> dict:
             result["peak_tflops"] = peak
             result["mfu_llm"] = result["achieved_tflops_llm"] / peak
             result["mfu_total"] = result["achieved_tflops_total"] / peak
+    _checkpoint(result, args)
     if "engine" in phases:
         result.update(bench_engine(trainer, args))
         if "standalone_gen_tokens_per_s" in result:
             result["gen_vs_standalone"] = result["gen_tokens_per_s"] / result["standalone_gen_tokens_per_s"]
+    _checkpoint(result, args)
     if "grpo" in phases:
         result.update(bench_grpo(trainer, args))
     result["peak_mem_gb"] = max(_peak_gb(), result.get("peak_mem_gb_train", 0.0))

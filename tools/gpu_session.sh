@@ -2,10 +2,11 @@
 # The GPU measurements behind docs/benchmarks.md, one stage per call of a GPU session.
 #   bash tools/gpu_session.sh STAGE OUTDIR
 # Stages (each fits in a 10-minute call on one or two H200s, after `. /opt/vb/env.sh` for vLLM):
-#   tiny      tools/gpu_check.sh on the tiny Qwen2.5-VL, then tests/gpu (vLLM engine, varlen attention)
+#   tiny      tools/gpu_check.sh on the tiny Qwen2.5-VL, then the one-GPU tests of tests/gpu
+#   tp        the vLLM tensor-parallel pair test alone (two GPUs; prints every rank's stack on a hang)
 #   train     build the 3B-shaped model; training throughput with sdpa and with varlen attention
 #   full      the whole benchmark suite on the 3B-shaped model (ATTN=varlen|sdpa, default varlen)
-#   fidelity  vLLM vs policy logprobs on the 3B-shaped model, plain and with a sharpened lm_head
+#   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM tensor parallel 2
 set -u
 STAGE=$1
@@ -18,8 +19,13 @@ M=$W/model_3b
 case "$STAGE" in
 tiny)
   bash tools/gpu_check.sh "$OUT/check"
-  timeout 300 $PY -m pytest -q -s tests/gpu > "$OUT/pytest_gpu.log" 2>&1; echo "pytest gpu rc=$?" >> "$OUT/check/summary.txt"
+  timeout 300 $PY -m pytest -q -s tests/gpu -k "not tensor_parallel" > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest gpu rc=$?" >> "$OUT/check/summary.txt"
   tail -5 "$OUT/pytest_gpu.log"
+  ;;
+tp)
+  timeout 420 $PY -m pytest -q -s tests/gpu/test_vllm_engine.py -k tensor_parallel > "$OUT/pytest_tp.log" 2>&1
+  echo "tensor-parallel pair rc=$?"
   ;;
 train)
   for attn in sdpa varlen; do
@@ -32,9 +38,11 @@ full)
   echo "bench rc=$?"
   ;;
 fidelity)
+  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
+    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
   $PY tools/make_dataset.py --kind clevr --n 64 --seed 3 --out $W/fid.parquet --size 448x448 > /dev/null
-  for s in 1 ${SHARPEN:-40}; do
-    timeout 240 $PY tools/logprob_check.py --model $M --data $W/fid.parquet --engine vllm --num-prompts 16 --n 4 \
+  for s in ${SHARPEN:-1}; do  # one value per call fits: a fresh process compiles vLLM first (~1 min)
+    timeout 280 $PY tools/logprob_check.py --model $M --data $W/fid.parquet --engine vllm --num-prompts 16 --n 4 \
       --max-new-tokens 128 --min-pixels 200704 --max-pixels 200704 --sharpen "$s" --out "$OUT/fid_3b_$s.json" \
       > "$OUT/fid_3b_$s.log" 2>&1; echo "fidelity sharpen=$s rc=$?"
   done

@@ -123,7 +123,8 @@ class ParallelConfig:
     # HSDP: data-parallel replicas, each sharding the policy over its ranks; 1 = plain FSDP over all
     # data-parallel ranks, 0 = one replica per node (all-gathers stay inside a node)
     replicate: int = 1
-    offload_during_generate: Literal["auto", "on", "off"] = "auto"  # auto: on with CUDA
+    # auto: on GPU, only when the policy with its AdamW state and the engine would not fit together
+    offload_during_generate: Literal["auto", "on", "off"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 

@@ -1,7 +1,7 @@
 """The training loop: SFT steps, or GRPO steps that read top to bottom.
 
 GRPO step, colocated and time-sliced on every rank:
-    generate (engine awake, policy offloaded on GPU) → score → old/ref logprobs → advantages
+    generate (engine awake; the policy on CPU meanwhile if both do not fit the GPU) → score → old/ref logprobs → advantages
     → PPO epochs over packed micro-batches → refit the engine.
 """
 
@@ -40,6 +40,16 @@ MISMATCH_ALARM = 1.05
 REWARD_FAILURES = ("timeout", "limit_exceeded", "answer_too_long", "invalid_gold_answer")
 
 
+OFFLOAD_HEADROOM = 0.85  # share of the device that resident policy state and the engine may fill together
+
+
+def offload_needed(param_bytes: int, ref_bytes: int, engine_bytes: int, device_bytes: int) -> bool:
+    """Whether the policy must leave the GPU while the engine generates: its parameters, AdamW's two
+    moments (as large as the parameters each), a reference model and the engine's memory would
+    together pass OFFLOAD_HEADROOM of the device (the rest: activations, allocator slack)."""
+    return 3 * param_bytes + ref_bytes + engine_bytes > OFFLOAD_HEADROOM * device_bytes
+
+
 class NonFiniteStop(RuntimeError):
     """Too many non-finite steps in a row: the run stopped with a checkpoint."""
 
@@ -71,6 +81,7 @@ class Trainer:
         self.engine = None
         self.version = 0  # optimizer updates applied to the policy in this process
         self._engine_version = -1  # the policy version whose weights the engine holds
+        self._offload_auto: bool | None = None  # decided on the first generation (see _offload)
         self.step = 0
         self.preempted = False  # set when a SIGTERM/SIGINT stopped train() early
         self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0, "reward_failures": 0}
@@ -237,21 +248,45 @@ class Trainer:
         )
 
     def generate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> list[Generation]:
+        """The engine wakes for generation and sleeps after it (on GPU, where its KV cache would
+        take the memory training needs); the policy leaves the GPU meanwhile if both do not fit."""
         engine = self._engine()
         offload = self._offload()
+        time_slice = offload or self.policy.device.type == "cuda"
         if offload:
             self.policy.offload(self.optimizer)
+        elif time_slice:
+            torch.cuda.empty_cache()  # what training cached goes back before the engine wakes
+        if time_slice:
             engine.wake()
         inputs = [PromptInput(p.input_ids.tolist(), p.images, p.pixel_values, p.image_grid_thw) for p in prompts]
         gens = engine.generate(inputs, params)
-        if offload:
+        if time_slice:
             engine.sleep()
+        if offload:
             self.policy.reload(self.optimizer)
         return gens
 
     def _offload(self) -> bool:
+        """parallel.offload_during_generate; `auto` decides once, on GPU, from the memory both need."""
         mode = self.cfg.parallel.offload_during_generate
-        return mode == "on" or (mode == "auto" and self.policy.device.type == "cuda")
+        if mode != "auto":
+            return mode == "on"
+        if self.policy.device.type != "cuda":
+            return False
+        if self._offload_auto is None:
+            params = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+                         for p in self.policy.model.parameters())
+            ref = 0 if self.ref is None else sum(p.numel() * p.element_size() for p in self.ref.model.parameters())
+            total = torch.cuda.get_device_properties(self.policy.device).total_memory
+            engine = self.engine.memory_budget_bytes(total) if hasattr(self.engine, "memory_budget_bytes") else params
+            need = offload_needed(params, ref, engine, total)
+            self._offload_auto = bool(all_reduce_max_int(int(need), self.policy.device))
+            if self.dims.is_main:
+                where = "goes to CPU" if self._offload_auto else "stays on the GPU"
+                print(f"generation: the policy {where} (policy + AdamW state ~{3 * params / 2**30:.1f} GiB, "
+                      f"engine {engine / 2**30:.1f} GiB, device {total / 2**30:.1f} GiB)", flush=True)
+        return self._offload_auto
 
     def refit(self) -> float:
         t0 = time.monotonic()

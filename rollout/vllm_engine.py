@@ -268,6 +268,7 @@ class VLLMEngine(Engine):
         if dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"VLLMEngine: dtype {dtype!r} must be 'bfloat16', 'float16' or 'float32'")
         self.family = read_family(model_path)
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = getattr(torch, dtype)  # what refit tensors are rounded to; callers may send them so
         self.image_pad_id = image_pad_id
         self.max_images_per_prompt = max_images_per_prompt
@@ -466,6 +467,10 @@ class VLLMEngine(Engine):
             raise RuntimeError("VLLMEngine: vLLM could not reset its prefix cache (requests still running)")
         self._llm.llm_engine.reset_encoder_cache()
         self._llm.reset_mm_cache()
+
+    def memory_budget_bytes(self, device_bytes: int) -> int:
+        """What the engine takes of the device while awake (vLLM claims its utilization share)."""
+        return int(self.gpu_memory_utilization * device_bytes)
 
     def memory_gb(self) -> dict[str, float]:
         """GPU memory of this rank's device in GiB: in use on the device, and held by torch's allocator."""

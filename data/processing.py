@@ -10,6 +10,7 @@ than the limit is rejected with a reason (cutting it would cut image tokens).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from PIL import Image
 
 from data.images import BadSample, canonicalize_image, to_rgb
 from data.prompts import build_messages
+
+log = logging.getLogger(__name__)
 
 SFT_TARGETS = {
     "clevr": "<answer>{answer}</answer>",
@@ -273,10 +276,64 @@ def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: 
     return EncodedPrompt(sample.index, ids, out["pixel_values"], out["image_grid_thw"], images, sample.answer)
 
 
-def encode_response(tokenizer, text: str, eos_token: str = "<|im_end|>") -> torch.Tensor:
-    """Token ids of an assistant turn as the engine would generate it (ending in the end-of-turn token)."""
-    return torch.tensor(tokenizer.encode(text + eos_token, add_special_tokens=False), dtype=torch.long)
+def token_id(tokenizer, token: str) -> int | None:
+    """The id of `token` if the tokenizer has it as one token of its vocabulary, else None."""
+    if not token:
+        return None
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(tid, int) or tid < 0 or tid == tokenizer.unk_token_id:
+        return None
+    return tid
+
+
+def _generation_eos_ids(folder: Path) -> list[int]:
+    """`eos_token_id` of the folder's generation_config.json (an int or a list); [] when absent."""
+    f = folder / "generation_config.json"
+    if not f.is_file():
+        return []
+    try:
+        value = json.loads(f.read_text(encoding="utf-8")).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        log.warning("%s: unreadable (%s); its eos ids are not used as stop tokens", f, err)
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def stop_token_ids(model_path: str, tokenizer, end_of_turn: str) -> list[int]:
+    """The tokens that end a response of the model in `model_path`, first seen first.
+
+    The union of what the folder declares: the family's end-of-turn token (`end_of_turn`, what its
+    chat template writes after an assistant message), generation_config.json's `eos_token_id`
+    (an int or a list) and the tokenizer's eos token. Tokens the tokenizer does not have and ids
+    outside it are skipped; a folder that declares none at all is an error.
+    """
+    found = [token_id(tokenizer, end_of_turn), *_generation_eos_ids(Path(model_path)),
+             token_id(tokenizer, tokenizer.eos_token or "")]
+    ids = list(dict.fromkeys(t for t in found if t is not None and 0 <= t < len(tokenizer)))
+    if not ids:
+        raise ValueError(
+            f"{model_path}: no stop token: the tokenizer has no end-of-turn token {end_of_turn!r} and no eos "
+            "token, and generation_config.json lists no eos_token_id; set one of them in the model folder"
+        )
+    return ids
+
+
+def encode_response(tokenizer, text: str, end_of_turn: str) -> torch.Tensor:
+    """Token ids of an assistant turn as the engine would generate it: `text`, then the end-of-turn token.
+
+    `end_of_turn` is the family's (`FamilyAdapter.end_of_turn`), the token its chat template writes
+    after an assistant message and generation stops on; "" leaves the turn open (a prefix).
+    """
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if end_of_turn:
+        tid = token_id(tokenizer, end_of_turn)
+        if tid is None:
+            raise ValueError(f"the tokenizer has no end-of-turn token {end_of_turn!r}: a response cannot end its turn")
+        ids.append(tid)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def sft_target(task: str, answer: str) -> str:
+    """The assistant text SFT teaches for `task` (`encode_response` adds the end-of-turn token)."""
     return SFT_TARGETS.get(task, SFT_TARGETS["generic"]).format(answer=answer)

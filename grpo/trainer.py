@@ -17,7 +17,7 @@ import torch.distributed as dist
 from data.batch import Batch, PackedGenericDataItem
 from data.datasets import VLDataset
 from data.loader import PromptFeeder
-from data.processing import EncodedPrompt, encode_response, load_processor, sft_target
+from data.processing import EncodedPrompt, encode_response, load_processor, sft_target, stop_token_ids
 from data.rewards import score
 from grpo import algorithm as alg
 from grpo.checkpoint import checkpoint_dir, load_checkpoint, resolve_resume, save_checkpoint
@@ -72,7 +72,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.policy, cfg.optim)
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
         self.tokenizer = self.processor.tokenizer
-        self.stop_ids = _stop_token_ids(self.tokenizer)
+        self.stop_ids = stop_token_ids(cfg.model.path, self.tokenizer, self.adapter.end_of_turn)
         self.feeder = self._feeder(cfg.data.train_path)
         self.eval_feeder = self._feeder(cfg.data.eval_path, shuffle=False) if cfg.data.eval_path else None
         self.ref: Policy | None = None
@@ -197,7 +197,8 @@ class Trainer:
     # --- SFT ---------------------------------------------------------------------------------
     def sft_step(self, per_rank: int) -> dict:
         prompts = self.feeder.next(per_rank)
-        responses = [encode_response(self.tokenizer, sft_target(self.cfg.data.task, p.answer)) for p in prompts]
+        end = self.adapter.end_of_turn  # the target ends the turn as generation stops it
+        responses = [encode_response(self.tokenizer, sft_target(self.cfg.data.task, p.answer), end) for p in prompts]
         batch = self._sequence_batch(prompts, responses)
         tokens = sum(int(m.sum()) - int(m[0]) for m in batch["loss_mask"].items)
         (global_tokens,) = all_reduce_sum([tokens], self.policy.device)
@@ -512,11 +513,3 @@ class Trainer:
                                        self.policy.device)
         return {"eval/accuracy": acc / max(cnt, 1), "eval/format": fmt / max(cnt, 1), "eval/samples": cnt}
 
-
-def _stop_token_ids(tokenizer) -> list[int]:
-    ids = []
-    for tok in ("<|im_end|>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id:
-            ids.append(tid)
-    return ids

@@ -47,6 +47,10 @@ class FamilyAdapter:
     # True: on CUDA, `model.attn_implementation: auto` runs packed rows through the varlen kernel
     # (models/attention.py); set only for families whose varlen path was checked on a GPU.
     varlen_attention: bool = False
+    # The token the family's chat template writes right after an assistant message: generation
+    # stops on it and SFT targets end with it. "" for none (stop ids then come from the folder's
+    # generation_config.json and tokenizer alone).
+    end_of_turn: str = ""
 
     @property
     def banned_token_ids(self) -> list[int]:
@@ -186,6 +190,7 @@ class QwenVLAdapter(FamilyAdapter):
         (r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
     )
     varlen_attention: bool = True  # tests/gpu/test_varlen_attention.py on the H200 (Qwen2.5-VL)
+    end_of_turn: str = "<|im_end|>"  # ChatML
     video_token_id: int = 0
     vision_start_token_id: int = 0
     vision_end_token_id: int = 0
@@ -327,6 +332,7 @@ class LlavaAdapter(FamilyAdapter):
     """
 
     legacy_weight_names: tuple[tuple[str, str], ...] = _LLAVA_LEGACY_NAMES
+    end_of_turn: str = "</s>"  # LLaVA-1.5 (Vicuna/Llama tokenizer): the eos closes an assistant turn
     image_size: int = 336
     patch_size: int = 14
     cls_token: int = 0  # 1 under vision_feature_select_strategy="full"
@@ -400,6 +406,7 @@ class Idefics3Adapter(FamilyAdapter):
     (tiles, rows, cols) per image (rows = cols = 0 when the image was not split).
     """
 
+    end_of_turn: str = "<end_of_utterance>"
     image_size: int = 512
     image_seq_len: int = 64
     patch_size: int = 16
@@ -457,6 +464,7 @@ class Gemma3Adapter(LlavaAdapter):
     the model's own forward. The built-in engine runs one prompt at a time (sliding windows).
     """
 
+    end_of_turn: str = "<end_of_turn>"
     tokens_per_image: int = 256
     batch_with_padding: bool = False  # sliding-window layers
 

@@ -5,11 +5,15 @@
     python tools/make_tiny_model.py --family gemma3 --size tiny --out /tmp/tiny-gemma3
 
 Families: qwen2_vl, qwen2_5_vl, qwen3_vl, llava (a CLIP tower over a Qwen2 decoder),
-idefics3 (SmolVLM: a SigLIP-style tower over a Llama decoder) and gemma3. Every family
-uses ChatML turns (`<|im_start|>`, `<|im_end|>`) in its chat template, so the trainer's
-stop tokens are the same for all; the image part of the template and its special tokens
-are the family's own (`<|vision_start|><|image_pad|><|vision_end|>`, `<image>`,
-`<start_of_image>`), expanded by `data.processing` exactly as the family's processor does.
+idefics3 (SmolVLM: a SigLIP-style tower over a Llama decoder) and gemma3. Every family's
+chat template lays turns out as ChatML does (`<|im_start|>` + role, a newline, the message),
+but ends each turn with the family's own end-of-turn token (`<|im_end|>` for Qwen, `</s>` for
+LLaVA, `<end_of_utterance>` for SmolVLM, `<end_of_turn>` for Gemma3), so stopping and SFT
+targets follow the family as they do with real checkpoints; the tokenizer's eos and
+generation_config.json stay Qwen's (`<|im_end|>`, `<|endoftext|>`) for every family. The image
+part of the template and its special tokens are the family's own
+(`<|vision_start|><|image_pad|><|vision_end|>`, `<image>`, `<start_of_image>`), expanded by
+`data.processing` exactly as the family's processor does.
 The Qwen-specific details below (hub weight names, mrope, window attention) apply to the
 Qwen families; LLaVA and Gemma3 save in their pre-4.52 hub layout (`language_model.*`,
 `vision_tower.*`, `multi_modal_projector.*`), Idefics3 in its only one (`model.text_model.*`,
@@ -113,15 +117,16 @@ QWEN2_5_EXTRA_TOKENS = (
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
-# Behaves like the Qwen2-VL chat template: a default system turn, ChatML turns, one
-# vision placeholder per image/video part (numbered when add_vision_id is set), and the
-# assistant header for add_generation_prompt. Every tag strips the whitespace around it,
-# so all output comes from the quoted strings and the template's layout is free.
+# Behaves like the Qwen2-VL chat template: a default system turn, ChatML turns (each ended by
+# the family's end-of-turn token, `<|im_end|>` for Qwen), one vision placeholder per
+# image/video part (numbered when add_vision_id is set), and the assistant header for
+# add_generation_prompt. Every tag strips the whitespace around it, so all output comes from
+# the quoted strings and the template's layout is free.
 CHAT_TEMPLATE = """\
 {%- set seen = namespace(images=0, videos=0) -%}
 {%- for message in messages -%}
     {%- if loop.first and message['role'] != 'system' -%}
-        {{- '<|im_start|>system\\n""" + DEFAULT_SYSTEM_PROMPT + """<|im_end|>\\n' -}}
+        {{- '<|im_start|>system\\n""" + DEFAULT_SYSTEM_PROMPT + """@END_OF_TURN@\\n' -}}
     {%- endif -%}
     {{- '<|im_start|>' + message['role'] + '\\n' -}}
     {%- if message['content'] is string -%}
@@ -145,7 +150,7 @@ CHAT_TEMPLATE = """\
             {%- endif -%}
         {%- endfor -%}
     {%- endif -%}
-    {{- '<|im_end|>\\n' -}}
+    {{- '@END_OF_TURN@\\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<|im_start|>assistant\\n' -}}
@@ -155,8 +160,8 @@ CHAT_TEMPLATE = """\
 
 
 def chat_template(family: FamilySpec) -> str:
-    """The ChatML template with the family's image part (every tiny family uses ChatML turns)."""
-    return CHAT_TEMPLATE.replace("@IMAGE_PART@", family.image_part)
+    """The ChatML-laid-out template with the family's image part and end-of-turn token."""
+    return CHAT_TEMPLATE.replace("@IMAGE_PART@", family.image_part).replace("@END_OF_TURN@", family.end_of_turn)
 
 
 # OpenAI CLIP normalization, which both families' image processors use.
@@ -180,6 +185,8 @@ class FamilySpec:
     # What the chat template writes for one image part (the processor expands it).
     image_part: str = "<|vision_start|><|image_pad|><|vision_end|>"
     patch_size: int = PATCH_SIZE
+    # What the chat template writes after every message (the family's real end-of-turn token).
+    end_of_turn: str = "<|im_end|>"
 
 
 @dataclass(frozen=True)
@@ -234,8 +241,9 @@ FAMILIES = {
         config_class="LlavaConfig",
         model_class="LlavaForConditionalGeneration",
         processor_class="LlavaProcessor",
-        extra_tokens=(("<image>", True),),
+        extra_tokens=(("<image>", True), ("</s>", True)),
         image_part="<image>",
+        end_of_turn="</s>",
     ),
     # SmolVLM (Idefics3) over a Llama decoder: images tiled into squares of the tower's size plus
     # a global tile, pixel-shuffled by 2x2, framed by <fake_token_around_image>/<row_r_col_c>/<global-img>.
@@ -247,6 +255,7 @@ FAMILIES = {
                       ("<end_of_utterance>", True))
         + tuple((f"<row_{r}_col_{c}>", True) for r in range(1, 7) for c in range(1, 7)),
         image_part="<image>",
+        end_of_turn="<end_of_utterance>",
     ),
     # Gemma3 (its 4B+ vision models): a SigLIP tower at one square size, average-pooled to a
     # fixed number of soft tokens, bidirectional attention inside each image, sliding-window
@@ -255,8 +264,10 @@ FAMILIES = {
         config_class="Gemma3Config",
         model_class="Gemma3ForConditionalGeneration",
         processor_class="Gemma3Processor",
-        extra_tokens=(("<start_of_image>", True), ("<image_soft_token>", True), ("<end_of_image>", True)),
+        extra_tokens=(("<start_of_image>", True), ("<image_soft_token>", True), ("<end_of_image>", True),
+                      ("<end_of_turn>", True)),
         image_part="<start_of_image>",
+        end_of_turn="<end_of_turn>",
     ),
 }
 
@@ -568,7 +579,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def save_processor_files(out: Path, tokenizer, image_processor, processor_class: str,
-                         template: str = CHAT_TEMPLATE.replace("@IMAGE_PART@", FAMILIES["qwen2_vl"].image_part),
+                         template: str = chat_template(FAMILIES["qwen2_vl"]),
                          processor_fields: dict | None = None) -> None:
     """Write the tokenizer, chat template, image processor and processor config.
 

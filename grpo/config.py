@@ -66,7 +66,7 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 64
     gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks per engine (node-local groups of consecutive ranks; rollout/groups.py)
     enforce_eager: bool = False
     refit_bucket_mb: int = 512
 

@@ -8,6 +8,7 @@ colocated engine's GPU memory budget.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -64,6 +65,14 @@ def _check_batch(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not divide across {dp} "
                           f"data-parallel ranks; use a multiple of {dp}")
     from models.parallel import resolve_replicate
+    from rollout.groups import check_layout
+
+    if cfg.trainer.mode == "grpo":
+        try:
+            check_layout(cfg.rollout.tensor_parallel_size, world_size,
+                         int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     if cfg.parallel.replicate < 0:
         raise ConfigError(f"parallel.replicate={cfg.parallel.replicate} must be 0 (one replica per node) or positive")

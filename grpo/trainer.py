@@ -33,6 +33,7 @@ from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
 from rollout.base import Generation, PromptInput, SamplingParams
 from rollout.factory import build_engine
+from rollout.groups import EngineGroup
 
 log = logging.getLogger("vlrl")
 MISMATCH_ALARM = 1.05
@@ -67,6 +68,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         torch.manual_seed(cfg.trainer.seed + self.dims.rank)
+        self.engine_group = EngineGroup.build(cfg.rollout.tensor_parallel_size, self.dims.world_size, self.dims.rank,
+                                              self.dims.local_world_size)
         self.policy: Policy = build_policy(cfg.model, self.dims)
         self.adapter = self.policy.adapter
         self.optimizer = build_optimizer(self.policy, cfg.optim)
@@ -245,7 +248,7 @@ class Trainer:
             n=1 if greedy else r.n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_new_tokens=max_new_tokens or r.max_new_tokens, stop_token_ids=self.stop_ids,
             banned_token_ids=self.adapter.banned_token_ids,
-            seed=None if greedy else self.cfg.trainer.seed * 100_003 + self.step * 1009 + self.dims.rank,
+            seed=None if greedy else self.cfg.trainer.seed * 100_003 + self.step * 1009 + self.engine_group.index,
         )
 
     def generate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> list[Generation]:
@@ -261,7 +264,9 @@ class Trainer:
         if time_slice:
             engine.wake()
         inputs = [PromptInput(p.input_ids.tolist(), p.images, p.pixel_values, p.image_grid_thw) for p in prompts]
-        gens = engine.generate(inputs, params)
+        # a tensor-parallel engine serves its group's prompts together; each rank keeps its own
+        inputs, params, start = self.engine_group.gather(inputs, params)
+        gens = self.engine_group.own(engine.generate(inputs, params), start, len(prompts))
         if time_slice:
             engine.sleep()
         if offload:
@@ -373,7 +378,9 @@ class Trainer:
             prompts, gens, infos = self._generate_and_score(self.feeder.next(need))
 
     def _generate_and_score(self, prompts, params: SamplingParams | None = None):
-        gens = self.generate(prompts, params or self.sampling_params()) if prompts else []
+        # members of a tensor-parallel engine group generate together, even with no prompts of their own
+        together = prompts or self.engine_group.size > 1
+        gens = self.generate(prompts, params or self.sampling_params()) if together else []
         texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
         infos = [score(self.cfg.data.task, text, prompts[g.prompt_index].answer) for g, text in zip(gens, texts)]
         return prompts, gens, infos

@@ -277,6 +277,10 @@ class VLLMEngine(Engine):
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
         _ensure_launcher_env()
         self._device = int(os.environ["LOCAL_RANK"])
+        self._world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self._world % tensor_parallel_size:
+            raise ValueError(f"VLLMEngine: tensor_parallel_size={tensor_parallel_size} does not divide the "
+                             f"{self._world} ranks")
         with _preserved_rng(self._device):
             self._llm = self._build_llm(
                 str(model_path), tensor_parallel_size, gpu_memory_utilization, enforce_eager,
@@ -294,6 +298,9 @@ class VLLMEngine(Engine):
             tokenizer=path,
             distributed_executor_backend="external_launcher",
             tensor_parallel_size=tp,
+            # external_launcher wants the whole torchrun world = tp × dp: the other engine groups are
+            # vLLM's data-parallel ranks, each fed its own prompts (rollout/groups.py)
+            **({"data_parallel_size": self._world // tp} if self._world > tp else {}),
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             max_model_len=max_model_len,

@@ -48,3 +48,17 @@ def test_grpo_two_ranks_smoke_and_resume(tiny_model, clevr_parquet, tmp_path):
     for a, b in zip(r, r2):
         for k in DETERMINISTIC:
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
+
+
+def test_grpo_with_a_two_rank_engine_group(tiny_model, clevr_parquet, tmp_path):
+    """rollout.tensor_parallel_size=2: the two ranks gather their prompts, both generate all of them,
+    each trains on its own; with the built-in engine the logprobs still match the policy."""
+    run = tmp_path / "group"
+    run_torchrun(grpo_args(tiny_model, clevr_parquet, run, 2, ["rollout.tensor_parallel_size=2",
+                                                             "trainer.eval_every=2"]), nproc=2)
+    r = rows(run)
+    assert [x["step"] for x in r] == [1, 2]
+    for row in r:
+        assert 1.0 <= row["fidelity/token_mult_prob_error"] <= 1.0001
+        assert row["rollout/response_len_mean"] > 0
+    assert "eval/accuracy" in r[1]

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="artifacts/demo")
     p.add_argument("--runs", default="runs")
     p.add_argument("--train-rows", type=int, default=3000)
-    p.add_argument("--eval-rows", type=int, default=128)
+    p.add_argument("--eval-rows", type=int, default=256)
     args, extra = p.parse_known_args(argv)
     from tools.make_dataset import make_dataset
     from tools.make_tiny_model import make_tiny_model

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from grpo.config import ConfigError, load_config
 from grpo.trainer import NonFiniteStop, Trainer
-from models.parallel import init_distributed
+from models.parallel import init_distributed, shutdown_distributed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     init_distributed(cfg.parallel.backend)
+    clean = False
     try:
         try:
             trainer = Trainer(cfg)
@@ -54,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             result = trainer.evaluate() if trainer.eval_feeder and not trainer.preempted else {}
         if dist.get_rank() == 0 and result:
             print("final " + json.dumps(result), flush=True)
+        trainer = None  # the model, optimizer and engine go before the process groups do
+        clean = True
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed(clean)
     return 0
 
 

@@ -419,10 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).write_text(json.dumps(result) + "\n", encoding="utf-8")
     if args.append:
         append(result)
-    import torch.distributed as dist
+    from models.parallel import shutdown_distributed
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 

@@ -160,9 +160,10 @@ def _report(trainer, gens, policy_lp, batch, args, gen_s) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from models.parallel import init_distributed
+    from models.parallel import init_distributed, shutdown_distributed
 
     init_distributed()
+    clean = False
     try:
         result = check(args)
         if dist.get_rank() == 0:
@@ -170,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             print(text, flush=True)
             if args.out:
                 Path(args.out).write_text(text + "\n")
+        clean = True
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed(clean)
     return 0
 
 

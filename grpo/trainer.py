@@ -29,6 +29,7 @@ from grpo.update import (
     all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, padded, per_target,
     sequence_logprobs,
 )
+from models.packing import unpack_per_sequence
 from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
 from rollout.base import Generation, PromptInput, SamplingParams
@@ -439,8 +440,7 @@ class Trainer:
             logp, mask = padded(lp, mb)
             if old_from_update:
                 old = logp.detach()
-                counts = torch.bincount(mb.target_seq, minlength=len(mb.sample_indices)).tolist()
-                for i, chunk in zip(mb.sample_indices, torch.split(lp.detach().float().cpu(), counts)):
+                for i, chunk in zip(mb.sample_indices, unpack_per_sequence(lp.detach().float().cpu(), mb)):
                     collected[i] = chunk
             else:
                 old, _ = padded(per_target(batch, mb, "old_logprobs").to(dev), mb)

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from data.batch import Batch
-from models.packing import PackedMicrobatch, bins_fit, first_fit_decreasing, pack, plan_microbatches
+from models.packing import (
+    PackedMicrobatch, bins_fit, first_fit_decreasing, pack, plan_microbatches, unpack_per_sequence,
+)
 from models.policy import Policy
 
 
@@ -82,11 +84,10 @@ def sequence_logprobs(policy: Policy, batch: Batch, max_tokens: int, temperature
     for bin_ in common_microbatches(batch, max_tokens, policy.device):
         mb = pack(batch, bin_) if bin_ else dummy_microbatch()
         lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=with_entropy)
-        counts = torch.bincount(mb.target_seq, minlength=len(mb.sample_indices)).tolist()
-        for i, chunk in zip(mb.sample_indices, torch.split(lp.float().cpu(), counts)):
+        for i, chunk in zip(mb.sample_indices, unpack_per_sequence(lp.float().cpu(), mb)):
             out[i] = chunk
         if with_entropy:
-            for i, chunk in zip(mb.sample_indices, torch.split(ent.float().cpu(), counts)):
+            for i, chunk in zip(mb.sample_indices, unpack_per_sequence(ent.float().cpu(), mb)):
                 ents[i] = chunk
     return out, (ents if with_entropy else None)
 

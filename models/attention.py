@@ -14,6 +14,7 @@ with the kernel present no mask is built for it (it would be an L×L tensor nobo
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -22,6 +23,7 @@ NAME = "varlen"
 _cache: dict = {"key": None, "value": None}
 
 
+@functools.cache
 def _kernel():
     try:
         from torch.nn.attention.varlen import varlen_attn

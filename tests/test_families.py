@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 
-from data.batch import Batch
 from data.processing import VLProcessor
 from data.prompts import build_messages
 from grpo.config import ModelConfig, load_config
@@ -21,6 +20,7 @@ from models.policy import build_policy
 from rollout.base import PromptInput, SamplingParams
 from rollout.torch_engine import TorchEngine
 from rollout.weight_names import vllm_param_for
+from tests.test_torch_engine import generation_batch
 
 FAMILIES = ["qwen3_vl", "llava", "idefics3", "gemma3"]
 HEAD_SCALE = 40.0  # sharpens the random model's near-uniform next-token distribution
@@ -52,20 +52,7 @@ def _prompts(path):
 
 def _policy_logprobs(policy, prompts, gens, max_per_bin):
     """The trainer's logprobs of each generation; samples of a prompt share its pixel tensor."""
-    a = policy.adapter
-    ids, masks, pixels, grids, pos = [], [], [], [], []
-    for gen in gens:
-        p = prompts[gen.prompt_index]
-        seq = torch.tensor(p.input_ids + gen.token_ids)
-        mask = torch.zeros_like(seq)
-        mask[len(p.input_ids):] = 1
-        ids.append(seq)
-        masks.append(mask)
-        pixels.append(p.pixel_values)
-        grids.append(p.image_grid_thw)
-        pos.append(a.position_ids(seq, p.image_grid_thw))
-    batch = Batch({"input_ids": ids, "loss_mask": masks, "pixel_values": pixels, "image_grid_thw": grids})
-    batch["position_ids"] = pos
+    batch = generation_batch(policy.adapter, prompts, gens)
     out = []
     for first in range(0, len(gens), max_per_bin):
         mb = pack(batch, list(range(first, min(first + max_per_bin, len(gens)))))

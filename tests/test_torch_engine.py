@@ -70,9 +70,8 @@ def make_prompts(adapter, grids_per_prompt=GRIDS, seed=0, text=5):
     return prompts
 
 
-def policy_logprobs(policy, prompts, gens, temperature):
-    """The trainer's logprobs of each generation's tokens: prompt + response packed into one row."""
-    a = policy.adapter
+def generation_batch(adapter, prompts, gens) -> Batch:
+    """Prompt + response sequences of the generations; samples of a prompt share its pixel tensor."""
     ids, masks, pixels, grids = [], [], [], []
     for gen in gens:
         p = prompts[gen.prompt_index]
@@ -84,8 +83,13 @@ def policy_logprobs(policy, prompts, gens, temperature):
         pixels.append(p.pixel_values)
         grids.append(p.image_grid_thw)
     batch = Batch({"input_ids": ids, "loss_mask": masks, "pixel_values": pixels, "image_grid_thw": grids})
-    batch["position_ids"] = [a.position_ids(s, g) for s, g in zip(ids, grids)]
-    mb = pack(batch, list(range(len(gens))))
+    batch["position_ids"] = [adapter.position_ids(s, g) for s, g in zip(ids, grids)]
+    return batch
+
+
+def policy_logprobs(policy, prompts, gens, temperature):
+    """The trainer's logprobs of each generation's tokens: prompt + response packed into one row."""
+    mb = pack(generation_batch(policy.adapter, prompts, gens), list(range(len(gens))))
     with torch.no_grad():
         lp, _ = policy.logprobs(mb, temperature=temperature)
     return unpack_per_sequence(lp, mb)

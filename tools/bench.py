@@ -206,7 +206,7 @@ def bench_train(trainer, args) -> dict:
     owner = [i // args.group for i in range(len(responses))]
     batch = trainer._sequence_batch(prompts, responses, owner)
     seqlens = [t.numel() for t in batch["input_ids"].items]
-    scored = sum(args.response_len for _ in responses)
+    scored = args.response_len * len(responses)
 
     def loss_fn(lp, mb, den):
         return -lp.sum() / den["tokens"], {}

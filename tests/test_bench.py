@@ -37,7 +37,7 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     cmd = [sys.executable, "tools/bench.py", "--size", "tiny", "--engine", "torch", "--image-size", "56",
            "--response-len", "16", "--train-seqs", "8", "--group", "4", "--train-steps", "1", "--gen-prompts", "4",
            "--gen-tokens", "8", "--grpo-steps", "1", "--grpo-prompts", "2", "--grpo-new-tokens", "8",
-           "--max-tokens", "512", "--workdir", str(tmp_path)]
+           "--max-tokens", "512", "--workdir", str(tmp_path), "--profile", str(tmp_path / "prof.txt")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,3 +48,5 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     assert 0 <= result["padding_waste"] < 1 and 0 <= result["overhead_frac"] < 1
     assert result["achieved_tflops_total"] > result["achieved_tflops_llm"] > 0
     assert result["grpo_token_mult_prob_error"] <= 1.0001
+    profile = (tmp_path / "prof.txt").read_text()
+    assert profile.startswith("profiled step:") and "aten::" in profile

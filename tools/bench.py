@@ -244,12 +244,22 @@ def _profile(step, out: Path) -> None:
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync()
+    t0 = time.perf_counter()
     with profile(activities=activities) as prof:
         step()
         _sync()
-    key = "cuda_time_total" if cuda else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=40)
-    out.write_text(table + "\n", encoding="utf-8")
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6 if cuda else 0.0
+    head = (f"profiled step: {wall:.2f} s wall (profiler overhead included), device kernels busy {busy:.2f} s"
+            f" ({busy / wall:.0%} of wall)\n" if cuda else f"profiled step: {wall:.2f} s wall\n")
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    tables = [head, f"--- by self device time ---" if cuda else "--- by self CPU time ---",
+              events.table(sort_by=key, row_limit=45)]
+    if cuda:  # a step the GPU waits through is bound by the host: show where the host spends it
+        tables += ["--- by self CPU time ---", events.table(sort_by="self_cpu_time_total", row_limit=25)]
+    out.write_text("\n".join(tables) + "\n", encoding="utf-8")
     print(f"bench: profile of one training step written to {out}", flush=True)
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from data.batch import Batch
 from models.packing import (
-    PackedMicrobatch, bins_fit, first_fit_decreasing, pack, plan_microbatches, unpack_per_sequence,
+    PackedMicrobatch, bins_fit, first_fit_decreasing, grouped_bins, pack, plan_microbatches, unpack_per_sequence,
 )
 from models.policy import Policy
 
@@ -35,12 +35,26 @@ def all_reduce_max_int(value: int, device) -> int:
     return int(t.item())
 
 
+def image_groups(batch: Batch) -> list:
+    """A key per sample: samples sharing one image tensor (a prompt's responses) share a key."""
+    if "pixel_values" not in batch:
+        return list(range(len(batch)))
+    return [("image", id(p)) if p is not None else ("text", i) for i, p in enumerate(batch["pixel_values"].items)]
+
+
 def common_microbatches(batch: Batch, max_tokens: int, device) -> list[list[int]]:
-    """Micro-batches of this rank's samples, the same count on every rank."""
+    """Micro-batches of this rank's samples, the same count on every rank.
+
+    Each image's samples are kept in as few micro-batches as the count allows (the vision tower
+    runs once per distinct image of a micro-batch); where that does not fit, token-balanced bins.
+    """
     lengths = [t.numel() for t in batch["input_ids"].items] if len(batch) else []
+    groups = image_groups(batch) if lengths else []
     count = all_reduce_max_int(len(first_fit_decreasing(lengths, max_tokens)) if lengths else 1, device)
     while True:
-        bins = plan_microbatches(lengths, max_tokens, count)
+        bins = grouped_bins(lengths, groups, count, max_tokens)
+        if not bins_fit(bins, lengths, max_tokens):
+            bins = plan_microbatches(lengths, max_tokens, count)
         ok = all_reduce_max_int(0 if bins_fit(bins, lengths, max_tokens) else 1, device) == 0
         if ok:
             return bins

@@ -20,6 +20,7 @@ import inspect
 import torch
 
 NAME = "varlen"
+VISION_NAME = "flash_varlen_vision"  # "flash" in the name: transformers passes cu_seqlens to it
 _cache: dict = {"key": None, "value": None}
 
 
@@ -80,6 +81,29 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     return out.unsqueeze(0), None
 
 
+def varlen_vision_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0, scaling=None,
+                            is_causal=None, cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """Bidirectional attention within each window of a vision tower: query/key/value (1, H, L, D),
+    windows given by `cu_seq_lens_q` (N+1,) → ((1, L, H, D), None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if cu_seq_lens_q is None:  # a caller without windows: the whole row is one window
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=False)
+    kernel, params = _kernel()
+    if kernel is None or query.device.type != "cuda" or dropout or query.shape[0] != 1:
+        lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+        parts = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=False)[0]
+                 for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))]
+        return torch.cat(parts, dim=1), None
+    cu = cu_seq_lens_q.to(torch.int32)
+    longest = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, D)
+    extra = {"is_causal": False} if "is_causal" in params else {"window_size": (-1, -1)}
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
+    return out.unsqueeze(0), None
+
+
 def _mask(*args, **kwargs):
     """No mask for the kernel (it takes sequence boundaries); sdpa's mask where the call falls back."""
     from transformers.masking_utils import sdpa_mask
@@ -97,4 +121,6 @@ def register() -> str:
 
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, _mask)
+    AttentionInterface.register(VISION_NAME, varlen_vision_attention)
+    AttentionMaskInterface.register(VISION_NAME, _mask)
     return NAME

@@ -83,6 +83,26 @@ def balanced_bins(lengths: list[int], num_bins: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def grouped_bins(lengths: list[int], groups: list, num_bins: int, max_tokens: int) -> list[list[int]]:
+    """Exactly `num_bins` bins filled in turn, each up to the mean load, keeping the samples of one
+    group (one image: the G responses of a prompt) together, so each image's vision forward runs in
+    as few micro-batches as possible. A bin may overflow `max_tokens`; the caller checks."""
+    first: dict = {}
+    for i, g in enumerate(groups):
+        first.setdefault(g, i)
+    order = sorted(range(len(lengths)), key=lambda i: (first[groups[i]], -lengths[i]))
+    target = sum(lengths) / max(num_bins, 1)
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    b = 0
+    for i in order:
+        while b < num_bins - 1 and bins[b] and (loads[b] >= target or loads[b] + lengths[i] > max_tokens):
+            b += 1
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(x) for x in bins]
+
+
 def plan_microbatches(lengths: list[int], max_tokens: int, num_bins: int | None = None) -> list[list[int]]:
     """Micro-batches as lists of sample indices.
 

@@ -378,6 +378,10 @@ def build_policy(cfg_model, dims: ParallelDims) -> Policy:
         model = AutoModelForImageTextToText.from_config(
             config, attn_implementation=attn, dtype=torch.float32, trust_remote_code=cfg_model.trust_remote_code
         )
+    if attn == "varlen" and adapter.varlen_attention:  # the vision tower's windows in one call too
+        from models.attention import VISION_NAME
+
+        adapter.vision_tower(model).config._attn_implementation = VISION_NAME
     model.forward = _bind_forward(model)
     apply_parallelism(
         model, adapter, dims,

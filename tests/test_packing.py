@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from data.batch import Batch, PackedGenericDataItem
-from models.packing import bins_fit, pack, plan_microbatches, unpack_per_sequence
+from models.packing import bins_fit, grouped_bins, pack, plan_microbatches, unpack_per_sequence
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +143,24 @@ def test_microbatch_planning():
     assert plan_microbatches([5, 5], 100, num_bins=3)[2] == []
 
 
+def test_grouped_bins_keep_an_images_responses_together():
+    """8 prompts x 8 responses into 6 micro-batches: each image lands in at most 2 of them, where
+    token-balanced bins spread every image over all 6 (6x the vision forwards)."""
+    groups = [i // 8 for i in range(64)]
+    lengths = [1318] * 64
+    bins = grouped_bins(lengths, groups, 6, 16384)
+    assert sorted(i for b in bins for i in b) == list(range(64)) and bins_fit(bins, lengths, 16384)
+    spread = [len({k for k, b in enumerate(bins) if any(groups[i] == g for i in b)}) for g in range(8)]
+    assert max(spread) <= 2 and sum(spread) <= 8 + 5, spread
+    balanced = plan_microbatches(lengths, 16384, num_bins=6)
+    assert sum(len({groups[i] for i in b}) for b in balanced) > 2 * sum(spread)
+    # uneven lengths: still every sample once, in exactly the asked number of bins
+    rng = torch.Generator().manual_seed(0)
+    uneven = torch.randint(200, 2000, (40,), generator=rng).tolist()
+    bins = grouped_bins(uneven, [i // 5 for i in range(40)], 5, 16384)
+    assert len(bins) == 5 and sorted(i for b in bins for i in b) == list(range(40))
+
+
 def test_backward_reaches_vision_and_text(policy):
     batch = mixed_batch(policy.adapter)
     mb = pack(batch, [1])  # text only: the vision tower still runs (zero-weighted)
@@ -230,17 +248,33 @@ def test_vision_runs_once_per_prompt_group(policy):
 def test_varlen_name_falls_back_to_sdpa_off_gpu(tiny_model):
     """attn_implementation=varlen builds and, without the CUDA kernel, gives sdpa's packed logprobs."""
     from grpo.config import ModelConfig
-    from models.attention import register
-    from models.parallel import build_parallel_dims
+    from transformers import AttentionInterface
+
+    from models.attention import VISION_NAME, register, varlen_vision_attention
+    from models.parallel import build_parallel_dims, init_distributed
     from models.policy import build_policy
 
+    init_distributed()
     register()
     varlen = build_policy(ModelConfig(path=str(tiny_model), attn_implementation="varlen"), build_parallel_dims())
     sdpa = build_policy(ModelConfig(path=str(tiny_model), attn_implementation="sdpa"), build_parallel_dims())
     assert varlen.model.config._attn_implementation == "varlen"
+    vision = varlen.adapter.vision_tower(varlen.model).config
+    assert vision._attn_implementation == VISION_NAME
+    calls = []
+
+    def spy(module, query, *args, **kwargs):  # the vision tower hands over all its windows at once
+        calls.append(int(kwargs["cu_seq_lens_q"].numel()) - 1)
+        return varlen_vision_attention(module, query, *args, **kwargs)
+
+    AttentionInterface.register(VISION_NAME, spy)
     batch = mixed_batch(sdpa.adapter)
     mb = pack(batch, list(range(len(batch))))
-    with torch.no_grad():
-        a, _ = varlen.logprobs(mb)
-        b, _ = sdpa.logprobs(mb)
+    try:
+        with torch.no_grad():
+            a, _ = varlen.logprobs(mb)
+            b, _ = sdpa.logprobs(mb)
+    finally:
+        register()
+    assert len(calls) == vision.depth and max(calls) > 1, calls
     assert torch.allclose(a, b, atol=1e-6)

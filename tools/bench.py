@@ -251,7 +251,11 @@ def _profile(step, out: Path) -> None:
         _sync()
     wall = time.perf_counter() - t0
     events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e6 if cuda else 0.0
+    from torch.autograd import DeviceType
+
+    # kernels and copies only: an op row also carries its kernels' time, a user range overlaps them
+    busy = sum(e.self_device_time_total for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)) / 1e6 if cuda else 0.0
     head = (f"profiled step: {wall:.2f} s wall (profiler overhead included), device kernels busy {busy:.2f} s"
             f" ({busy / wall:.0%} of wall)\n" if cuda else f"profiled step: {wall:.2f} s wall\n")
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"

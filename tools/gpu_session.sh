@@ -3,11 +3,13 @@
 #   bash tools/gpu_session.sh STAGE OUTDIR
 # Stages (each fits in a 10-minute call on one or two H200s, after `. /opt/vb/env.sh` for vLLM):
 #   tiny      tools/gpu_check.sh on the tiny Qwen2.5-VL, then the one-GPU tests of tests/gpu
-#   tp        the vLLM tensor-parallel pair test alone (two GPUs; prints every rank's stack on a hang)
+#   tp        the vLLM tensor-parallel pair alone (two GPUs; every rank's stack after HANG_S=100 s)
+#   trained   vLLM and the torch engine vs the policy on a trained checkpoint (TRAINED=model dir,
+#             TRAINED_DATA=its eval parquet; e.g. a merged `make demo` run)
 #   train     build the 3B-shaped model; training throughput with sdpa and with varlen attention
 #   full      the whole benchmark suite on the 3B-shaped model (ATTN=varlen|sdpa, default varlen)
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
-#   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM tensor parallel 2
+#   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
 set -u
 STAGE=$1
 OUT=${2:-gpu_out}
@@ -24,8 +26,17 @@ tiny)
   tail -5 "$OUT/pytest_gpu.log"
   ;;
 tp)
-  timeout 420 $PY -m pytest -q -s tests/gpu/test_vllm_engine.py -k tensor_parallel > "$OUT/pytest_tp.log" 2>&1
+  $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
+  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout $(( ${HANG_S:-100} + 60 )) $PY -m torch.distributed.run --standalone \
+    --nproc-per-node 2 tests/gpu/test_vllm_engine.py $W/tiny ${HANG_S:-100} > "$OUT/tp_pair.log" 2>&1
   echo "tensor-parallel pair rc=$?"
+  ;;
+trained)
+  for e in vllm torch; do
+    timeout 200 $PY tools/logprob_check.py --model "$TRAINED" --data "$TRAINED_DATA" --task clevr --engine $e \
+      --num-prompts 32 --n 8 --max-new-tokens 12 --max-pixels 12544 --out "$OUT/trained_$e.json" \
+      > "$OUT/trained_$e.log" 2>&1; echo "trained $e rc=$?"
+  done
   ;;
 train)
   for attn in sdpa varlen; do
@@ -50,7 +61,7 @@ fidelity)
 multi)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
   $PY tools/make_dataset.py --kind clevr --n 96 --seed 0 --out $W/c56.parquet --size 56x56 > /dev/null
-  for tp in 2 1; do
+  for tp in ${TPS:-2 1}; do
     timeout 200 $PY -m torch.distributed.run --standalone --nproc-per-node 2 train.py --config configs/demo.yaml \
       model.path=$W/tiny data.train_path=$W/c56.parquet data.eval_path=$W/c56.parquet trainer.run_dir=$W/multi_tp$tp \
       trainer.max_steps=3 rollout.engine=vllm rollout.tensor_parallel_size=$tp trainer.eval_every=0 \

@@ -14,14 +14,16 @@ with the kernel present no mask is built for it (it would be an L×L tensor nobo
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 
 import torch
 
 NAME = "varlen"
+_ROW: contextvars.ContextVar = contextvars.ContextVar("vlrl_packed_row", default=None)
 VISION_NAME = "flash_varlen_vision"  # "flash" in the name: transformers passes cu_seqlens to it
-_cache: dict = {"key": None, "value": None}
 
 
 @functools.cache
@@ -38,18 +40,35 @@ def kernel_available() -> bool:
 
 
 def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cumulative lengths (N+1,) int32 and the longest length of the sequences in a packed row.
+    """Cumulative lengths (N+1,) int32 and the longest length of the sequences in a packed row,
+    from its positions (each sequence restarts at 0). Costs a device sync: the policy gives the
+    boundaries it already has through `packed_row` instead, so this runs only outside it (an
+    activation-checkpointing recompute, a caller other than the policy)."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == 0).flatten()
+    total = torch.tensor([pos.numel()], device=pos.device)
+    cu = torch.cat([starts, total]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
 
-    Every layer asks with the same tensor; the answer is kept for the last one asked about.
-    """
-    key = (position_ids.data_ptr(), position_ids.shape, position_ids._version)
-    if _cache["key"] != key:
-        pos = position_ids.reshape(-1)
-        starts = torch.nonzero(pos == 0).flatten()
-        total = torch.tensor([pos.numel()], device=pos.device)
-        cu = torch.cat([starts, total]).to(torch.int32)
-        _cache["key"], _cache["value"] = key, (cu, int((cu[1:] - cu[:-1]).max()))
-    return _cache["value"]
+
+@contextlib.contextmanager
+def packed_row(cu_seqlens: torch.Tensor, length: int):
+    """Within this block, varlen attention over a row of `length` tokens uses these sequence
+    boundaries (the packer's own) rather than deriving them from positions in every layer."""
+    cu = cu_seqlens.to(torch.int32)
+    token = _ROW.set((cu, int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0, int(length)))
+    try:
+        yield
+    finally:
+        _ROW.reset(token)
+
+
+def row_boundaries(position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:
+    """The boundaries `packed_row` gave for a row of this length, else derived from the positions."""
+    given = _ROW.get()
+    if given is not None and given[2] == length:
+        return given[0], given[1]
+    return _cu_seqlens(position_ids)
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -64,7 +83,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
             or not causal or dropout or attention_mask is not None):  # a family's own mask wins
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    cu, longest = _cu_seqlens(position_ids)
+    cu, longest = row_boundaries(position_ids, query.shape[2])
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, D)
     extra = {}
     if k.shape[1] != q.shape[1]:

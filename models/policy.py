@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+from models.attention import packed_row
 from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
 from models.packing import PackedMicrobatch
 from models.parallel import ParallelDims, apply_parallelism
@@ -206,7 +207,8 @@ class Policy:
             embeds = embeds.masked_scatter(image_mask.unsqueeze(-1).expand_as(embeds), streams[0])
             keepalive = None
         if a.packable or mb.cu_seqlens.numel() <= 2:
-            hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, streams[1:])[0]
+            with packed_row(mb.cu_seqlens.to(embeds.device), mb.input_ids.shape[1]):
+                hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, streams[1:])[0]
         else:
             hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, streams[1:]))
         return hidden if keepalive is None else hidden + keepalive

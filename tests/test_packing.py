@@ -143,6 +143,23 @@ def test_microbatch_planning():
     assert plan_microbatches([5, 5], 100, num_bins=3)[2] == []
 
 
+def test_varlen_boundaries_come_from_the_packer_inside_packed_row():
+    """Inside `packed_row` the kernel gets the packer's boundaries for a row of that length; outside,
+    or for a row of another length, they are derived afresh from the positions (no stale cache)."""
+    from models.attention import packed_row, row_boundaries
+
+    pos_a = torch.cat([torch.arange(3), torch.arange(5)]).view(1, 8)
+    pos_b = torch.cat([torch.arange(6), torch.arange(2)]).view(1, 8)
+    assert row_boundaries(pos_a, 8)[0].tolist() == [0, 3, 8] and row_boundaries(pos_a, 8)[1] == 5
+    assert row_boundaries(pos_b, 8)[0].tolist() == [0, 6, 8] and row_boundaries(pos_b, 8)[1] == 6
+    given = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with packed_row(given, 8):
+        cu, longest = row_boundaries(pos_a, 8)
+        assert cu.tolist() == [0, 4, 8] and longest == 4
+        assert row_boundaries(pos_b[:, :6], 6)[0].tolist() == [0, 6]  # another row: its own positions
+    assert row_boundaries(pos_a, 8)[0].tolist() == [0, 3, 8]
+
+
 def test_grouped_bins_keep_an_images_responses_together():
     """8 prompts x 8 responses into 6 micro-batches: each image lands in at most 2 of them, where
     token-balanced bins spread every image over all 6 (6x the vision forwards)."""

@@ -56,11 +56,23 @@ def packed_row(cu_seqlens: torch.Tensor, length: int):
     """Within this block, varlen attention over a row of `length` tokens uses these sequence
     boundaries (the packer's own) rather than deriving them from positions in every layer."""
     cu = cu_seqlens.to(torch.int32)
-    token = _ROW.set((cu, int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0, int(length)))
+    with _row_as((cu, int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0, int(length))):
+        yield
+
+
+@contextlib.contextmanager
+def _row_as(row):
+    token = _ROW.set(row)
     try:
         yield
     finally:
         _ROW.reset(token)
+
+
+def checkpoint_context():
+    """`context_fn` for activation checkpointing: the backward's recompute of a layer sees the
+    packed row its forward saw (backward runs after the `packed_row` block has closed)."""
+    return contextlib.nullcontext(), _row_as(_ROW.get())
 
 
 def row_boundaries(position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:

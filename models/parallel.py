@@ -169,7 +169,10 @@ def apply_parallelism(
     if dims.tp_mesh is not None:
         _apply_tp(model, adapter, dims.tp_mesh)
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from models.attention import checkpoint_context
+
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mesh": dims.dp_mesh}
     if mp is not None:

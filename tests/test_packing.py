@@ -160,6 +160,27 @@ def test_varlen_boundaries_come_from_the_packer_inside_packed_row():
     assert row_boundaries(pos_a, 8)[0].tolist() == [0, 3, 8]
 
 
+def test_checkpoint_recompute_sees_the_forwards_packed_row():
+    """Activation checkpointing recomputes in backward, after `packed_row` has closed: the
+    recompute still gets the boundaries the forward used."""
+    from torch.utils.checkpoint import checkpoint
+
+    from models.attention import checkpoint_context, packed_row, row_boundaries
+
+    pos = torch.arange(8).view(1, 8)
+    seen = []
+
+    def layer(x):
+        seen.append(row_boundaries(pos, 8)[0].tolist())
+        return (x * x).sin()  # saves tensors, so backward recomputes
+
+    x = torch.ones(3, requires_grad=True)
+    with packed_row(torch.tensor([0, 5, 8]), 8):
+        y = checkpoint(layer, x, use_reentrant=False, context_fn=checkpoint_context)
+    y.sum().backward()
+    assert seen == [[0, 5, 8], [0, 5, 8]]  # forward, then the recompute
+
+
 def test_grouped_bins_keep_an_images_responses_together():
     """8 prompts x 8 responses into 6 micro-batches: each image lands in at most 2 of them, where
     token-balanced bins spread every image over all 6 (6x the vision forwards)."""

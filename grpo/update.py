@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from data.batch import Batch
 from models.packing import (
-    PackedMicrobatch, bins_fit, first_fit_decreasing, grouped_bins, pack, plan_microbatches, unpack_per_sequence,
+    PackedMicrobatch, bins_fit, first_fit_decreasing, grouped_bins, image_groups, pack, plan_microbatches,
+    unpack_per_sequence,
 )
 from models.policy import Policy
 
@@ -33,13 +34,6 @@ def all_reduce_max_int(value: int, device) -> int:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
-
-
-def image_groups(batch: Batch) -> list:
-    """A key per sample: samples sharing one image tensor (a prompt's responses) share a key."""
-    if "pixel_values" not in batch:
-        return list(range(len(batch)))
-    return [("image", id(p)) if p is not None else ("text", i) for i, p in enumerate(batch["pixel_values"].items)]
 
 
 def common_microbatches(batch: Batch, max_tokens: int, device) -> list[list[int]]:

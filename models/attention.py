@@ -39,6 +39,10 @@ def kernel_available() -> bool:
     return _kernel()[0] is not None
 
 
+def _longest(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
 def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cumulative lengths (N+1,) int32 and the longest length of the sequences in a packed row,
     from its positions (each sequence restarts at 0). Costs a device sync: the policy gives the
@@ -48,7 +52,7 @@ def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     starts = torch.nonzero(pos == 0).flatten()
     total = torch.tensor([pos.numel()], device=pos.device)
     cu = torch.cat([starts, total]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
+    return cu, _longest(cu)
 
 
 @contextlib.contextmanager
@@ -56,7 +60,7 @@ def packed_row(cu_seqlens: torch.Tensor, length: int):
     """Within this block, varlen attention over a row of `length` tokens uses these sequence
     boundaries (the packer's own) rather than deriving them from positions in every layer."""
     cu = cu_seqlens.to(torch.int32)
-    with _row_as((cu, int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0, int(length))):
+    with _row_as((cu, _longest(cu), int(length))):
         yield
 
 
@@ -88,14 +92,19 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     """transformers attention interface: query (1, H, L, D), key/value (1, Hkv, L, D) → ((1, L, H, D), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    kernel, params = _kernel()
     position_ids = kwargs.get("position_ids")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    if (kernel is None or query.device.type != "cuda" or position_ids is None or query.shape[0] != 1
+    if (_kernel()[0] is None or query.device.type != "cuda" or position_ids is None or query.shape[0] != 1
             or not causal or dropout or attention_mask is not None):  # a family's own mask wins
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     cu, longest = row_boundaries(position_ids, query.shape[2])
+    return _run_kernel(query, key, value, cu, longest, scaling, causal=True), None
+
+
+def _run_kernel(query, key, value, cu: torch.Tensor, longest: int, scaling, causal: bool) -> torch.Tensor:
+    """The varlen kernel over one row: query (1, H, L, D), key/value (1, Hkv, L, D) → (1, L, H, D)."""
+    kernel, params = _kernel()
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, D)
     extra = {}
     if k.shape[1] != q.shape[1]:
@@ -105,11 +114,10 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     if "is_causal" in params:
-        extra["is_causal"] = True
+        extra["is_causal"] = causal
     else:
-        extra["window_size"] = (-1, 0)
-    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
-    return out.unsqueeze(0), None
+        extra["window_size"] = (-1, 0) if causal else (-1, -1)
+    return kernel(q, k, v, cu, cu, longest, longest, scale=scaling, **extra).unsqueeze(0)
 
 
 def varlen_vision_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0, scaling=None,
@@ -121,18 +129,14 @@ def varlen_vision_attention(module, query, key, value, attention_mask=None, drop
     if cu_seq_lens_q is None:  # a caller without windows: the whole row is one window
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=False)
-    kernel, params = _kernel()
-    if kernel is None or query.device.type != "cuda" or dropout or query.shape[0] != 1:
+    if _kernel()[0] is None or query.device.type != "cuda" or dropout or query.shape[0] != 1:
         lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
         parts = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=False)[0]
                  for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))]
         return torch.cat(parts, dim=1), None
     cu = cu_seq_lens_q.to(torch.int32)
-    longest = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, D)
-    extra = {"is_causal": False} if "is_causal" in params else {"window_size": (-1, -1)}
-    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
-    return out.unsqueeze(0), None
+    longest = int(max_length_q) if max_length_q is not None else _longest(cu)
+    return _run_kernel(query, key, value, cu, longest, scaling, causal=False), None
 
 
 def _mask(*args, **kwargs):

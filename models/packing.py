@@ -154,6 +154,14 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
     )
 
 
+def image_groups(batch: Batch) -> list:
+    """A key per sample: samples sharing one image tensor (a prompt's responses) share a key, the
+    identity `_distinct_images` dedups by; each text-only sample is a group of its own."""
+    if "pixel_values" not in batch:
+        return list(range(len(batch)))
+    return [("image", id(p)) if p is not None else ("text", i) for i, p in enumerate(batch["pixel_values"].items)]
+
+
 def _distinct_images(sub: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
     """Pixel/grid tensors of the distinct image groups (by tensor identity) and each sample's group."""
     if "pixel_values" not in sub:

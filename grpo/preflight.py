@@ -42,8 +42,9 @@ def _check_data(cfg: Config) -> None:
 def _check_engine(cfg: Config) -> None:
     if cfg.trainer.mode != "grpo" and not cfg.data.eval_path:
         return
+    family = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type")
     try:
-        name = resolve_engine_name(cfg.rollout.engine)
+        name = resolve_engine_name(cfg.rollout.engine, family)
     except RuntimeError as exc:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine}: {exc}") from exc
     if name == "vllm" and not 0.0 < cfg.rollout.gpu_memory_utilization < 1.0:

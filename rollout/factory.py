@@ -6,15 +6,22 @@ import importlib.util
 
 import torch
 
+from rollout.weight_names import VLLM_PENDING
+
 
 def vllm_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
-def resolve_engine_name(name: str) -> str:
-    """auto → vllm when CUDA and vllm are present, else the built-in torch engine."""
+def resolve_engine_name(name: str, family: str | None = None) -> str:
+    """auto → vllm when CUDA and vllm are present and the vLLM engine handles the model family
+    (`family`: config.json's model_type), else the built-in torch engine."""
+    pending = VLLM_PENDING.get(family)
     if name == "auto":
-        return "vllm" if vllm_available() else "torch"
+        return "vllm" if vllm_available() and pending is None else "torch"
+    if name == "vllm" and pending is not None:
+        raise RuntimeError(f"rollout.engine=vllm does not run model family '{family}' yet ({pending}); "
+                           "set rollout.engine=torch to use the built-in engine")
     if name == "vllm" and not vllm_available():
         raise RuntimeError(
             "rollout.engine=vllm needs CUDA and the vllm package (pip install -e .[vllm]); "
@@ -25,7 +32,7 @@ def resolve_engine_name(name: str) -> str:
 
 def build_engine(cfg, policy):
     """The engine for this rank, holding the policy's model folder; weights arrive by refit."""
-    name = resolve_engine_name(cfg.rollout.engine)
+    name = resolve_engine_name(cfg.rollout.engine, policy.model.config.model_type)
     if name == "torch":
         from rollout.torch_engine import TorchEngine
 

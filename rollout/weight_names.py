@@ -64,6 +64,15 @@ HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
     "gemma3": list(_LLAVA_PREFIXES),
 }
 
+# Families whose prompts and refit the vLLM engine handles end to end: one placeholder token per
+# image that vLLM re-expands, Qwen's min/max pixels, every refit tensor built by vLLM. The rest
+# have name-table rows but need engine work first, said in `VLLM_PENDING`.
+VLLM_PENDING: dict[str, str] = {
+    "llava": "vLLM builds the CLIP tower only up to vision_feature_layer, so the refit check must skip the rest",
+    "idefics3": "SmolVLM's framed image placeholders must be collapsed to the single <image> vLLM re-expands",
+    "gemma3": "Gemma3's framed image placeholders must be collapsed to the single <start_of_image> vLLM re-expands",
+}
+
 # vLLM parameters that hold several checkpoint tensors, and the checkpoint module names
 # stacked into each, in the order they sit along the output dimension.
 STACKED: list[tuple[str, list[str]]] = [

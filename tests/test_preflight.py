@@ -81,3 +81,16 @@ def test_nonfinite_steps_in_a_row_stop_with_checkpoint(tiny_model, clevr_parquet
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss/skipped_nonfinite"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_4"
+
+
+def test_vllm_is_refused_for_families_it_cannot_run_yet(monkeypatch):
+    """auto falls back to the built-in engine for such a family; an explicit vllm names the family."""
+    from rollout import factory
+
+    monkeypatch.setattr(factory, "vllm_available", lambda: True)
+    assert factory.resolve_engine_name("auto", "qwen2_5_vl") == "vllm"
+    for family in ("gemma3", "idefics3", "llava"):
+        assert factory.resolve_engine_name("auto", family) == "torch"
+        with pytest.raises(RuntimeError, match=f"family '{family}'.*rollout.engine=torch"):
+            factory.resolve_engine_name("vllm", family)
+    assert factory.resolve_engine_name("torch", "gemma3") == "torch"

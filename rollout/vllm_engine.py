@@ -96,6 +96,9 @@ def _ensure_launcher_env() -> None:
     """Set what external_launcher reads: torchrun's variables, or a world of one without torchrun."""
     # The engine core must live in this process: external_launcher asserts it.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Tensor-parallel all-reduce through NCCL alone: vLLM's symmetric-memory all-reduce allocates its
+    # own buffers beside the trainer's and wants NVLink multicast, which shared hosts turn off.
+    os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
         return
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -3,12 +3,14 @@
 #   bash tools/gpu_session.sh STAGE OUTDIR
 # Stages (each fits in a 10-minute call on one or two H200s, after `. /opt/vb/env.sh` for vLLM):
 #   tiny      tools/gpu_check.sh on the tiny Qwen2.5-VL, then the one-GPU tests of tests/gpu
-#   tp        the vLLM tensor-parallel pair alone (two GPUs; every rank's stack after HANG_S=100 s)
+#   tp        the vLLM tensor-parallel pair alone (two GPUs; every rank's stack after HANG_S=100 s;
+#             RUNNERS="default 0" tries vLLM's model runner choice, then the V1 runner)
 #   trained   vLLM and the torch engine vs the policy on a trained checkpoint (TRAINED=model dir,
 #             TRAINED_DATA=its eval parquet; e.g. a merged `make demo` run)
 #   train     build the 3B-shaped model; training throughput with sdpa and with varlen attention
 #   full      the whole benchmark suite on the 3B-shaped model (ATTN=varlen|sdpa, default varlen)
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
+#   scale     3B-shaped GRPO steps on one GPU, then on two (NPROCS="1 2"; policy sharded, one engine per GPU)
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
 set -u
 STAGE=$1
@@ -27,9 +29,14 @@ tiny)
   ;;
 tp)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
-  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout $(( ${HANG_S:-100} + 60 )) $PY -m torch.distributed.run --standalone \
-    --nproc-per-node 2 tests/gpu/test_vllm_engine.py $W/tiny ${HANG_S:-100} > "$OUT/tp_pair.log" 2>&1
-  echo "tensor-parallel pair rc=$?"
+  # RUNNERS: vLLM model runners to try in turn ("" = vLLM's choice, 0 = V1, 1 = V2); stop at the first pass
+  for r in ${RUNNERS:-default}; do
+    [ "$r" = default ] && unset VLLM_USE_V2_MODEL_RUNNER || export VLLM_USE_V2_MODEL_RUNNER=$r
+    NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout $(( ${HANG_S:-100} + 60 )) $PY -m torch.distributed.run --standalone \
+      --nproc-per-node 2 tests/gpu/test_vllm_engine.py $W/tiny ${HANG_S:-100} > "$OUT/tp_pair_$r.log" 2>&1
+    rc=$?; echo "tensor-parallel pair, model runner $r: rc=$rc"
+    [ $rc = 0 ] && break
+  done
   ;;
 trained)
   for e in vllm torch; do
@@ -56,6 +63,21 @@ fidelity)
     timeout 280 $PY tools/logprob_check.py --model $M --data $W/fid.parquet --engine vllm --num-prompts 16 --n 4 \
       --max-new-tokens 128 --min-pixels 200704 --max-pixels 200704 --sharpen "$s" --out "$OUT/fid_3b_$s.json" \
       > "$OUT/fid_3b_$s.log" 2>&1; echo "fidelity sharpen=$s rc=$?"
+  done
+  ;;
+scale)
+  # GRPO steps of the 3B-shaped model on 1 GPU, then with the policy sharded over 2 (one engine each)
+  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
+    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+  $PY tools/make_dataset.py --kind clevr --n 64 --seed 3 --out $W/fid.parquet --size 448x448 > /dev/null
+  for np in ${NPROCS:-1 2}; do
+    timeout ${SCALE_S:-240} $PY -m torch.distributed.run --standalone --nproc-per-node $np train.py \
+      --config configs/clevr_qwen2_5_vl_3b.yaml model.path=$M data.train_path=$W/fid.parquet \
+      data.eval_path=$W/fid.parquet trainer.run_dir=$W/scale_$np trainer.max_steps=${STEPS:-3} trainer.eval_every=0 \
+      data.prompts_per_step=16 rollout.max_new_tokens=256 rollout.engine=vllm model.activation_checkpointing=false \
+      optim.max_tokens_per_microbatch=8192 checkpoint.every_steps=0 > "$OUT/scale_$np.log" 2>&1
+    echo "3B GRPO on $np GPU(s) rc=$?"
+    cp $W/scale_$np/metrics.jsonl "$OUT/scale_${np}_metrics.jsonl" 2>/dev/null
   done
   ;;
 multi)

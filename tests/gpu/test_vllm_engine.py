@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -308,8 +309,12 @@ def _all_ranks_equal(values: list[int]) -> bool:
 
 def tensor_parallel_main(model_dir: str, hang_s: float = TP_TIMEOUT_S) -> None:
     """One rank of a TP=2 engine: refit, bitwise read-back through the gather, identical sampling on both ranks."""
-    # A collective that never completes would hang silently: print every thread's stack instead.
-    faulthandler.dump_traceback_later(hang_s, exit=True)
+    # A collective that never completes would hang silently: print every thread's stack instead, on
+    # every rank (exiting at once would let torchrun kill the other rank before it prints).
+    faulthandler.dump_traceback_later(hang_s, exit=False)
+    killer = threading.Timer(hang_s + 20, lambda: os._exit(3))
+    killer.daemon = True
+    killer.start()
     config = AutoConfig.from_pretrained(model_dir)
     checkpoint = load_file(str(Path(model_dir) / "model.safetensors"))
     size = SIZES["tiny"]
@@ -330,6 +335,8 @@ def tensor_parallel_main(model_dir: str, hang_s: float = TP_TIMEOUT_S) -> None:
     assert len(gens) == 9 and _all_ranks_equal(tokens), "the ranks of one tensor-parallel group sampled differently"
     print("tensor-parallel rank ok", flush=True)
     torch.distributed.barrier()  # leave together, so neither rank tears NCCL down under the other
+    faulthandler.cancel_dump_traceback_later()
+    killer.cancel()
 
 
 if __name__ == "__main__":

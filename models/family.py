@@ -23,6 +23,7 @@ families add three m-rope rows (R = 4); 1-D families have R = 1.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -177,6 +178,64 @@ class FamilyAdapter:
             "mlp.down_proj": "rowwise",
         }
 
+    # --- vLLM prompts and processor -----------------------------------------------------------
+    # vLLM 0.26 takes a token prompt as un-expanded: its multimodal processor replaces, for each
+    # image in order, the first target token after the previous image with that image's
+    # replacement ids (`BaseMultiModalProcessor._apply_prompt_updates` → `apply_token_matches`).
+    # The trainer's ids are already expanded, so `vllm_collapse` undoes the family's expansion and
+    # `vllm_expand` redoes it the way vLLM does; the engine checks that the two round-trip.
+    def vllm_collapse(self, ids: list[int], vocab: Mapping[str, int]) -> tuple[list[int], list[list[int]]]:
+        """(the prompt vLLM expands itself, each image's replacement ids as vLLM inserts them).
+
+        Default (Qwen-VL, LLaVA): vLLM's `PromptReplacement` targets one image token and inserts
+        the image's whole run of it, so each run becomes one token.
+        """
+        out: list[int] = []
+        runs: list[list[int]] = []
+        for token in ids:
+            if token == self.image_token_id and out and out[-1] == token:
+                runs[-1].append(token)
+                continue
+            out.append(token)
+            if token == self.image_token_id:
+                runs.append([token])
+        return out, runs
+
+    def vllm_target(self, vocab: Mapping[str, int]) -> int:
+        """The token vLLM replaces with an image's replacement ids."""
+        return self.image_token_id
+
+    def vllm_expand(self, ids: list[int], replacements: list[list[int]], vocab: Mapping[str, int]) -> list[int]:
+        """The prompt vLLM 0.26 runs for a collapsed prompt: image i's target becomes replacements[i]."""
+        return _replace_targets(ids, self.vllm_target(vocab), replacements)
+
+    def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict:
+        """`mm_processor_kwargs` that make vLLM's HF processor see the images as the trainer's does.
+
+        Default (LLaVA): the trainer calls the processor with its defaults on images already at the
+        tower's square size, so vLLM needs none either.
+        """
+        return {}
+
+
+def _replace_targets(ids: list[int], target: int, replacements: list[list[int]]) -> list[int]:
+    """Each replacement, in order, in place of the first `target` after the previous replacement.
+
+    vLLM finds every image's first match from the end of the last replacement and applies the
+    earliest one at a time, which for one target token is this left-to-right walk. A missing
+    target is an error here (vLLM would fall back to matching on decoded text).
+    """
+    out: list[int] = []
+    start = 0
+    for i, repl in enumerate(replacements):
+        try:
+            at = ids.index(target, start)
+        except ValueError:
+            raise ValueError(f"vLLM prompt: no image target token {target} left for image {i}") from None
+        out += ids[start:at] + list(repl)
+        start = at + 1
+    return out + ids[start:]
+
 
 @dataclass
 class QwenVLAdapter(FamilyAdapter):
@@ -287,6 +346,11 @@ class QwenVLAdapter(FamilyAdapter):
             kwargs.update(pixel_values=pixels, image_grid_thw=grid)
         return kwargs
 
+    def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict:
+        # Images arrive with sides on the patch × merge grid within these limits; the trainer's
+        # processor is told not to resize them, and so is vLLM's (Qwen2VLImageProcessor.size).
+        return {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}, "do_resize": False}
+
 
 @dataclass
 class Qwen3VLAdapter(QwenVLAdapter):
@@ -353,6 +417,25 @@ class LlavaAdapter(FamilyAdapter):
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.vision_tower
+
+    def vllm_collapse(self, ids, vocab):
+        """Each image's `<image>` run back to one `<image>` (vLLM's `LlavaMultiModalProcessor` target).
+
+        Every image takes the same count, so a run of adjacent images splits by it.
+        """
+        out, runs = super().vllm_collapse(ids, vocab)
+        per_image = (self.image_size // self.patch_size) ** 2 + self.cls_token
+        if any(len(run) % per_image for run in runs):
+            raise ValueError(f"vLLM prompt: an <image> run is not a multiple of {per_image} tokens per image")
+        collapsed: list[int] = []
+        for token in out:
+            if token == self.image_token_id:
+                collapsed += [token] * (len(runs[0]) // per_image)
+                runs.pop(0)
+            else:
+                collapsed.append(token)
+        count = collapsed.count(self.image_token_id)
+        return collapsed, [[self.image_token_id] * per_image] * count
 
 
 def _encoder_layer_output(tower: nn.Module, pixels: torch.Tensor, feature_layer: int) -> torch.Tensor:
@@ -433,6 +516,47 @@ class Idefics3Adapter(FamilyAdapter):
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.vision_model
+
+    def vllm_collapse(self, ids, vocab):
+        """Each framed image block back to the one `<image>` vLLM's Idefics3 processor replaces.
+
+        vLLM 0.26 (`Idefics3MultiModalProcessor._get_prompt_updates`) targets the text "<image>"
+        and inserts `Idefics3ProcessingInfo.get_image_repl` tokenized on its own: the tiles
+        (`<fake_token_around_image><row_r_col_c>` + image_seq_len `<image>`, "\n" after each row),
+        "\n", then `<fake_token_around_image><global-img>` + image_seq_len `<image>` +
+        `<fake_token_around_image>`; unsplit images are the global part alone. The block starts and
+        ends with special tokens, so the trainer's whole-text tokenization holds the same ids.
+        """
+        fake, glob = vocab["<fake_token_around_image>"], vocab["<global-img>"]
+        out: list[int] = []
+        blocks: list[list[int]] = []
+        i = 0
+        while i < len(ids):
+            if ids[i] != fake:
+                out.append(ids[i])
+                i += 1
+                continue
+            try:
+                g = ids.index(glob, i)
+            except ValueError:
+                raise ValueError(f"vLLM prompt: <fake_token_around_image> at {i} opens no image block "
+                                 "(no <global-img> after it)") from None
+            end = g + 1 + self.image_seq_len
+            if ids[g - 1] != fake or ids[g + 1 : end] != [self.image_token_id] * self.image_seq_len \
+                    or end >= len(ids) or ids[end] != fake:
+                raise ValueError(f"vLLM prompt: the image block at {i} does not end in <fake_token_around_image>"
+                                 f"<global-img> + {self.image_seq_len} <image> + <fake_token_around_image>")
+            out.append(self.image_token_id)
+            blocks.append(ids[i : end + 1])
+            i = end + 1
+        return out, blocks
+
+    def vllm_processor_kwargs(self, min_pixels, max_pixels):
+        # The trainer brings each image to the processor's longest edge on the tile grid itself and
+        # calls the processor with do_resize=False, do_image_splitting=True (data/processing.py
+        # SplitImages); vLLM passes the same to Idefics3Processor and to
+        # Idefics3ImageProcessor.get_number_of_image_patches, which sizes the replacement.
+        return {"do_resize": False, "do_image_splitting": True}
 
     def language_model(self, model: nn.Module) -> nn.Module:
         return model.model.text_model
@@ -521,6 +645,75 @@ class Gemma3Adapter(LlavaAdapter):
         if pixels is not None:
             kwargs["token_type_ids"] = (input_ids == self.image_token_id).long()
         return kwargs
+
+    # --- vLLM prompts ---------------------------------------------------------------------------
+    # vLLM 0.26 (`Gemma3MultiModalProcessor`) targets `<start_of_image>` and inserts the tokenized
+    # `Gemma3Processor.full_image_sequence`, "\n\n<start_of_image>" + soft tokens +
+    # "<end_of_image>\n\n", i.e. [\n\n, boi, soft × k, eoi, \n\n]. Its `_apply_token_matches` then
+    # merges newline tokens over the whole prompt, in this order: [\n, \n\n] → \n\n\n,
+    # [\n\n, \n] → \n\n\n, [\n\n, \n\n] → \n\n\n\n. The trainer tokenized the same text in one
+    # piece, so the newline token on each side of an image block holds the block's "\n\n" merged
+    # with the text's own newlines; collapsing gives that text back its own part.
+    def _newlines(self, vocab) -> list[int]:
+        return [vocab["\n" * k] for k in (1, 2, 3, 4)]
+
+    def vllm_target(self, vocab):
+        return self.extra_banned_ids[0]  # boi
+
+    def vllm_collapse(self, ids, vocab):
+        """Each "\n\n" + boi + soft tokens + eoi + "\n\n" back to one `<start_of_image>`."""
+        nl1, nl2, nl3, nl4 = self._newlines(vocab)
+        boi, eoi = self.extra_banned_ids[:2]
+        text_part = {nl2: [], nl3: [nl1], nl4: [nl2]}  # what is left of a newline token without "\n\n"
+        block = [nl2, boi, *[self.image_token_id] * self.tokens_per_image, eoi, nl2]
+        out: list[int] = []
+        blocks: list[list[int]] = []
+        i = 0
+        while i < len(ids):
+            if ids[i] != boi:
+                out.append(ids[i])
+                i += 1
+                continue
+            end = i + 1 + self.tokens_per_image
+            if ids[i + 1 : end] != [self.image_token_id] * self.tokens_per_image or end >= len(ids) \
+                    or ids[end] != eoi:
+                raise ValueError(f"vLLM prompt: <start_of_image> at {i} is not followed by "
+                                 f"{self.tokens_per_image} soft tokens and <end_of_image>")
+            before = out.pop() if out else None
+            after = ids[end + 1] if end + 1 < len(ids) else None
+            if before not in text_part or after not in text_part:
+                raise ValueError(f"vLLM prompt: the image block at {i} is not framed by newline tokens "
+                                 "holding Gemma3Processor's \"\\n\\n\" on both sides")
+            out += text_part[before] + [boi] + text_part[after]
+            blocks.append(block)
+            i = end + 2
+        return out, blocks
+
+    def vllm_expand(self, ids, replacements, vocab):
+        nl1, nl2, nl3, nl4 = self._newlines(vocab)
+        out = _replace_targets(ids, self.vllm_target(vocab), replacements)
+        for pair, merged in (([nl1, nl2], nl3), ([nl2, nl1], nl3), ([nl2, nl2], nl4)):
+            out = _merge_pairs(out, pair, merged)
+        return out
+
+    def vllm_processor_kwargs(self, min_pixels, max_pixels):
+        # No pan-and-scan crops (the trainer's Gemma3Images calls the processor so): vLLM's
+        # Gemma3ProcessingInfo.get_num_crops reads the same flag and returns 0 crops.
+        return {"do_pan_and_scan": False}
+
+
+def _merge_pairs(ids: list[int], pair: list[int], merged: int) -> list[int]:
+    """Non-overlapping occurrences of the two-token `pair`, left to right, replaced by `merged`."""
+    out: list[int] = []
+    i = 0
+    while i < len(ids):
+        if ids[i : i + 2] == pair:
+            out.append(merged)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
 
 
 def _gemma3_adapter(config) -> Gemma3Adapter:

@@ -16,15 +16,18 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   dropped tensor cannot go unnoticed. Tensor-parallel all-reduces go through NCCL: vLLM's
   CUDA-IPC custom all-reduce is disabled.
 - Image placeholders: vLLM 0.26 treats a token prompt as unexpanded. Its multimodal processor
-  (`BaseMultiModalProcessor._apply_prompt_updates`, Qwen2-VL's `PromptReplacement` of target
-  `[<|image_pad|>]`) replaces the first `<|image_pad|>` it finds for each image with that
-  image's full run. Our prompts are already expanded, so each run is collapsed to one token
-  first; vLLM then rebuilds the runs from its own processor output, and every response is
-  checked: the prompt ids vLLM ran must equal ours token for token, so a different image grid
-  (pixels, resize rule) fails loudly instead of shifting positions.
-- Images: the canonical PIL images (RGB, sides already multiples of 28 within min/max pixels)
-  go to vLLM with the same min/max pixels and `do_resize=False`, as the trainer's processor is
-  called, so both sides compute identical pixel values. The multimodal processor cache is off
+  (`BaseMultiModalProcessor._apply_prompt_updates` with the family's `PromptReplacement`)
+  replaces, for each image, the first target token it finds (Qwen's `<|image_pad|>`, LLaVA's and
+  SmolVLM's `<image>`, Gemma3's `<start_of_image>`) with that image's full replacement. Our
+  prompts are already expanded, so the family adapter collapses each image block back to what
+  vLLM expects (`FamilyAdapter.vllm_collapse`) and the engine checks that the adapter's model of
+  vLLM's expansion (`vllm_expand`) gives our ids back; vLLM then rebuilds the blocks from its own
+  processor output, and every response is checked: the prompt ids vLLM ran must equal ours token
+  for token, so a different image grid (pixels, resize rule) fails loudly instead of shifting positions.
+- Images: the images the trainer's processor saw (already at the family's size) go to vLLM with
+  the processor kwargs the trainer used (`FamilyAdapter.vllm_processor_kwargs`: Qwen's min/max
+  pixels and `do_resize=False`, SmolVLM's splitting without the first resize, Gemma3 without
+  pan-and-scan), so both sides compute identical pixel values. The multimodal processor cache is off
   (`mm_processor_cache_gb=0`); the encoder cache, the processor cache and the prefix cache are
   cleared after every refit and wake, so no vision features or KV blocks of old weights are reused.
 - Logprobs: `logprobs_mode="processed_logprobs"` returns log_softmax of the fp32 logits after
@@ -56,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import random
 import socket
@@ -66,7 +70,9 @@ import numpy as np
 import torch
 
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
-from rollout.weight_names import HF_TO_VLLM, collapse_image_pads, vllm_param_for
+from rollout.weight_names import EMBED_TOKENS, HF_TO_VLLM, VLLMSkips, vllm_param_for
+
+log = logging.getLogger(__name__)
 
 BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
 SLEEP_LEVEL = 1
@@ -84,6 +90,19 @@ def read_family(model_path: str | os.PathLike) -> str:
             f"VLLMEngine: {config} has model_type {model_type!r}; supported: {sorted(HF_TO_VLLM)}"
         )
     return model_type
+
+
+def _read_config(model_path) -> dict:
+    return json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+
+
+def _load_adapter(model_path):
+    """The family adapter of a model folder (it owns the family's vLLM prompt form and processor kwargs)."""
+    from transformers import AutoConfig
+
+    from models.family import build_adapter
+
+    return build_adapter(AutoConfig.from_pretrained(str(model_path), local_files_only=True))
 
 
 def _free_port() -> int:
@@ -271,6 +290,12 @@ class VLLMEngine(Engine):
         if dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"VLLMEngine: dtype {dtype!r} must be 'bfloat16', 'float16' or 'float32'")
         self.family = read_family(model_path)
+        self.adapter = _load_adapter(model_path)
+        if image_pad_id != self.adapter.image_token_id:
+            raise ValueError(f"VLLMEngine: image_pad_id={image_pad_id} is not the {self.family} image token "
+                             f"{self.adapter.image_token_id} of {model_path}")
+        self._skips = VLLMSkips.for_config(self.family, _read_config(model_path))
+        self.skipped_in_refit = 0  # tensors of the last refit that vLLM builds no parameter for
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = getattr(torch, dtype)  # what refit tensors are rounded to; callers may send them so
         self.image_pad_id = image_pad_id
@@ -291,6 +316,8 @@ class VLLMEngine(Engine):
             )
         self._dp_rank = torch.distributed.get_rank() // tensor_parallel_size
         self._tied = self._lm_head_is_embedding()
+        # The vocabulary vLLM's processor looks tokens up in (Gemma3's newline merging does).
+        self._vocab = dict(self._llm.get_tokenizer().get_vocab())
 
     def _build_llm(self, path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed, dtype,
                    min_pixels, max_pixels):
@@ -313,10 +340,7 @@ class VLLMEngine(Engine):
             enable_sleep_mode=True,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # no sampling defaults from the checkpoint's generation_config.json
-            mm_processor_kwargs={
-                "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-                "do_resize": False,
-            },
+            mm_processor_kwargs=self.adapter.vllm_processor_kwargs(min_pixels, max_pixels),
             mm_processor_cache_gb=0,
             limit_mm_per_prompt={"image": self.max_images_per_prompt, "video": 0},
             # Tensor-parallel all-reduce through NCCL, not vLLM's CUDA-IPC kernel: with it, a TP=2
@@ -327,7 +351,8 @@ class VLLMEngine(Engine):
     def _lm_head_is_embedding(self) -> bool:
         """Whether the engine ties lm_head to embed_tokens (then vLLM skips lm_head.* in refit)."""
         head = vllm_param_for(self.family, "lm_head.weight")[0].rpartition(".")[0]
-        embed = vllm_param_for(self.family, "model.language_model.embed_tokens.weight")[0].rpartition(".")[0]
+        embed_name = EMBED_TOKENS.get(self.family, "model.language_model.embed_tokens.weight")
+        embed = vllm_param_for(self.family, embed_name)[0].rpartition(".")[0]
         return self._llm.apply_model(lambda m: m.get_submodule(head) is m.get_submodule(embed))[0]
 
     # --- generation ---------------------------------------------------------------------------
@@ -360,17 +385,22 @@ class VLLMEngine(Engine):
         return generations
 
     def _vllm_prompt(self, index: int, prompt: PromptInput) -> dict:
-        """A vLLM token prompt: each image's placeholder run collapsed to one token, plus the images."""
+        """A vLLM token prompt: each image's expanded block collapsed to what vLLM expands, plus the images."""
         images = list(prompt.images)
         if len(images) > self.max_images_per_prompt:
             raise ValueError(
                 f"prompt {index} has {len(images)} images; the engine was built for at most "
                 f"{self.max_images_per_prompt} (max_images_per_prompt)"
             )
-        ids = collapse_image_pads(prompt.input_ids, self.image_pad_id)
-        runs = ids.count(self.image_pad_id)
-        if runs != len(images):
-            raise ValueError(f"prompt {index} has {runs} <|image_pad|> runs but {len(images)} images")
+        ours = [int(t) for t in prompt.input_ids]
+        try:
+            ids, blocks = self.adapter.vllm_collapse(ours, self._vocab)
+            if len(blocks) != len(images):
+                raise ValueError(f"{len(blocks)} image blocks but {len(images)} images")
+            if self.adapter.vllm_expand(ids, blocks, self._vocab) != ours:
+                raise ValueError("vLLM's re-expansion of the collapsed prompt would not give these ids back")
+        except ValueError as err:
+            raise ValueError(f"prompt {index} ({self.family}): {err}") from err
         request = {"prompt_token_ids": ids}
         if images:
             request["multi_modal_data"] = {"image": images}
@@ -411,7 +441,7 @@ class VLLMEngine(Engine):
         raise RuntimeError(
             f"prompt {index}: vLLM ran {len(theirs)} prompt tokens, the trainer has {len(ours)} (first difference "
             f"at position {first}). vLLM's image processor produced a different image grid: check that the "
-            "images are canonical and that min/max pixels match the trainer's processor"
+            "images are the trainer's and that the family's vllm_processor_kwargs match its processor call"
         )
 
     # --- weights ------------------------------------------------------------------------------
@@ -426,6 +456,7 @@ class VLLMEngine(Engine):
             self._llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
         expected: set[str] = set()
+        skipped: dict[str, str] = {}
         lm_head = vllm_param_for(self.family, "lm_head.weight")[0]
 
         def stream():
@@ -433,7 +464,12 @@ class VLLMEngine(Engine):
                 if not isinstance(tensor, torch.Tensor):
                     raise TypeError(f"refit: {name} is a {type(tensor).__name__}, not a torch.Tensor")
                 param = vllm_param_for(self.family, name)[0]
-                if not (self._tied and param == lm_head):
+                reason = self._skips.reason(self.family, name)
+                if reason is not None:
+                    # Still handed over: vLLM drops it, and if a vLLM version did load it the check
+                    # below reports the table as wrong instead of leaving that tensor stale.
+                    skipped[name] = reason
+                elif not (self._tied and param == lm_head):
                     expected.add(param)
                 # detach(): vLLM tags the tensor it is given with a shard id; keep the caller's clean.
                 yield name, tensor.detach()
@@ -445,13 +481,23 @@ class VLLMEngine(Engine):
                 f"refit: vLLM did not load {missing[:5]} ({len(missing)} in all) and loaded unexpected "
                 f"{extra[:5]} ({len(extra)} in all); rollout/weight_names.py disagrees with this vLLM version"
             )
+        if skipped and self.skipped_in_refit != len(skipped):
+            first = next(iter(skipped.items()))
+            log.info("refit: %d checkpoint tensors have no vLLM parameter and were not expected back (e.g. %s: %s)",
+                     len(skipped), *first)
+        self.skipped_in_refit = len(skipped)
         self._drop_caches()
 
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The engine's current tensors for these transformers names, un-stacked and gathered, on CPU."""
+        """The engine's current tensors for these transformers names, un-stacked and gathered, on CPU.
+
+        Names vLLM builds no parameter for (`VLLMSkips`, e.g. LLaVA's vision layers past
+        vision_feature_layer) are left out of the result; any other name it lacks is an error.
+        """
         if "weights" in self._asleep:
             raise RuntimeError("VLLMEngine.read_weights: the weights are asleep; call wake() or refit() first")
-        targets = [(name, *vllm_param_for(self.family, name)) for name in names]
+        targets = [(name, *vllm_param_for(self.family, name)) for name in names
+                   if self._skips.reason(self.family, name) is None]
         return self._llm.apply_model(lambda model: _read_params(model, targets))[0]
 
     # --- memory -------------------------------------------------------------------------------

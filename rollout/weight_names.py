@@ -19,6 +19,11 @@ A shard id says where a checkpoint tensor sits inside the fused vLLM parameter: 
 (vLLM's MergedColumnParallelLinear). These are the ids vLLM's own weight mappers attach
 (`Qwen2Model.hf_to_vllm_mapper`, `Qwen2_5_VisionTransformer.hf_to_vllm_mapper`).
 
+Some checkpoint tensors have no vLLM parameter at all: vLLM builds LLaVA's vision tower only
+up to `vision_feature_layer` and then without post_layernorm, and never builds a SigLIP pooling
+head; a tied lm_head is the embedding. `VLLMSkips` names the first kind, the engine learns the
+last from the built model.
+
 This module is pure Python: the CPU tests pin it, and the vLLM engine uses it to check a
 refit touched exactly the parameters it should and to read parameters back by their
 transformers names.
@@ -27,6 +32,7 @@ transformers names.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 # Per family: (regex on the transformers name, vLLM prefix that replaces the match); the
 # first matching rule wins. Module names of a transformers 5 model come first; the
@@ -64,14 +70,11 @@ HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
     "gemma3": list(_LLAVA_PREFIXES),
 }
 
-# Families whose prompts and refit the vLLM engine handles end to end: one placeholder token per
-# image that vLLM re-expands, Qwen's min/max pixels, every refit tensor built by vLLM. The rest
-# have name-table rows but need engine work first, said in `VLLM_PENDING`.
-VLLM_PENDING: dict[str, str] = {
-    "llava": "vLLM builds the CLIP tower only up to vision_feature_layer, so the refit check must skip the rest",
-    "idefics3": "SmolVLM's framed image placeholders must be collapsed to the single <image> vLLM re-expands",
-    "gemma3": "Gemma3's framed image placeholders must be collapsed to the single <start_of_image> vLLM re-expands",
-}
+# Families the vLLM engine does not run yet, each with the reason (`resolve_engine_name` refuses
+# them). Every family with a name-table row is handled today: its adapter collapses prompts to
+# the form vLLM re-expands and names the processor kwargs; `VLLMSkips` says which checkpoint
+# tensors vLLM builds no parameter for.
+VLLM_PENDING: dict[str, str] = {}
 
 # vLLM parameters that hold several checkpoint tensors, and the checkpoint module names
 # stacked into each, in the order they sit along the output dimension.
@@ -92,14 +95,77 @@ STACKING_SCOPES: dict[str, tuple[str, ...]] = {
     "qwen3_vl": ("language_model.model.layers.",),
     # vLLM's CLIP/SigLIP attention fuses q/k/v into qkv_proj; their MLP is fc1/fc2. vLLM builds the
     # tower only up to vision_feature_layer and without post_layernorm: those checkpoint tensors
-    # (the last CLIP layer under the default -2) have a name here but no parameter in vLLM.
+    # (the last CLIP layer under the default -2) have a name here but no parameter in vLLM (`VLLMSkips`).
     "llava": ("language_model.model.layers.", "vision_tower.vision_model.encoder.layers."),
     # vLLM's Idefics3 vision attention fuses q/k/v like the Llama decoder.
     "idefics3": ("model.text_model.layers.", "model.vision_model.encoder.layers."),
     "gemma3": ("language_model.model.layers.", "vision_tower.vision_model.encoder.layers."),
 }
 
+# The transformers name of the input embedding, where it is not `model.language_model.embed_tokens`:
+# the engine compares its module with lm_head's to learn whether vLLM tied them.
+EMBED_TOKENS: dict[str, str] = {"idefics3": "model.text_model.embed_tokens.weight"}
+
+# Per family: the vLLM prefix of the vision tower's transformer (CLIP/SigLIP/Idefics2 layout:
+# embeddings, encoder.layers.N, post_layernorm, head), for `VLLMSkips`.
+VISION_TRANSFORMER: dict[str, str] = {
+    "llava": "vision_tower.vision_model.",
+    "idefics3": "model.vision_model.",
+    "gemma3": "vision_tower.vision_model.",
+}
+
 _MEMBER_TO_STACK = {member: stacked for stacked, members in STACKED for member in members}
+
+
+@dataclass(frozen=True)
+class VLLMSkips:
+    """What vLLM 0.26 leaves out of a family's vision tower, so refit has no parameter for it.
+
+    `vision_layers`: encoder layers built (None: all); `post_layernorm`, `head`: whether those
+    are built. Checkpoint tensors of what is left out are dropped by vLLM's `load_weights`
+    (CLIP/SigLIP/Idefics2 `_filter` and `skip_prefixes`) and must not be expected back.
+    """
+
+    vision_layers: int | None = None
+    post_layernorm: bool = True
+    head: bool = False
+
+    @classmethod
+    def for_config(cls, family: str, config: dict) -> VLLMSkips:
+        """The skips for a checkpoint's config.json (a dict), mirroring how vLLM 0.26 builds the family.
+
+        LLaVA (`init_vision_tower_for_llava`): the tower stops at `vision_feature_layer` (the deepest
+        one of a list; a negative index k keeps layers + k + 1 of them) and has post_layernorm only
+        when every layer is built. Gemma3 builds the whole SigLIP tower with post_layernorm;
+        Idefics3 the whole Idefics2 tower with post_layernorm. None of them builds the SigLIP head.
+        """
+        if family != "llava":
+            return cls()
+        total = int(config["vision_config"].get("num_hidden_layers", 0))
+        layers = config.get("vision_feature_layer", -2)
+        kept = max(_layer_count(k, total) for k in (layers if isinstance(layers, list) else [layers]))
+        return cls(vision_layers=kept, post_layernorm=kept == total)
+
+    def reason(self, family: str, hf_name: str) -> str | None:
+        """Why vLLM has no parameter for this checkpoint tensor, or None when it has one."""
+        prefix = VISION_TRANSFORMER.get(family)
+        name = hf_to_vllm_name(family, hf_name)
+        if prefix is None or not name.startswith(prefix):
+            return None
+        rest = name[len(prefix):]
+        match = re.match(r"encoder\.layers\.(\d+)\.", rest)
+        if match and self.vision_layers is not None and int(match.group(1)) >= self.vision_layers:
+            return f"vision layer {match.group(1)} is past the {self.vision_layers} layers vLLM builds"
+        if rest.startswith("post_layernorm.") and not self.post_layernorm:
+            return "vLLM builds the vision tower without post_layernorm"
+        if rest.startswith("head.") and not self.head:
+            return "vLLM builds the vision tower without the pooling head"
+        return None
+
+
+def _layer_count(feature_layer: int, total: int) -> int:
+    # vllm.model_executor.models.utils.get_layer_index
+    return total + feature_layer + 1 if feature_layer < 0 else feature_layer
 
 
 def _family_rules(family: str) -> list[tuple[str, str]]:

@@ -88,9 +88,12 @@ def test_vllm_is_refused_for_families_it_cannot_run_yet(monkeypatch):
     from rollout import factory
 
     monkeypatch.setattr(factory, "vllm_available", lambda: True)
+    monkeypatch.setitem(factory.VLLM_PENDING, "blip2", "its prompts are not collapsed yet")
     assert factory.resolve_engine_name("auto", "qwen2_5_vl") == "vllm"
-    for family in ("gemma3", "idefics3", "llava"):
-        assert factory.resolve_engine_name("auto", family) == "torch"
-        with pytest.raises(RuntimeError, match=f"family '{family}'.*rollout.engine=torch"):
-            factory.resolve_engine_name("vllm", family)
-    assert factory.resolve_engine_name("torch", "gemma3") == "torch"
+    assert factory.resolve_engine_name("auto", "blip2") == "torch"
+    with pytest.raises(RuntimeError, match="family 'blip2'.*not collapsed yet.*rollout.engine=torch"):
+        factory.resolve_engine_name("vllm", "blip2")
+    assert factory.resolve_engine_name("torch", "blip2") == "torch"
+    for family in ("gemma3", "idefics3", "llava"):  # handled by the vLLM engine now
+        assert factory.resolve_engine_name("auto", family) == "vllm"
+        assert factory.resolve_engine_name("vllm", family) == "vllm"

@@ -264,8 +264,10 @@ FAMILIES = {
         config_class="Gemma3Config",
         model_class="Gemma3ForConditionalGeneration",
         processor_class="Gemma3Processor",
+        # Runs of 1-4 newlines are single tokens, as in Gemma3's own vocabulary: vLLM's Gemma3
+        # processor looks "\n" … "\n\n\n\n" up by those strings to merge them around images.
         extra_tokens=(("<start_of_image>", True), ("<image_soft_token>", True), ("<end_of_image>", True),
-                      ("<end_of_turn>", True)),
+                      ("<end_of_turn>", True)) + tuple(("\n" * k, False) for k in (1, 2, 3, 4)),
         image_part="<start_of_image>",
         end_of_turn="<end_of_turn>",
     ),

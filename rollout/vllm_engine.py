@@ -11,7 +11,10 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
 - Weights: the engine starts from `load_format="dummy"` (random weights, no checkpoint read)
   and gets real ones by `refit`. Refit feeds vLLM the transformers names themselves (module names
   of a model in memory, or the checkpoint-file names): its `load_weights` reads both, mapping
-  prefixes and stacking q/k/v and gate/up itself. `rollout.weight_names` predicts the vLLM
+  prefixes and stacking q/k/v and gate/up itself (LLaVA's and Gemma3's vision names first get the
+  `vision_model.` level transformers 5 dropped, `weight_names.vllm_load_name`). Tensors vLLM builds
+  no parameter for (`weight_names.VLLMSkips`: LLaVA's vision layers past vision_feature_layer and
+  its post_layernorm) are handed over, counted and not expected back. `rollout.weight_names` predicts the vLLM
   parameter each name lands in, and the refit fails if vLLM loaded anything else, so a silently
   dropped tensor cannot go unnoticed. Tensor-parallel all-reduces go through NCCL: vLLM's
   CUDA-IPC custom all-reduce is disabled.
@@ -70,7 +73,7 @@ import numpy as np
 import torch
 
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
-from rollout.weight_names import EMBED_TOKENS, HF_TO_VLLM, VLLMSkips, vllm_param_for
+from rollout.weight_names import EMBED_TOKENS, HF_TO_VLLM, VLLMSkips, vllm_load_name, vllm_param_for
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +475,7 @@ class VLLMEngine(Engine):
                 elif not (self._tied and param == lm_head):
                     expected.add(param)
                 # detach(): vLLM tags the tensor it is given with a shard id; keep the caller's clean.
-                yield name, tensor.detach()
+                yield vllm_load_name(self.family, name), tensor.detach()
 
         loaded = set(self._llm.apply_model(lambda model: set(model.load_weights(stream())))[0])
         if loaded != expected:

@@ -47,8 +47,15 @@ _QWEN_VL_PREFIXES = [
 # LLaVA-style models (vLLM's LlavaForConditionalGeneration / Gemma3ForConditionalGeneration
 # mappers): current transformers names first, then the pre-4.52 hub layout, which is already
 # vLLM's own.
+#
+# transformers 5 builds the CLIP/SigLIP tower without its `vision_model.` level
+# (`model.vision_tower.encoder.layers.0...`, saved as `vision_tower.encoder...`); vLLM 0.26 keeps
+# it (`vision_tower.vision_model.encoder...`) and its LLaVA/Gemma3 mappers do not add it, so it is
+# added here, and `vllm_load_name` adds it to the names refit hands to vLLM's loader.
 _LLAVA_PREFIXES = [
     (r"^model\.language_model\.", "language_model.model."),
+    (r"^model\.vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."),
+    (r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."),
     (r"^model\.vision_tower\.", "vision_tower."),
     (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
     (r"^lm_head\.", "language_model.lm_head."),
@@ -166,6 +173,21 @@ class VLLMSkips:
 def _layer_count(feature_layer: int, total: int) -> int:
     # vllm.model_executor.models.utils.get_layer_index
     return total + feature_layer + 1 if feature_layer < 0 else feature_layer
+
+
+# Per family: renames of a transformers name into one vLLM's own `load_weights` maps correctly.
+_VLLM_LOAD_RENAMES: dict[str, list[tuple[str, str]]] = {
+    "llava": [(r"^(model\.)?vision_tower\.(?!vision_model\.)", r"\1vision_tower.vision_model.")],
+    "gemma3": [(r"^(model\.)?vision_tower\.(?!vision_model\.)", r"\1vision_tower.vision_model.")],
+}
+
+
+def vllm_load_name(family: str, hf_name: str) -> str:
+    """The name refit hands to vLLM's `load_weights` for a transformers tensor (mostly the name itself)."""
+    for pattern, repl in _VLLM_LOAD_RENAMES.get(family, ()):
+        if re.match(pattern, hf_name):
+            return re.sub(pattern, repl, hf_name, count=1)
+    return hf_name
 
 
 def _family_rules(family: str) -> list[tuple[str, str]]:

@@ -214,3 +214,105 @@ def test_collapse_then_reexpand_round_trips():
     for t in collapsed:
         rebuilt += [PAD] * next(it) if t == PAD else [t]
     assert rebuilt == ids
+
+
+# --- tensors vLLM builds no parameter for ----------------------------------------------------
+
+from rollout.weight_names import EMBED_TOKENS, VLLM_PENDING, VLLMSkips, vllm_load_name  # noqa: E402
+
+
+def _llava_config(layers=4, feature_layer=-2):
+    return {"vision_config": {"num_hidden_layers": layers}, "vision_feature_layer": feature_layer}
+
+
+def test_llava_skips_the_vision_layers_past_the_feature_layer_and_post_layernorm():
+    skips = VLLMSkips.for_config("llava", _llava_config())
+    assert skips == VLLMSkips(vision_layers=3, post_layernorm=False)
+    for name in ("model.vision_tower.vision_model.encoder.layers.3.self_attn.q_proj.weight",
+                 "vision_tower.vision_model.encoder.layers.3.mlp.fc2.bias",  # hub layout
+                 "model.vision_tower.vision_model.post_layernorm.weight"):
+        assert skips.reason("llava", name) is not None, name
+    for name in ("model.vision_tower.vision_model.encoder.layers.2.self_attn.q_proj.weight",
+                 "model.vision_tower.vision_model.pre_layrnorm.weight",
+                 "model.vision_tower.vision_model.embeddings.patch_embedding.weight",
+                 "model.language_model.layers.3.mlp.up_proj.weight",
+                 "model.multi_modal_projector.linear_1.weight", "lm_head.weight"):
+        assert skips.reason("llava", name) is None, name
+
+
+def test_llava_feature_layer_rules_follow_vllm_get_layer_index():
+    assert VLLMSkips.for_config("llava", _llava_config(4, -1)) == VLLMSkips(vision_layers=4, post_layernorm=True)
+    assert VLLMSkips.for_config("llava", _llava_config(4, 2)).vision_layers == 2
+    assert VLLMSkips.for_config("llava", _llava_config(24, [-2, -5, -8])).vision_layers == 23
+    skips = VLLMSkips.for_config("llava", _llava_config(4, 2))
+    assert skips.reason("llava", "model.vision_tower.vision_model.encoder.layers.2.layer_norm1.weight")
+    assert skips.reason("llava", "model.vision_tower.vision_model.encoder.layers.1.layer_norm1.weight") is None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3"])
+def test_gemma3_and_smolvlm_keep_their_whole_tower_but_no_siglip_head(family):
+    tower = {"gemma3": "model.vision_tower.vision_model.", "idefics3": "model.vision_model."}[family]
+    skips = VLLMSkips.for_config(family, {"vision_config": {"num_hidden_layers": 2}})
+    assert skips == VLLMSkips()
+    assert skips.reason(family, f"{tower}encoder.layers.1.self_attn.k_proj.weight") is None
+    assert skips.reason(family, f"{tower}post_layernorm.weight") is None
+    assert "head" in skips.reason(family, f"{tower}head.attention.in_proj_weight")
+
+
+def test_qwen_families_skip_nothing():
+    skips = VLLMSkips.for_config("qwen2_5_vl", {"vision_config": {}})
+    assert skips.reason("qwen2_5_vl", "model.visual.merger.mlp.0.weight") is None
+    assert skips.reason("qwen2_5_vl", "model.visual.blocks.31.attn.qkv.weight") is None
+
+
+def test_smolvlm_embedding_name_maps_to_the_vllm_text_model():
+    assert vllm_param_for("idefics3", EMBED_TOKENS["idefics3"]) == ("model.text_model.embed_tokens.weight", None)
+    assert vllm_param_for("idefics3", "lm_head.weight") == ("lm_head.weight", None)
+
+
+def test_no_family_with_a_name_table_is_pending():
+    assert VLLM_PENDING == {}
+
+
+def test_tiny_llava_checkpoint_skips_exactly_its_last_vision_layer_and_post_layernorm(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from tools.make_tiny_model import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "llava", family="llava", size="tiny", seed=0)
+    config = json.loads((folder / "config.json").read_text())
+    last = config["vision_config"]["num_hidden_layers"] - 1
+    names = []
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as handle:
+            names += list(handle.keys())
+    skips = VLLMSkips.for_config("llava", config)
+    skipped = {n for n in names if skips.reason("llava", n)}
+    assert skipped and all(f"encoder.layers.{last}." in n or "post_layernorm" in n for n in skipped)
+    assert {n for n in names if f"encoder.layers.{last}." in n or "post_layernorm." in n} == skipped
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_clip_and_siglip_towers_get_vllm_vision_model_level(family):
+    """transformers 5 names the tower without `vision_model.`; vLLM 0.26 keeps that level."""
+    for name in ("model.vision_tower.encoder.layers.0.self_attn.q_proj.weight",  # in memory
+                 "vision_tower.encoder.layers.0.self_attn.q_proj.weight",  # file, transformers 5
+                 "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight"):  # hub, older
+        assert vllm_param_for(family, name) == ("vision_tower.vision_model.encoder.layers.0.self_attn.qkv_proj.weight", "q")
+    assert vllm_param_for(family, "model.vision_tower.post_layernorm.bias") == (
+        "vision_tower.vision_model.post_layernorm.bias", None)
+    # What refit hands to vLLM's own loader, whose mapper only moves the `model.` prefix.
+    assert vllm_load_name(family, "model.vision_tower.embeddings.patch_embedding.weight") == (
+        "model.vision_tower.vision_model.embeddings.patch_embedding.weight")
+    assert vllm_load_name(family, "vision_tower.vision_model.embeddings.patch_embedding.weight") == (
+        "vision_tower.vision_model.embeddings.patch_embedding.weight")
+    assert vllm_load_name(family, "model.language_model.layers.0.mlp.up_proj.weight") == (
+        "model.language_model.layers.0.mlp.up_proj.weight")
+
+
+def test_smolvlm_and_qwen_load_names_are_the_transformers_names():
+    for family, name in (("idefics3", "model.vision_model.encoder.layers.0.self_attn.q_proj.weight"),
+                         ("qwen2_5_vl", "model.visual.blocks.0.attn.qkv.weight")):
+        assert vllm_load_name(family, name) == name

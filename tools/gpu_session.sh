@@ -12,6 +12,9 @@
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
 #   scale     3B-shaped GRPO steps on one GPU, then on two (NPROCS="1 2"; policy sharded, one engine per GPU)
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
+#   families  vLLM vs policy logprobs on the tiny LLaVA, SmolVLM and Gemma3, with the tiny Qwen2.5-VL as the
+#             control (FAMS="llava idefics3 gemma3 qwen2_5_vl"; up to 150 s each, so pass two or three
+#             per call if the first compile is slow)
 set -u
 STAGE=$1
 OUT=${2:-gpu_out}
@@ -90,6 +93,19 @@ multi)
       trainer.eval_samples=16 data.min_pixels=3136 data.max_pixels=3136 rollout.gpu_memory_utilization=0.3 \
       checkpoint.every_steps=0 > "$OUT/multi_tp$tp.log" 2>&1; echo "2 GPUs, vLLM TP=$tp rc=$?"
     cp $W/multi_tp$tp/metrics.jsonl "$OUT/multi_tp${tp}_metrics.jsonl" 2>/dev/null
+  done
+  ;;
+families)
+  # 56x56 images suit every tiny processor (LLaVA and Gemma3: the tower's square; Qwen: within its
+  # pixel limits); SmolVLM gets 84x56 so its images split into a 1x2 tile grid plus the global tile.
+  for f in ${FAMS:-llava idefics3 gemma3 qwen2_5_vl}; do
+    size=56x56; [ "$f" = idefics3 ] && size=84x56
+    $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null
+    $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/fam_$f.parquet --size $size > /dev/null
+    timeout 150 $PY tools/logprob_check.py --model $W/fam_$f --data $W/fam_$f.parquet --task clevr --engine vllm \
+      --num-prompts 16 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 \
+      --out "$OUT/fam_$f.json" > "$OUT/fam_$f.log" 2>&1
+    echo "families $f rc=$?"
   done
   ;;
 *)

@@ -326,13 +326,18 @@ def tensor_parallel_main(model_dir: str, hang_s: float = TP_TIMEOUT_S) -> None:
     back = engine.read_weights(checkpoint.keys())
     wrong = [name for name, tensor in checkpoint.items() if not bf16_equal(back[name], tensor)]
     assert not wrong, f"TP read-back differs: {wrong[:5]}"
+    rank = torch.distributed.get_rank()
+    print(f"rank {rank}: refit and read-back ok", flush=True)
     vision = [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, banned_token_ids=vision)
-    engine.sleep()
-    engine.wake()
-    gens = engine.generate(build_prompts(model_dir), params)
-    tokens = [t for g in gens for t in [len(g.token_ids), *g.token_ids]]
-    assert len(gens) == 9 and _all_ranks_equal(tokens), "the ranks of one tensor-parallel group sampled differently"
+    for phase in ("before sleep", "after sleep and wake"):
+        if phase != "before sleep":
+            engine.sleep()
+            engine.wake()
+        gens = engine.generate(build_prompts(model_dir), params)
+        tokens = [t for g in gens for t in [len(g.token_ids), *g.token_ids]]
+        assert len(gens) == 9 and _all_ranks_equal(tokens), f"the TP ranks sampled differently {phase}"
+        print(f"rank {rank}: generation {phase} ok", flush=True)
     print("tensor-parallel rank ok", flush=True)
     torch.distributed.barrier()  # leave together, so neither rank tears NCCL down under the other
     faulthandler.cancel_dump_traceback_later()

@@ -119,9 +119,9 @@ class SplitImages:
     """SmolVLM (Idefics3): images tiled into squares of the vision tower's size plus a global tile.
 
     `prepare` brings an image to the size the image processor would tile (longest edge at the
-    processor's `size`, both sides multiples of the tile side), in one resize, so the processor
-    itself (called without its first resize) only cuts tiles and downscales the global view, the
-    same on the trainer's and the engine's side. pixel_values: (tiles, 3, S, S) for all images of
+    processor's `size`, both sides multiples of the tile side), in one resize, so the processor's
+    own resize keeps that size and it only cuts tiles and downscales the global view; the engine
+    calls the processor the same way (vLLM's tile count assumes that resize). pixel_values: (tiles, 3, S, S) for all images of
     the prompt; image_grid_thw: (tiles, rows, cols) per image. Each image's placeholder expands
     to the Idefics3 layout: per tile `<fake_token_around_image><row_r_col_c>` + image_seq_len
     `<image>`, a newline after each row, then the framed `<global-img>` tile.
@@ -146,7 +146,7 @@ class SplitImages:
         return image if image.size == (w, h) else image.resize((w, h), resample=Image.Resampling.LANCZOS)
 
     def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.image_processor(images=[images], do_resize=False, do_image_splitting=True,
+        out = self.image_processor(images=[images], do_image_splitting=True,
                                    return_row_col_info=True, return_tensors="pt")
         rows, cols = out["rows"][0], out["cols"][0]
         grid = torch.tensor([[r * c + 1, r, c] for r, c in zip(rows, cols)])

@@ -298,6 +298,10 @@ class Trainer:
     def refit(self) -> float:
         t0 = time.monotonic()
         dtype = getattr(self.engine, "dtype", None)
+        if self.policy.device.type == "cuda":
+            # A sleeping engine maps its weights back for refit: what training cached must go back
+            # first (a 3B policy on one H200 ran out of memory there at step 2 without this).
+            torch.cuda.empty_cache()
         self.engine.refit(self.policy.full_state_dict(dtype))
         self._engine_version = self.version
         return time.monotonic() - t0

@@ -553,10 +553,12 @@ class Idefics3Adapter(FamilyAdapter):
 
     def vllm_processor_kwargs(self, min_pixels, max_pixels):
         # The trainer brings each image to the processor's longest edge on the tile grid itself and
-        # calls the processor with do_resize=False, do_image_splitting=True (data/processing.py
-        # SplitImages); vLLM passes the same to Idefics3Processor and to
-        # Idefics3ImageProcessor.get_number_of_image_patches, which sizes the replacement.
-        return {"do_resize": False, "do_image_splitting": True}
+        # calls the processor with its own resize left on and do_image_splitting=True (data/processing.py
+        # SplitImages); on such an image that resize keeps the size. vLLM passes the same kwargs to
+        # Idefics3Processor and to Idefics3ImageProcessor.get_number_of_image_patches, which sizes the
+        # replacement assuming the resize: with do_resize=False, vLLM's start-up profiling image (one
+        # tile) was not split while the count expected 2x2 tiles, and the engine failed to start.
+        return {"do_image_splitting": True}
 
     def language_model(self, model: nn.Module) -> nn.Module:
         return model.model.text_model

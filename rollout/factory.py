@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
-from rollout.weight_names import VLLM_PENDING
+from rollout.weight_names import VLLM_PENDING, VLLM_UNVERIFIED
 
 
 def vllm_available() -> bool:
@@ -17,8 +18,9 @@ def resolve_engine_name(name: str, family: str | None = None) -> str:
     """auto → vllm when CUDA and vllm are present and the vLLM engine handles the model family
     (`family`: config.json's model_type), else the built-in torch engine."""
     pending = VLLM_PENDING.get(family)
+    unverified = VLLM_UNVERIFIED.get(family)
     if name == "auto":
-        return "vllm" if vllm_available() and pending is None else "torch"
+        return "vllm" if vllm_available() and pending is None and unverified is None else "torch"
     if name == "vllm" and pending is not None:
         raise RuntimeError(f"rollout.engine=vllm does not run model family '{family}' yet ({pending}); "
                            "set rollout.engine=torch to use the built-in engine")
@@ -27,6 +29,10 @@ def resolve_engine_name(name: str, family: str | None = None) -> str:
             "rollout.engine=vllm needs CUDA and the vllm package (pip install -e .[vllm]); "
             "set rollout.engine=torch to use the built-in engine"
         )
+    if name == "vllm" and unverified is not None:
+        warnings.warn(f"rollout.engine=vllm for model family '{family}' is not yet measured against the "
+                      f"policy ({unverified}); watch fidelity/token_mult_prob_error in the logs",
+                      stacklevel=2)
     return name
 
 

@@ -29,7 +29,7 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   for token, so a different image grid (pixels, resize rule) fails loudly instead of shifting positions.
 - Images: the images the trainer's processor saw (already at the family's size) go to vLLM with
   the processor kwargs the trainer used (`FamilyAdapter.vllm_processor_kwargs`: Qwen's min/max
-  pixels and `do_resize=False`, SmolVLM's splitting without the first resize, Gemma3 without
+  pixels and `do_resize=False`, SmolVLM's splitting after a size-keeping resize, Gemma3 without
   pan-and-scan), so both sides compute identical pixel values. The multimodal processor cache is off
   (`mm_processor_cache_gb=0`); the encoder cache, the processor cache and the prefix cache are
   cleared after every refit and wake, so no vision features or KV blocks of old weights are reused.

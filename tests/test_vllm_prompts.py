@@ -157,7 +157,22 @@ def test_processor_kwargs_size_vllm_replacement_like_the_trainer(family):
     expected = {
         "qwen2_5_vl": {"size": {"shortest_edge": 3136, "longest_edge": 12544}, "do_resize": False},
         "llava": {},
-        "idefics3": {"do_resize": False, "do_image_splitting": True},
+        "idefics3": {"do_image_splitting": True},
         "gemma3": {"do_pan_and_scan": False},
     }[name]
     assert kwargs == expected
+
+
+def test_vllm_processor_kwargs_reproduce_the_trainer_pixels(family):
+    """vLLM runs the family's image processor itself, on the trainer's images, with the adapter's kwargs:
+    the pixel values must come out bitwise equal to the ones the policy trains on."""
+    import torch
+
+    name, processor, adapter, _ = family
+    encoded = encode_prompt(processor, _sample(2), "clevr", 4096)
+    kwargs = adapter.vllm_processor_kwargs(3136, 12544)
+    images = [encoded.images] if name == "idefics3" else encoded.images  # Idefics3 takes images per sample
+    out = processor.image_processor(images=images, return_tensors="pt", **kwargs)
+    engine_side = out["pixel_values"].reshape(-1)
+    assert engine_side.shape == encoded.pixel_values.reshape(-1).shape
+    assert torch.equal(engine_side, encoded.pixel_values.reshape(-1).to(engine_side.dtype))

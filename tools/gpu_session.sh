@@ -3,7 +3,8 @@
 #   bash tools/gpu_session.sh STAGE OUTDIR
 # Stages (each fits in a 10-minute call on one or two H200s, after `. /opt/vb/env.sh` for vLLM):
 #   tiny      tools/gpu_check.sh on the tiny Qwen2.5-VL, then the one-GPU tests of tests/gpu
-#   tp        the vLLM tensor-parallel pair alone (two GPUs; every rank's stack after HANG_S=100 s;
+#   tp        the vLLM tensor-parallel pair alone (two GPUs; every rank's stack after HANG_S=100 s, which
+#             a cold machine needs: engine construction compiles kernels for ~60 s;
 #             RUNNERS="default 0" tries vLLM's model runner choice, then the V1 runner)
 #   trained   vLLM and the torch engine vs the policy on a trained checkpoint (TRAINED=model dir,
 #             TRAINED_DATA=its eval parquet; e.g. a merged `make demo` run)
@@ -96,6 +97,10 @@ multi)
   done
   ;;
 families)
+  # vLLM 0.26 imports mistral_common for LLaVA; the shared vLLM bundle lacks it. Carry it as wheels in
+  # .whl (ignored by git): mistral_common, jsonschema, jsonschema-specifications, referencing, rpds-py
+  # (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ...)
+  if [ -d .whl ]; then $PY -m pip install -q --no-index --no-deps --no-compile --target /opt/site .whl/*.whl; fi
   # 56x56 images suit every tiny processor (LLaVA and Gemma3: the tower's square; Qwen: within its
   # pixel limits); SmolVLM gets 84x56 so its images split into a 1x2 tile grid plus the global tile.
   for f in ${FAMS:-llava idefics3 gemma3 qwen2_5_vl}; do

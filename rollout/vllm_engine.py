@@ -282,6 +282,7 @@ class VLLMEngine(Engine):
         max_pixels: int,
         image_pad_id: int,
         max_images_per_prompt: int = 1,
+        async_scheduling: bool | None = None,
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -303,6 +304,9 @@ class VLLMEngine(Engine):
         self.dtype = getattr(torch, dtype)  # what refit tensors are rounded to; callers may send them so
         self.image_pad_id = image_pad_id
         self.max_images_per_prompt = max_images_per_prompt
+        # None: vLLM's choice (on). external_launcher relies on every rank of a TP group scheduling
+        # identically; the TP=2 pair's hang is not yet explained, and turning this off is a test of it.
+        self._async_scheduling = async_scheduling
         self._seed = seed
         self._calls = 0
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
@@ -349,6 +353,7 @@ class VLLMEngine(Engine):
             # Tensor-parallel all-reduce through NCCL, not vLLM's CUDA-IPC kernel: with it, a TP=2
             # engine hung in warm-up on the lent 2xH200 VM (colocated RL trainers disable it too).
             disable_custom_all_reduce=True,
+            **({} if self._async_scheduling is None else {"async_scheduling": self._async_scheduling}),
         )
 
     def _lm_head_is_embedding(self) -> bool:

@@ -5,7 +5,8 @@
 #   tiny      tools/gpu_check.sh on the tiny Qwen2.5-VL, then the one-GPU tests of tests/gpu
 #   tp        the vLLM tensor-parallel pair alone (two GPUs; every rank's stack after HANG_S=100 s, which
 #             a cold machine needs: engine construction compiles kernels for ~60 s;
-#             RUNNERS="default 0" tries vLLM's model runner choice, then the V1 runner)
+#             RUNNERS="default 0" tries vLLM's model runner choice, then the V1 runner;
+#             TP_ASYNC_SCHEDULING=0 turns vLLM's async scheduling off)
 #   trained   vLLM and the torch engine vs the policy on a trained checkpoint (TRAINED=model dir,
 #             TRAINED_DATA=its eval parquet; e.g. a merged `make demo` run)
 #   train     build the 3B-shaped model; training throughput with sdpa and with varlen attention

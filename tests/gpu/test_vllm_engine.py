@@ -321,6 +321,7 @@ def tensor_parallel_main(model_dir: str, hang_s: float = TP_TIMEOUT_S) -> None:
     engine = VLLMEngine(
         model_dir, tensor_parallel_size=2, gpu_memory_utilization=0.2, enforce_eager=True, max_model_len=512,
         seed=0, min_pixels=size.min_pixels, max_pixels=size.max_pixels, image_pad_id=config.image_token_id,
+        async_scheduling={"0": False, "1": True}.get(os.environ.get("TP_ASYNC_SCHEDULING", "")),
     )
     engine.refit(checkpoint.items())
     back = engine.read_weights(checkpoint.keys())

@@ -176,3 +176,15 @@ def test_vllm_processor_kwargs_reproduce_the_trainer_pixels(family):
     engine_side = out["pixel_values"].reshape(-1)
     assert engine_side.shape == encoded.pixel_values.reshape(-1).shape
     assert torch.equal(engine_side, encoded.pixel_values.reshape(-1).to(engine_side.dtype))
+
+
+def test_gemma3_tokenizer_names_its_image_tokens(family):
+    """Gemma3Processor (so vLLM's Gemma3 processor) reads the image tokens off the tokenizer by name:
+    without them it fails before any prompt ("Qwen2Tokenizer has no attribute boi_token_id")."""
+    name, processor, adapter, _ = family
+    if name != "gemma3":
+        pytest.skip("Gemma3 only")
+    tok = processor.tokenizer
+    assert (tok.boi_token, tok.eoi_token, tok.image_token) == ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+    assert [tok.boi_token_id, tok.eoi_token_id] == list(adapter.extra_banned_ids[:2])
+    assert tok.image_token_id == adapter.image_token_id

@@ -187,6 +187,8 @@ class FamilySpec:
     patch_size: int = PATCH_SIZE
     # What the chat template writes after every message (the family's real end-of-turn token).
     end_of_turn: str = "<|im_end|>"
+    # Tokenizer attributes the family's processor reads by name (saved in tokenizer_config.json).
+    named_tokens: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,10 @@ FAMILIES = {
                       ("<end_of_turn>", True)) + tuple(("\n" * k, False) for k in (1, 2, 3, 4)),
         image_part="<start_of_image>",
         end_of_turn="<end_of_turn>",
+        # Gemma3Processor (transformers, and vLLM's processor through it) reads these, as Gemma3's
+        # own tokenizer_config.json declares them.
+        named_tokens=(("boi_token", "<start_of_image>"), ("eoi_token", "<end_of_image>"),
+                      ("image_token", "<image_soft_token>")),
     ),
 }
 
@@ -378,6 +384,7 @@ def build_tokenizer(family: FamilySpec, size: SizeSpec):
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
         model_max_length=size.max_positions,
+        **({"extra_special_tokens": dict(family.named_tokens)} if family.named_tokens else {}),
     )
     tokenizer.chat_template = chat_template(family)
     ids = [tokenizer.convert_tokens_to_ids(content) for content, _ in added]

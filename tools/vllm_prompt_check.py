@@ -1,0 +1,215 @@
+"""Run vLLM's own multimodal processor on the trainer's prompts, without a GPU.
+
+For one model folder it builds vLLM's `ModelConfig` and multimodal processor the way `vllm.LLM`
+does (the family's `vllm_processor_kwargs`, a per-prompt image limit) and checks:
+
+  startup   vLLM's start-up dummy inputs for images (`MultiModalBudget` → `get_dummy_mm_inputs`,
+            the path where SmolVLM's engine once failed to start), at 1 and at the limit of images;
+  prompt    for trainer prompts with 1 and 2 images of different shapes (`encode_prompt`), the
+            adapter's collapsed ids + the trainer's images through the processor's `apply`: its
+            prompt ids must equal the trainer's expanded ids, its pixel values the trainer's
+            `pixel_values`, and its placeholder ranges must cover exactly the image tokens.
+
+One JSON line per check on stdout; the exit status is 1 if any check failed.
+
+    python tools/vllm_prompt_check.py --family idefics3 --model /tmp/vcpu/idefics3
+
+It needs an environment where vLLM's processing code imports (vLLM, its pure-Python dependencies,
+transformers, torchvision). For a CPU machine without vLLM's compiled extensions, `_patch_vllm`
+patches two things in this process only (vLLM's files are not touched): vLLM inspects a model
+class in a subprocess, which is replaced by an in-process call; and vLLM 0.26's pixtral.py, which
+llava.py imports, names `PixtralRotaryEmbedding` and `position_ids_in_meshgrid` from transformers,
+which transformers 5.17+ no longer has; placeholders are set (the processor does not use them).
+`vllm._C` is left missing: vLLM only warns about it. Importing this file needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SIZES = [(84, 56), (56, 112), (56, 56)]  # (width, height): different shapes, different tile grids
+MIN_PIXELS, MAX_PIXELS = 3136, 12544
+
+
+def _patch_vllm() -> list[str]:
+    """Make vLLM's processing code import and run in this process; returns what was patched."""
+    patched = []
+    import transformers.models.pixtral.modeling_pixtral as pixtral
+
+    for name in ("PixtralRotaryEmbedding", "position_ids_in_meshgrid"):
+        if not hasattr(pixtral, name):
+            setattr(pixtral, name, None)
+            patched.append(f"transformers pixtral.{name}")
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()  # the subprocess would not see the patches above
+    patched.append("model inspection in-process")
+    return patched
+
+
+def build_vllm_processor(model: str, kwargs: dict, max_images: int, max_model_len: int = 4096):
+    """vLLM's ModelConfig and multimodal processor for `model`, configured as the engine builds them."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    # float32, so the pixels compare as the processor made them (the engine then casts to its dtype).
+    config = ModelConfig(model=model, tokenizer=model, dtype="float32", seed=0, max_model_len=max_model_len,
+                         mm_processor_kwargs=kwargs, mm_processor_cache_gb=0,
+                         limit_mm_per_prompt={"image": max_images, "video": 0})
+    return config, MULTIMODAL_REGISTRY.create_processor(config)
+
+
+def check_startup(config, max_images: int) -> dict:
+    """vLLM's start-up image profiling: the encoder budget, then dummy inputs at 1 and max images."""
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    out = {"check": "startup"}
+    try:
+        # The device only names where tensors go; the budget and the dummy inputs are CPU code.
+        vllm_config = VllmConfig(model_config=config, device_config=DeviceConfig(device="cpu"))
+        budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)
+        out["max_tokens_per_image"] = dict(budget.mm_max_toks_per_item)
+        for count in sorted({1, max_images}):
+            dummy = MULTIMODAL_REGISTRY.get_dummy_mm_inputs(config, mm_counts={"image": count})
+            ranges = dummy["mm_placeholders"]["image"]
+            out[f"dummy_{count}"] = {"images": len(ranges), "placeholder_tokens": [r.length for r in ranges]}
+        out["ok"] = True
+    except Exception as err:  # noqa: BLE001 - the point is to report what vLLM raised
+        out.update(ok=False, error=f"{type(err).__name__}: {err}"[:2000])
+    return out
+
+
+def _images(count: int):
+    from PIL import Image
+
+    return [Image.new("RGB", SIZES[i % len(SIZES)], (40 * i + 20, 200 - 30 * i, 30 + 50 * i)) for i in range(count)]
+
+
+def _vllm_pixels(mm_kwargs, reference):
+    """The pixel tensors of vLLM's per-image items, laid out as the trainer's one tensor."""
+    import torch
+
+    parts = []
+    for item in mm_kwargs["image"]:
+        data = item["pixel_values"].data
+        parts.append(torch.cat(list(data)) if isinstance(data, (list, tuple)) else data)
+    return torch.stack(parts) if parts[0].dim() == reference.dim() - 1 else torch.cat(parts)
+
+
+def _compare_pixels(ours, theirs) -> dict:
+    """Shapes, bitwise equality and the largest difference of the trainer's and vLLM's pixels."""
+    import torch
+
+    out = {"pixel_shape_trainer": list(ours.shape), "pixel_shape_vllm": list(theirs.shape)}
+    if ours.shape != theirs.shape:
+        return {**out, "pixels_equal": False}
+    diff = (ours.double() - theirs.double()).abs().max().item()
+    return {**out, "pixels_equal": ours.dtype == theirs.dtype and torch.equal(ours, theirs), "pixel_max_abs_diff": diff}
+
+
+def _placeholders_cover(ids: list[int], ranges, blocks, image_id: int) -> tuple[bool, list]:
+    """One range per image, and their embedding positions are exactly the image tokens of `ids`.
+
+    `block_matches` (the range spans the adapter's block) is reported, not required: Gemma3's
+    newline merging puts the text's own newlines into the block's first and last tokens.
+    """
+    covered: set[int] = set()
+    found = []
+    for r, block in zip(ranges, blocks):
+        span = ids[r.offset : r.offset + r.length]
+        embed = range(r.length) if r.is_embed is None else [i for i, e in enumerate(r.is_embed.tolist()) if e]
+        covered.update(r.offset + i for i in embed)
+        found.append({"offset": r.offset, "length": r.length, "embeds": len(embed), "block_matches": span == block})
+    wanted = {i for i, t in enumerate(ids) if t == image_id}
+    ok = len(ranges) == len(blocks) and covered == wanted
+    return ok, found
+
+
+def check_prompt(processor, config, trainer_processor, adapter, vocab, count: int, task: str) -> dict:
+    """One trainer prompt with `count` images through vLLM's processor, compared with the trainer's."""
+    from vllm.multimodal.processing import ProcessorInputs
+    from vllm.multimodal.processing.context import TimingContext
+
+    from data.datasets import Sample
+    from data.processing import encode_prompt
+
+    sample = Sample(0, _images(count), " and ".join(["<image>"] * count) + " How many objects?", "3")
+    encoded = encode_prompt(trainer_processor, sample, task, config.max_model_len)
+    ids = encoded.input_ids.tolist()
+    out = {"check": f"prompt_{count}_images", "sizes": [im.size for im in encoded.images]}
+    try:
+        collapsed, blocks = adapter.vllm_collapse(ids, vocab)
+        items = processor.info.parse_mm_data({"image": list(encoded.images)})
+        result = processor.apply(ProcessorInputs(prompt=collapsed, mm_data_items=items),
+                                 timing_ctx=TimingContext(enabled=False))
+    except Exception as err:  # noqa: BLE001 - reported as this check's failure
+        return {**out, "ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+    theirs = list(result["prompt_token_ids"])
+    first = next((i for i, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
+    out.update(ids_equal=theirs == ids, trainer_len=len(ids), vllm_len=len(theirs))
+    if theirs != ids:
+        out.update(first_difference=first, trainer_near=ids[first : first + 8], vllm_near=theirs[first : first + 8])
+    out.update(_compare_pixels(encoded.pixel_values, _vllm_pixels(result["mm_kwargs"], encoded.pixel_values)))
+    ranges = result["mm_placeholders"].get("image", [])
+    covered, ranges = _placeholders_cover(ids, ranges, blocks, adapter.image_token_id)
+    out.update(placeholders_cover=covered, placeholders=ranges)
+    out["ok"] = bool(out["ids_equal"] and out["pixels_equal"] and covered)
+    return out
+
+
+def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr",
+               kwargs: dict | None = None) -> list[dict]:
+    """All checks for one model folder; `kwargs` replaces the adapter's `vllm_processor_kwargs`."""
+    from transformers import AutoConfig
+
+    from data.processing import load_processor
+    from models.family import build_adapter
+
+    adapter = build_adapter(AutoConfig.from_pretrained(model, local_files_only=True))
+    if kwargs is None:
+        kwargs = adapter.vllm_processor_kwargs(MIN_PIXELS, MAX_PIXELS)
+    results = [{"check": "setup", "family": family, "model": model, "mm_processor_kwargs": kwargs,
+                "patched": _patch_vllm()}]
+    try:
+        config, processor = build_vllm_processor(model, kwargs, max_images)
+    except Exception as err:  # noqa: BLE001 - vLLM's config validation and model inspection raise here
+        results[0].update(ok=False, error=f"{type(err).__name__}: {err}"[:2000])
+        return results
+    results[0].update(processor=type(processor).__name__, ok=True)
+    results.append(check_startup(config, max_images))
+    trainer_processor = load_processor(model)
+    vocab = trainer_processor.tokenizer.get_vocab()
+    for count in range(1, max_images + 1):
+        results.append(check_prompt(processor, config, trainer_processor, adapter, vocab, count, task))
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", required=True, help="the family the folder holds (for the report)")
+    parser.add_argument("--model", required=True, help="model folder (e.g. from tools/make_tiny_model.py)")
+    parser.add_argument("--max-images", type=int, default=2)
+    parser.add_argument("--processor-kwargs", type=json.loads, default=None,
+                        help="JSON mm_processor_kwargs to try instead of the adapter's")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout holds the JSON lines only
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    results = run_checks(args.family, args.model, args.max_images, kwargs=args.processor_kwargs)
+    for r in results:
+        print(json.dumps(r, default=str), flush=True)
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

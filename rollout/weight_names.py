@@ -83,15 +83,16 @@ HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
 # tensors vLLM builds no parameter for.
 VLLM_PENDING: dict[str, str] = {}
 
-# Families whose vLLM path is written but not yet measured on a GPU, each with what the last GPU
-# run showed. `auto` keeps them on the built-in engine; an explicit `rollout.engine=vllm` runs them
+# Families whose vLLM path is written but not yet measured on a GPU, each with where it stands. `auto` keeps them on the built-in engine; an explicit `rollout.engine=vllm` runs them
 # with a warning. A family leaves this table with its measured token_mult_prob_error.
 VLLM_UNVERIFIED: dict[str, str] = {
-    "llava": "not run on a GPU yet: vLLM 0.26's LLaVA module imports mistral_common, which the tested "
-             "vLLM install lacked",
-    "idefics3": "the first GPU run stopped in vLLM's start-up profiling (processor called without its "
-                "resize while vLLM counts tiles after it); fixed since, not re-run",
-    "gemma3": "not run on a GPU yet",
+    "llava": "vLLM 0.26's LLaVA module imports mistral_common and two Pixtral names that transformers "
+             "5.17 removed, so it needs transformers <= 5.16 and mistral_common; its prompts pass vLLM's "
+             "own processor on CPU (tools/vllm_prompt_check.py)",
+    "idefics3": "prompts and start-up inputs pass vLLM's own processor on CPU (tools/vllm_prompt_check.py); "
+                "the one GPU run predates the processor-kwargs fix",
+    "gemma3": "prompts and start-up inputs pass vLLM's own processor on CPU (tools/vllm_prompt_check.py); "
+              "not run on a GPU yet",
 }
 
 # vLLM parameters that hold several checkpoint tensors, and the checkpoint module names

@@ -98,13 +98,14 @@ multi)
   done
   ;;
 families)
-  # vLLM 0.26 imports mistral_common for LLaVA; the shared vLLM bundle lacks it. Carry it as wheels in
+  # vLLM 0.26's LLaVA module imports mistral_common and Pixtral names transformers 5.17 removed: LLaVA
+  # needs transformers <= 5.16 there too (FAMS without llava otherwise). Carry the wheels in
   # .whl (ignored by git): mistral_common, jsonschema, jsonschema-specifications, referencing, rpds-py
   # (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ...)
   if [ -d .whl ]; then $PY -m pip install -q --no-index --no-deps --no-compile --target /opt/site .whl/*.whl; fi
   # 56x56 images suit every tiny processor (LLaVA and Gemma3: the tower's square; Qwen: within its
   # pixel limits); SmolVLM gets 84x56 so its images split into a 1x2 tile grid plus the global tile.
-  for f in ${FAMS:-llava idefics3 gemma3 qwen2_5_vl}; do
+  for f in ${FAMS:-idefics3 gemma3 qwen2_5_vl}; do
     size=56x56; [ "$f" = idefics3 ] && size=84x56
     $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null
     $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/fam_$f.parquet --size $size > /dev/null

@@ -93,6 +93,8 @@ VLLM_UNVERIFIED: dict[str, str] = {
                 "the one GPU run predates the processor-kwargs fix",
     "gemma3": "prompts and start-up inputs pass vLLM's own processor on CPU (tools/vllm_prompt_check.py); "
               "not run on a GPU yet",
+    "qwen2_vl": "prompts and start-up inputs pass vLLM's own processor on CPU (tools/vllm_prompt_check.py); "
+                "the engine has run only Qwen2.5-VL on a GPU",
     "qwen3_vl": "prompts and start-up inputs pass vLLM's own processor on CPU (tools/vllm_prompt_check.py); "
                 "its refit (DeepStack mergers) has not run on a GPU yet",
 }

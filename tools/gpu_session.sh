@@ -14,9 +14,9 @@
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
 #   scale     3B-shaped GRPO steps on one GPU, then on two (NPROCS="1 2"; policy sharded, one engine per GPU)
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
-#   families  vLLM vs policy logprobs on the tiny LLaVA, SmolVLM and Gemma3, with the tiny Qwen2.5-VL as the
-#             control (FAMS="llava idefics3 gemma3 qwen2_5_vl"; up to 150 s each, so pass two or three
-#             per call if the first compile is slow)
+#   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED, with the tiny
+#             Qwen2.5-VL as the control (FAMS, default "idefics3 gemma3 qwen2_5_vl"; then e.g.
+#             FAMS="qwen2_vl qwen3_vl" in a second call; up to 150 s each; LLaVA needs transformers <= 5.16)
 set -u
 STAGE=$1
 OUT=${2:-gpu_out}

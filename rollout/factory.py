@@ -32,7 +32,7 @@ def resolve_engine_name(name: str, family: str | None = None) -> str:
     if name == "vllm" and unverified is not None:
         warnings.warn(f"rollout.engine=vllm for model family '{family}' is not yet measured against the "
                       f"policy ({unverified}); watch fidelity/token_mult_prob_error in the logs",
-                      stacklevel=2)
+                      stacklevel=1)  # one place: start-up checks and the engine build warn once between them
     return name
 
 

@@ -82,21 +82,17 @@ SLEEP_LEVEL = 1
 _GIB = 1024**3
 
 
-def read_family(model_path: str | os.PathLike) -> str:
-    """The model family (`model_type` of config.json) of a checkpoint folder, checked as supported."""
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
+def read_config(model_path: str | os.PathLike) -> dict:
+    """A checkpoint folder's config.json, its `model_type` checked as a supported family."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
         raise FileNotFoundError(f"VLLMEngine: no config.json in model folder {model_path}")
-    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    if model_type not in HF_TO_VLLM:
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("model_type") not in HF_TO_VLLM:
         raise ValueError(
-            f"VLLMEngine: {config} has model_type {model_type!r}; supported: {sorted(HF_TO_VLLM)}"
+            f"VLLMEngine: {path} has model_type {config.get('model_type')!r}; supported: {sorted(HF_TO_VLLM)}"
         )
-    return model_type
-
-
-def _read_config(model_path) -> dict:
-    return json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    return config
 
 
 def _load_adapter(model_path):
@@ -293,12 +289,13 @@ class VLLMEngine(Engine):
             )
         if dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"VLLMEngine: dtype {dtype!r} must be 'bfloat16', 'float16' or 'float32'")
-        self.family = read_family(model_path)
+        config = read_config(model_path)
+        self.family = config["model_type"]
         self.adapter = _load_adapter(model_path)
         if image_pad_id != self.adapter.image_token_id:
             raise ValueError(f"VLLMEngine: image_pad_id={image_pad_id} is not the {self.family} image token "
                              f"{self.adapter.image_token_id} of {model_path}")
-        self._skips = VLLMSkips.for_config(self.family, _read_config(model_path))
+        self._skips = VLLMSkips.for_config(self.family, config)
         self.skipped_in_refit = 0  # tensors of the last refit that vLLM builds no parameter for
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = getattr(torch, dtype)  # what refit tensors are rounded to; callers may send them so

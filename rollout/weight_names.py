@@ -52,10 +52,11 @@ _QWEN_VL_PREFIXES = [
 # (`model.vision_tower.encoder.layers.0...`, saved as `vision_tower.encoder...`); vLLM 0.26 keeps
 # it (`vision_tower.vision_model.encoder...`) and its LLaVA/Gemma3 mappers do not add it, so it is
 # added here, and `vllm_load_name` adds it to the names refit hands to vLLM's loader.
+_TOWER_WITHOUT_VISION_MODEL = r"vision_tower\.(?!vision_model\.)"
 _LLAVA_PREFIXES = [
     (r"^model\.language_model\.", "language_model.model."),
-    (r"^model\.vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."),
-    (r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."),
+    (rf"^model\.{_TOWER_WITHOUT_VISION_MODEL}", "vision_tower.vision_model."),
+    (rf"^{_TOWER_WITHOUT_VISION_MODEL}", "vision_tower.vision_model."),
     (r"^model\.vision_tower\.", "vision_tower."),
     (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
     (r"^lm_head\.", "language_model.lm_head."),
@@ -83,8 +84,9 @@ HF_TO_VLLM: dict[str, list[tuple[str, str]]] = {
 # tensors vLLM builds no parameter for.
 VLLM_PENDING: dict[str, str] = {}
 
-# Families whose vLLM path is written but not yet measured on a GPU, each with where it stands. `auto` keeps them on the built-in engine; an explicit `rollout.engine=vllm` runs them
-# with a warning. A family leaves this table with its measured token_mult_prob_error.
+# Families whose vLLM path is written but not yet measured on a GPU, each with where it stands.
+# `auto` keeps them on the built-in engine; an explicit `rollout.engine=vllm` runs them with a
+# warning. A family leaves this table with its measured token_mult_prob_error.
 VLLM_UNVERIFIED: dict[str, str] = {
     "llava": "vLLM 0.26's LLaVA module imports mistral_common and two Pixtral names that transformers "
              "5.17 removed, so it needs transformers <= 5.16 and mistral_common; its prompts pass vLLM's "
@@ -192,10 +194,8 @@ def _layer_count(feature_layer: int, total: int) -> int:
 
 
 # Per family: renames of a transformers name into one vLLM's own `load_weights` maps correctly.
-_VLLM_LOAD_RENAMES: dict[str, list[tuple[str, str]]] = {
-    "llava": [(r"^(model\.)?vision_tower\.(?!vision_model\.)", r"\1vision_tower.vision_model.")],
-    "gemma3": [(r"^(model\.)?vision_tower\.(?!vision_model\.)", r"\1vision_tower.vision_model.")],
-}
+_ADD_VISION_MODEL = (rf"^(model\.)?{_TOWER_WITHOUT_VISION_MODEL}", r"\1vision_tower.vision_model.")
+_VLLM_LOAD_RENAMES: dict[str, list[tuple[str, str]]] = {"llava": [_ADD_VISION_MODEL], "gemma3": [_ADD_VISION_MODEL]}
 
 
 def vllm_load_name(family: str, hf_name: str) -> str:

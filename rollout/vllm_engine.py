@@ -261,6 +261,45 @@ def _read_params(model, targets: list[tuple[str, str, object]]) -> dict[str, tor
     return out
 
 
+def head_is_embedding(model, family: str) -> bool:
+    """Whether vLLM's `model` ties lm_head to embed_tokens (then its load_weights skips lm_head.*)."""
+    head = vllm_param_for(family, "lm_head.weight")[0].rpartition(".")[0]
+    embed_name = EMBED_TOKENS.get(family, "model.language_model.embed_tokens.weight")
+    embed = vllm_param_for(family, embed_name)[0].rpartition(".")[0]
+    return model.get_submodule(head) is model.get_submodule(embed)
+
+
+def refit_stream(family: str, skips: VLLMSkips, tied: bool, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 expected: set[str], skipped: dict[str, str]):
+    """(name vLLM's load_weights reads, tensor) for each transformers-named tensor, filling as it goes
+    `expected` (the vLLM parameters the name table says get loaded) and `skipped` ({name: reason} for
+    tensors vLLM builds no parameter for). Runs inside the engine, and in the CPU load check."""
+    lm_head = vllm_param_for(family, "lm_head.weight")[0]
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"refit: {name} is a {type(tensor).__name__}, not a torch.Tensor")
+        param = vllm_param_for(family, name)[0]
+        reason = skips.reason(family, name)
+        if reason is not None:
+            # Still handed over: vLLM drops it, and if a vLLM version did load it the refit's check
+            # reports the table as wrong instead of leaving that tensor stale.
+            skipped[name] = reason
+        elif not (tied and param == lm_head):
+            expected.add(param)
+        # detach(): vLLM tags the tensor it is given with a shard id; keep the caller's clean.
+        yield vllm_load_name(family, name), tensor.detach()
+
+
+def check_loaded(loaded: set[str], expected: set[str]) -> None:
+    """Raise unless vLLM's load_weights loaded exactly the parameters the name table predicts."""
+    if loaded != expected:
+        missing, extra = sorted(expected - loaded), sorted(loaded - expected)
+        raise RuntimeError(
+            f"refit: vLLM did not load {missing[:5]} ({len(missing)} in all) and loaded unexpected "
+            f"{extra[:5]} ({len(extra)} in all); rollout/weight_names.py disagrees with this vLLM version"
+        )
+
+
 class VLLMEngine(Engine):
     """Rollouts with vLLM in this process; sleeps to give the GPU to training; takes weights by refit."""
 
@@ -355,10 +394,7 @@ class VLLMEngine(Engine):
 
     def _lm_head_is_embedding(self) -> bool:
         """Whether the engine ties lm_head to embed_tokens (then vLLM skips lm_head.* in refit)."""
-        head = vllm_param_for(self.family, "lm_head.weight")[0].rpartition(".")[0]
-        embed_name = EMBED_TOKENS.get(self.family, "model.language_model.embed_tokens.weight")
-        embed = vllm_param_for(self.family, embed_name)[0].rpartition(".")[0]
-        return self._llm.apply_model(lambda m: m.get_submodule(head) is m.get_submodule(embed))[0]
+        return self._llm.apply_model(lambda model: head_is_embedding(model, self.family))[0]
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -462,30 +498,9 @@ class VLLMEngine(Engine):
             self._asleep.discard("weights")
         expected: set[str] = set()
         skipped: dict[str, str] = {}
-        lm_head = vllm_param_for(self.family, "lm_head.weight")[0]
-
-        def stream():
-            for name, tensor in named_tensors:
-                if not isinstance(tensor, torch.Tensor):
-                    raise TypeError(f"refit: {name} is a {type(tensor).__name__}, not a torch.Tensor")
-                param = vllm_param_for(self.family, name)[0]
-                reason = self._skips.reason(self.family, name)
-                if reason is not None:
-                    # Still handed over: vLLM drops it, and if a vLLM version did load it the check
-                    # below reports the table as wrong instead of leaving that tensor stale.
-                    skipped[name] = reason
-                elif not (self._tied and param == lm_head):
-                    expected.add(param)
-                # detach(): vLLM tags the tensor it is given with a shard id; keep the caller's clean.
-                yield vllm_load_name(self.family, name), tensor.detach()
-
-        loaded = set(self._llm.apply_model(lambda model: set(model.load_weights(stream())))[0])
-        if loaded != expected:
-            missing, extra = sorted(expected - loaded), sorted(loaded - expected)
-            raise RuntimeError(
-                f"refit: vLLM did not load {missing[:5]} ({len(missing)} in all) and loaded unexpected "
-                f"{extra[:5]} ({len(extra)} in all); rollout/weight_names.py disagrees with this vLLM version"
-            )
+        stream = refit_stream(self.family, self._skips, self._tied, named_tensors, expected, skipped)
+        loaded = set(self._llm.apply_model(lambda model: set(model.load_weights(stream)))[0])
+        check_loaded(loaded, expected)
         if skipped and self.skipped_in_refit != len(skipped):
             first = next(iter(skipped.items()))
             log.info("refit: %d checkpoint tensors have no vLLM parameter and were not expected back (e.g. %s: %s)",

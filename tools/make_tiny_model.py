@@ -568,13 +568,27 @@ def build_config(family_name: str, size: SizeSpec, tokenizer):
     )
 
 
+def _draw_zero_matrices(model, std: float = 0.02) -> None:
+    """Draw every weight matrix transformers initializes to zeros (Gemma3's image projection).
+
+    A zero projection makes every image feature zero: the decoder would never see the image,
+    and no test comparing two implementations of the vision path could fail.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 and not p.any():
+                p.normal_(0.0, std)
+
+
 def build_model(family_name: str, config, tokenizer, seed: int, device: str = "cpu",
                 dtype: torch.dtype = torch.float32):
     """A randomly initialized model of the family; the same seed gives the same weights
     (on the same device: CUDA draws other numbers than the CPU)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = getattr(transformers, FAMILIES[family_name].model_class)(config).to(dtype)
+        model = getattr(transformers, FAMILIES[family_name].model_class)(config)
+        _draw_zero_matrices(model)
+        model = model.to(dtype)
     eot, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot

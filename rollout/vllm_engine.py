@@ -129,6 +129,40 @@ def _ensure_launcher_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+# Names vLLM 0.26's pixtral module (imported by its LLaVA module) takes from transformers, which
+# transformers 5.17 removed. They serve Pixtral vision towers only, never LLaVA's CLIP/SigLIP.
+_PIXTRAL_NAMES = ("PixtralRotaryEmbedding", "position_ids_in_meshgrid")
+
+
+def vllm_compat(family: str) -> list[str]:
+    """Let vLLM 0.26 build `family` with the installed transformers; returns what was patched.
+
+    For LLaVA on transformers >= 5.17 the two removed Pixtral names get placeholders that raise if
+    used, in this process only, and vLLM's LLaVA class is registered in-process: vLLM would
+    otherwise inspect it in a fresh subprocess, which fails on the same import.
+    """
+    if family != "llava":
+        return []
+    import transformers.models.pixtral.modeling_pixtral as pixtral
+
+    patched = []
+    for name in _PIXTRAL_NAMES:
+        if not hasattr(pixtral, name):
+            def removed(*args, _name=name, **kwargs):
+                raise RuntimeError(f"transformers {_name} was removed in transformers 5.17; vLLM's Pixtral "
+                                   "tower needs transformers <= 5.16")
+
+            setattr(pixtral, name, removed)
+            patched.append(f"transformers pixtral.{name}")
+    if patched:
+        from vllm import ModelRegistry
+        from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+
+        ModelRegistry.register_model("LlavaForConditionalGeneration", LlavaForConditionalGeneration)
+        patched.append("vLLM's LLaVA class registered in-process")
+    return patched
+
+
 @contextlib.contextmanager
 def _preserved_rng(device: int):
     """Restore Python, numpy and torch (CPU and this rank's GPU) RNG states on exit."""
@@ -347,6 +381,8 @@ class VLLMEngine(Engine):
         self._calls = 0
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
         _ensure_launcher_env()
+        for patch in vllm_compat(self.family):
+            log.info("VLLMEngine: %s (vLLM 0.26 with transformers >= 5.17)", patch)
         self._device = int(os.environ["LOCAL_RANK"])
         self._world = int(os.environ.get("WORLD_SIZE", "1"))
         if self._world % tensor_parallel_size:

@@ -17,9 +17,9 @@ One JSON line per check on stdout; the exit status is 1 if any check failed.
 It needs an environment where vLLM's processing code imports (vLLM, its pure-Python dependencies,
 transformers, torchvision). For a CPU machine without vLLM's compiled extensions, `_patch_vllm`
 patches two things in this process only (vLLM's files are not touched): vLLM inspects a model
-class in a subprocess, which is replaced by an in-process call; and vLLM 0.26's pixtral.py, which
-llava.py imports, names `PixtralRotaryEmbedding` and `position_ids_in_meshgrid` from transformers,
-which transformers 5.17+ no longer has; placeholders are set (the processor does not use them).
+class in a subprocess, which is replaced by an in-process call; and the engine's own
+`vllm_compat` shim for LLaVA (vLLM 0.26's pixtral.py, which llava.py imports, names two
+transformers functions that transformers 5.17 removed; they get placeholders that raise if used).
 `vllm._C` is left missing: vLLM only warns about it. Importing this file needs no vLLM.
 """
 
@@ -41,13 +41,9 @@ MIN_PIXELS, MAX_PIXELS = 3136, 12544
 
 def _patch_vllm() -> list[str]:
     """Make vLLM's processing code import and run in this process; returns what was patched."""
-    patched = []
-    import transformers.models.pixtral.modeling_pixtral as pixtral
+    from rollout.vllm_engine import vllm_compat
 
-    for name in ("PixtralRotaryEmbedding", "position_ids_in_meshgrid"):
-        if not hasattr(pixtral, name):
-            setattr(pixtral, name, None)
-            patched.append(f"transformers pixtral.{name}")
+    patched = vllm_compat("llava")  # LLaVA's module imports what transformers 5.17 removed
     from vllm.model_executor.models import registry
 
     registry._run_in_subprocess = lambda fn: fn()  # the subprocess would not see the patches above

@@ -14,9 +14,9 @@
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
 #   scale     3B-shaped GRPO steps on one GPU, then on two (NPROCS="1 2"; policy sharded, one engine per GPU)
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
-#   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED, with the tiny
-#             Qwen2.5-VL as the control (FAMS, default "idefics3 gemma3 qwen2_5_vl"; then e.g.
-#             FAMS="qwen2_vl qwen3_vl" in a second call; up to 150 s each; LLaVA needs transformers <= 5.16)
+#   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED (FAMS, default
+#             "idefics3 gemma3 llava"; then e.g. FAMS="qwen2_vl qwen3_vl qwen2_5_vl" in a second call;
+#             up to FAM_S=150 s each; DTYPE=float32 for a second pass without bf16 rounding)
 set -u
 STAGE=$1
 OUT=${2:-gpu_out}
@@ -98,21 +98,24 @@ multi)
   done
   ;;
 families)
-  # vLLM 0.26's LLaVA module imports mistral_common and Pixtral names transformers 5.17 removed: LLaVA
-  # needs transformers <= 5.16 there too (FAMS without llava otherwise). Carry the wheels in
-  # .whl (ignored by git): mistral_common, jsonschema, jsonschema-specifications, referencing, rpds-py
-  # (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ...)
+  # vLLM 0.26's LLaVA module imports mistral_common (a dependency of vllm the slim bundle leaves out):
+  # carry its wheels in .whl (ignored by git): mistral_common, jsonschema, jsonschema-specifications,
+  # referencing, rpds-py, pydantic-extra-types, tiktoken (pip download --no-deps --only-binary=:all:
+  # --python-version 3.12 ...). The names transformers 5.17 removed are vllm_engine.vllm_compat's.
   if [ -d .whl ]; then $PY -m pip install -q --no-index --no-deps --no-compile --target /opt/site .whl/*.whl; fi
   # 56x56 images suit every tiny processor (LLaVA and Gemma3: the tower's square; Qwen: within its
   # pixel limits); SmolVLM gets 84x56 so its images split into a 1x2 tile grid plus the global tile.
-  for f in ${FAMS:-idefics3 gemma3 qwen2_5_vl}; do
+  # DTYPE: auto (bf16 on a GPU) or float32 (separates implementation differences from rounding).
+  d=${DTYPE:-auto}
+  for f in ${FAMS:-idefics3 gemma3 llava}; do
     size=56x56; [ "$f" = idefics3 ] && size=84x56
-    $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null
+    [ -f $W/fam_$f/config.json ] || $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null
     $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/fam_$f.parquet --size $size > /dev/null
-    timeout 150 $PY tools/logprob_check.py --model $W/fam_$f --data $W/fam_$f.parquet --task clevr --engine vllm \
-      --num-prompts 16 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 \
-      --out "$OUT/fam_$f.json" > "$OUT/fam_$f.log" 2>&1
-    echo "families $f rc=$?"
+    timeout ${FAM_S:-150} $PY tools/logprob_check.py --model $W/fam_$f --data $W/fam_$f.parquet --task clevr --engine vllm \
+      --num-prompts 16 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 --dtype $d \
+      --out "$OUT/fam_${f}_$d.json" > "$OUT/fam_${f}_$d.log" 2>&1
+    rc=$?; echo "families $f $d rc=$rc"
+    [ $rc = 0 ] || grep -v "^INFO\|^\[rank" "$OUT/fam_${f}_$d.log" | tail -6
   done
   ;;
 *)

@@ -22,6 +22,7 @@ families add three m-rope rows (R = 4); 1-D families have R = 1.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -631,8 +632,10 @@ class Gemma3Adapter(LlavaAdapter):
 
         lm = self.language_model(model)
         positions = position_ids[0]
-        kwargs = dict(config=lm.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions,
-                      block_sequence_ids=get_block_sequence_ids_for_mask(image_mask.long(), device=embeds.device))
+        # The cache argument is `past_key_values` up to transformers 5.17 and `cache` in later releases.
+        cache_arg = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+        kwargs = dict(config=lm.config, inputs_embeds=embeds, attention_mask=None, position_ids=positions,
+                      **{cache_arg: None}, block_sequence_ids=get_block_sequence_ids_for_mask(image_mask.long(), device=embeds.device))
         if self.packable:
             masks = {"full_attention": create_causal_mask(**kwargs),
                      "sliding_attention": create_causal_mask(

@@ -112,7 +112,7 @@ families)
     [ -f $W/fam_$f/config.json ] || $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null
     $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/fam_$f.parquet --size $size > /dev/null
     timeout ${FAM_S:-150} $PY tools/logprob_check.py --model $W/fam_$f --data $W/fam_$f.parquet --task clevr --engine vllm \
-      --num-prompts 16 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 --dtype $d \
+      --num-prompts 16 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 --dtype $d ${FAM_ARGS:-} \
       --out "$OUT/fam_${f}_$d.json" > "$OUT/fam_${f}_$d.log" 2>&1
     rc=$?; echo "families $f $d rc=$rc"
     [ $rc = 0 ] || grep -v "^INFO\|^\[rank" "$OUT/fam_${f}_$d.log" | tail -6

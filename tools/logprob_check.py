@@ -47,6 +47,8 @@ def _parse(argv):
                         "next-token distributions hide mismatch; sharper ones resemble a trained model's "
                         "(entropy_mean in the output says how sharp)")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further config override, e.g. rollout.enforce_eager=true (repeatable)")
     p.add_argument("--png", default=None, help="write a PNG of per-token |dlogprob| for the worst sequences")
     return p.parse_args(argv)
 
@@ -88,6 +90,7 @@ def check(args) -> dict:
         f"data.min_pixels={args.min_pixels}", f"data.max_pixels={args.max_pixels}",
         "trainer.run_dir=/tmp/vlrl_logprob_check", "checkpoint.resume=never", "logging.tensorboard=false",
         f"optim.max_tokens_per_microbatch={max_tokens}", f"data.prompts_per_step={args.num_prompts}",
+        *args.overrides,
     ])
     trainer = Trainer(cfg)
     per_rank = max(args.num_prompts // trainer.dims.dp, 1)

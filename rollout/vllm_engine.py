@@ -295,6 +295,41 @@ def _read_params(model, targets: list[tuple[str, str, object]]) -> dict[str, tor
     return out
 
 
+# Families vLLM 0.26 runs with bidirectional attention over image tokens (its `is_mm_prefix_lm`),
+# through FlexAttention, whose metadata builder allocates a (max_num_seqs, KV blocks) int64 map on
+# every step: 1024 rows on an H200. Models with little KV per token get millions of blocks from
+# gpu_memory_utilization alone (the tiny Gemma3 asked for 279 GiB at 0.5), so the engine caps
+# their KV cache where that map would pass FLEX_BLOCK_MAP_BYTES.
+MM_PREFIX_FAMILIES = ("gemma3",)
+FLEX_BLOCK_MAP_BYTES = 256 * 1024**2
+FLEX_MAX_NUM_SEQS = 1024  # vLLM 0.26's LLM default on GPUs with >= 70 GiB (256 below)
+KV_BLOCK_TOKENS = 16  # vLLM's default block size; larger blocks only shrink the map
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
+    """K and V bytes one token takes over all decoder layers (an upper bound for sliding layers)."""
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    return 2 * text["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
+def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: float,
+                      device_bytes: int) -> int | None:
+    """The KV-cache bytes to give vLLM for a FlexAttention family, or None when no cap is needed.
+
+    The cap holds the block map at FLEX_BLOCK_MAP_BYTES; it is returned only when it is below what
+    gpu_memory_utilization could give the KV cache at most, which for released models it is not
+    (Gemma3-4B: 139 KB per token, so the cap is 73 GB of KV, above 0.5 of an H200).
+    """
+    if config.get("model_type") not in MM_PREFIX_FAMILIES:
+        return None
+    blocks = FLEX_BLOCK_MAP_BYTES // (FLEX_MAX_NUM_SEQS * 8)
+    cap = blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype_bytes)
+    return cap if cap < gpu_memory_utilization * device_bytes else None
+
+
 def head_is_embedding(model, family: str) -> bool:
     """Whether vLLM's `model` ties lm_head to embed_tokens (then its load_weights skips lm_head.*)."""
     head = vllm_param_for(family, "lm_head.weight")[0].rpartition(".")[0]
@@ -369,6 +404,7 @@ class VLLMEngine(Engine):
             raise ValueError(f"VLLMEngine: image_pad_id={image_pad_id} is not the {self.family} image token "
                              f"{self.adapter.image_token_id} of {model_path}")
         self._skips = VLLMSkips.for_config(self.family, config)
+        self._config = config
         self.skipped_in_refit = 0  # tensors of the last refit that vLLM builds no parameter for
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = getattr(torch, dtype)  # what refit tensors are rounded to; callers may send them so
@@ -425,8 +461,19 @@ class VLLMEngine(Engine):
             # Tensor-parallel all-reduce through NCCL, not vLLM's CUDA-IPC kernel: with it, a TP=2
             # engine hung in warm-up on the lent 2xH200 VM (colocated RL trainers disable it too).
             disable_custom_all_reduce=True,
+            **self._kv_cache_kwargs(gpu_memory_utilization, dtype),
             **({} if self._async_scheduling is None else {"async_scheduling": self._async_scheduling}),
         )
+
+    def _kv_cache_kwargs(self, gpu_memory_utilization: float, dtype: str) -> dict:
+        """`kv_cache_memory_bytes` for a FlexAttention family whose block map would not fit, else nothing."""
+        device_bytes = torch.cuda.get_device_properties(self._device).total_memory
+        cap = flex_kv_cap_bytes(self._config, getattr(torch, dtype).itemsize, gpu_memory_utilization, device_bytes)
+        if cap is None:
+            return {}
+        log.info("VLLMEngine: %s KV cache capped at %.2f GiB (FlexAttention's per-step block map stays under "
+                 "%d MiB)", self.family, cap / _GIB, FLEX_BLOCK_MAP_BYTES // 1024**2)
+        return {"kv_cache_memory_bytes": cap}
 
     def _lm_head_is_embedding(self) -> bool:
         """Whether the engine ties lm_head to embed_tokens (then vLLM skips lm_head.* in refit)."""

@@ -138,3 +138,14 @@ def test_every_weight_has_one_vllm_home(family_model):
     assert stacked, "nothing was stacked"
     for param, shards in stacked.items():
         assert shards in ({"q", "k", "v"}, {0, 1}), (param, shards)
+
+
+def test_no_weight_matrix_is_all_zeros(family_model):
+    """A zero matrix would cut a path: Gemma3's image projection starts at zeros in transformers,
+    and with it every image feature was zero, so no test of the image path could fail."""
+    from safetensors import safe_open
+
+    _, path = family_model
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        zero = [name for name in f.keys() if f.get_tensor(name).dim() >= 2 and not f.get_tensor(name).any()]
+    assert not zero, f"all-zero weight matrices in the tiny checkpoint: {zero}"

@@ -149,3 +149,57 @@ def test_no_weight_matrix_is_all_zeros(family_model):
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         zero = [name for name in f.keys() if f.get_tensor(name).dim() >= 2 and not f.get_tensor(name).any()]
     assert not zero, f"all-zero weight matrices in the tiny checkpoint: {zero}"
+
+
+def _image_prompt(path, color):
+    from PIL import Image
+
+    processor = VLProcessor(str(path))
+    images = processor.prepare_images([Image.new("RGB", (56, 56), color)])
+    text = processor.apply_chat_template(build_messages(("<image>How many objects?", images), "clevr"))
+    out = processor(text, images)
+    return PromptInput(out["input_ids"].tolist(), images, out["pixel_values"], out["image_grid_thw"])
+
+
+def test_the_image_reaches_the_decoder(family_model):
+    """The same tokens scored after two different images must get different logprobs."""
+    from rollout.base import Generation
+
+    family, path = family_model
+    init_distributed()
+    policy = build_policy(ModelConfig(path=str(path), dtype="float32", attn_implementation="sdpa"),
+                          build_parallel_dims())
+    prompts = [_image_prompt(path, (230, 20, 20)), _image_prompt(path, (20, 20, 230))]
+    assert prompts[0].input_ids == prompts[1].input_ids
+    response = [5, 6, 7, 8]
+    gens = [Generation(i, response, [0.0] * 4, "length") for i in range(2)]
+    red, blue = _policy_logprobs(policy, prompts, gens, max_per_bin=1)
+    assert (red - blue).abs().max().item() > 1e-4, f"{family}: the image does not change what follows it"
+
+
+def test_gemma3_masks_with_the_older_transformers_cache_argument(monkeypatch, tmp_path):
+    """transformers <= 5.17 names create_causal_mask's cache argument past_key_values (later: cache)."""
+    import transformers.masking_utils as masking
+    from rollout.base import Generation
+    from tools.make_tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "gemma3", family="gemma3", size="tiny", seed=0)
+    init_distributed()
+    policy = build_policy(ModelConfig(path=str(path), dtype="float32", attn_implementation="sdpa"),
+                          build_parallel_dims())
+    prompts = [_image_prompt(path, (230, 20, 20))]
+    gens = [Generation(0, [5, 6, 7, 8], [0.0] * 4, "length")]
+    current = _policy_logprobs(policy, prompts, gens, max_per_bin=1)[0]
+    new_api = masking.create_causal_mask
+    calls = []
+
+    def create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids=None,
+                           or_mask_function=None, and_mask_function=None, block_sequence_ids=None, layer_idx=None,
+                           allow_is_causal_skip=True):
+        calls.append(past_key_values)
+        return new_api(config, inputs_embeds, attention_mask, past_key_values, position_ids, or_mask_function,
+                       and_mask_function, block_sequence_ids, layer_idx, allow_is_causal_skip)
+
+    monkeypatch.setattr(masking, "create_causal_mask", create_causal_mask)
+    older = _policy_logprobs(policy, prompts, gens, max_per_bin=1)[0]
+    assert calls and torch.equal(current, older)

@@ -53,7 +53,9 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   global generator in between, and the trainer's stream is left as it was. With
   `SamplingParams.seed` set, prompt i uses seed + i*n (vLLM adds the sample index).
 - Memory: sleep level 1 (weights copied to host, KV cache dropped; level 2 corrupted VLM
-  rollouts in one report). A refit of a sleeping engine wakes only the weights; `wake` then
+  rollouts in one report). Families vLLM runs through FlexAttention (Gemma3's bidirectional
+  image attention) get their KV cache capped where its per-step block map would grow past
+  256 MiB (`flex_kv_cap_bytes`; only models with little KV per token, like the tiny ones). A refit of a sleeping engine wakes only the weights; `wake` then
   brings the KV cache back.
 """
 
@@ -316,8 +318,8 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
 
 
 def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: float,
-                      device_bytes: int) -> int | None:
-    """The KV-cache bytes to give vLLM for a FlexAttention family, or None when no cap is needed.
+                      device_bytes: int, tensor_parallel_size: int = 1) -> int | None:
+    """The KV-cache bytes per GPU to give vLLM for a FlexAttention family, or None when no cap is needed.
 
     The cap holds the block map at FLEX_BLOCK_MAP_BYTES; it is returned only when it is below what
     gpu_memory_utilization could give the KV cache at most, which for released models it is not
@@ -326,7 +328,10 @@ def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: fl
     if config.get("model_type") not in MM_PREFIX_FAMILIES:
         return None
     blocks = FLEX_BLOCK_MAP_BYTES // (FLEX_MAX_NUM_SEQS * 8)
-    cap = blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype_bytes)
+    text = config.get("text_config", config)
+    # Tensor parallelism splits the KV heads over the GPUs (more GPUs than heads replicate them).
+    split = max(1, min(tensor_parallel_size, text.get("num_key_value_heads") or text["num_attention_heads"]))
+    cap = blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype_bytes) // split
     return cap if cap < gpu_memory_utilization * device_bytes else None
 
 
@@ -420,6 +425,7 @@ class VLLMEngine(Engine):
         for patch in vllm_compat(self.family):
             log.info("VLLMEngine: %s (vLLM 0.26 with transformers >= 5.17)", patch)
         self._device = int(os.environ["LOCAL_RANK"])
+        self._tp = tensor_parallel_size
         self._world = int(os.environ.get("WORLD_SIZE", "1"))
         if self._world % tensor_parallel_size:
             raise ValueError(f"VLLMEngine: tensor_parallel_size={tensor_parallel_size} does not divide the "
@@ -468,7 +474,8 @@ class VLLMEngine(Engine):
     def _kv_cache_kwargs(self, gpu_memory_utilization: float, dtype: str) -> dict:
         """`kv_cache_memory_bytes` for a FlexAttention family whose block map would not fit, else nothing."""
         device_bytes = torch.cuda.get_device_properties(self._device).total_memory
-        cap = flex_kv_cap_bytes(self._config, getattr(torch, dtype).itemsize, gpu_memory_utilization, device_bytes)
+        cap = flex_kv_cap_bytes(self._config, getattr(torch, dtype).itemsize, gpu_memory_utilization, device_bytes,
+                                self._tp)
         if cap is None:
             return {}
         log.info("VLLMEngine: %s KV cache capped at %.2f GiB (FlexAttention's per-step block map stays under "

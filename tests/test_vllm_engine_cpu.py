@@ -91,3 +91,11 @@ def test_flex_cap_binds_for_tiny_models_only():
 def test_vllm_compat_touches_nothing_for_other_families():
     assert vllm_compat("qwen2_5_vl") == []
     assert vllm_compat("gemma3") == []
+
+
+def test_flex_cap_is_per_gpu_under_tensor_parallelism():
+    tiny = _gemma3(layers=2, kv_heads=2, head_dim=16)
+    one = flex_kv_cap_bytes(tiny, 2, 0.5, H200_BYTES)
+    assert flex_kv_cap_bytes(tiny, 2, 0.5, H200_BYTES, tensor_parallel_size=2) == one // 2
+    # more GPUs than KV heads: heads are replicated, a GPU still holds one head's share
+    assert flex_kv_cap_bytes(tiny, 2, 0.5, H200_BYTES, tensor_parallel_size=4) == one // 2

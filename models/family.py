@@ -22,6 +22,7 @@ families add three m-rope rows (R = 4); 1-D families have R = 1.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Mapping
@@ -632,10 +633,9 @@ class Gemma3Adapter(LlavaAdapter):
 
         lm = self.language_model(model)
         positions = position_ids[0]
-        # The cache argument is `past_key_values` up to transformers 5.17 and `cache` in later releases.
-        cache_arg = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
         kwargs = dict(config=lm.config, inputs_embeds=embeds, attention_mask=None, position_ids=positions,
-                      **{cache_arg: None}, block_sequence_ids=get_block_sequence_ids_for_mask(image_mask.long(), device=embeds.device))
+                      **{_mask_cache_arg(create_causal_mask): None},
+                      block_sequence_ids=get_block_sequence_ids_for_mask(image_mask.long(), device=embeds.device))
         if self.packable:
             masks = {"full_attention": create_causal_mask(**kwargs),
                      "sliding_attention": create_causal_mask(
@@ -705,6 +705,12 @@ class Gemma3Adapter(LlavaAdapter):
         # No pan-and-scan crops (the trainer's Gemma3Images calls the processor so): vLLM's
         # Gemma3ProcessingInfo.get_num_crops reads the same flag and returns 0 crops.
         return {"do_pan_and_scan": False}
+
+
+@functools.cache
+def _mask_cache_arg(create_causal_mask) -> str:
+    """The cache argument's name: `past_key_values` up to transformers 5.17, `cache` in later releases."""
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 def _merge_pairs(ids: list[int], pair: list[int], merged: int) -> list[int]:

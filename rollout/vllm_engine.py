@@ -311,10 +311,12 @@ KV_BLOCK_TOKENS = 16  # vLLM's default block size; larger blocks only shrink the
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     """K and V bytes one token takes over all decoder layers (an upper bound for sliding layers)."""
     text = config.get("text_config", config)
-    heads = text.get("num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    return 2 * text["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    return 2 * text["num_hidden_layers"] * _kv_heads(text) * head_dim * dtype_bytes
+
+
+def _kv_heads(text_config: dict) -> int:
+    return text_config.get("num_key_value_heads") or text_config["num_attention_heads"]
 
 
 def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: float,
@@ -328,9 +330,8 @@ def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: fl
     if config.get("model_type") not in MM_PREFIX_FAMILIES:
         return None
     blocks = FLEX_BLOCK_MAP_BYTES // (FLEX_MAX_NUM_SEQS * 8)
-    text = config.get("text_config", config)
     # Tensor parallelism splits the KV heads over the GPUs (more GPUs than heads replicate them).
-    split = max(1, min(tensor_parallel_size, text.get("num_key_value_heads") or text["num_attention_heads"]))
+    split = max(1, min(tensor_parallel_size, _kv_heads(config.get("text_config", config))))
     cap = blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype_bytes) // split
     return cap if cap < gpu_memory_utilization * device_bytes else None
 

@@ -109,7 +109,7 @@ families)
   d=${DTYPE:-auto}
   for f in ${FAMS:-idefics3 gemma3 llava}; do
     size=56x56; [ "$f" = idefics3 ] && size=84x56
-    [ -f $W/fam_$f/config.json ] || $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null
+    $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null  # a few s; never stale
     $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/fam_$f.parquet --size $size > /dev/null
     timeout ${FAM_S:-150} $PY tools/logprob_check.py --model $W/fam_$f --data $W/fam_$f.parquet --task clevr --engine vllm \
       --num-prompts 16 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 --dtype $d ${FAM_ARGS:-} \

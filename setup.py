@@ -15,6 +15,7 @@ setup(
         "pillow>=10",
         "pyarrow>=15",
         "pyyaml>=6",
+        "omegaconf>=2.4",
         "numpy>=1.26",
         "sympy>=1.12",
         "tensorboard>=2.15",

@@ -1,21 +1,37 @@
-"""The typed config: one root dataclass, one section per component.
+"""The typed config: one root dataclass, one section per component, read through OmegaConf.
 
-YAML files in `configs/` fill it, `a.b=v` arguments override it, and every key and value is
-checked at load: an unknown key names the closest valid one, a wrong type names the key and the
-type it wants. `save_config` writes the resolved config into the run folder.
+The dataclasses below are the schema. `load_config` merges, in order: their defaults, a YAML file
+(after the files it names under `base:`), then `a.b=value` arguments from the command line. On top
+of OmegaConf's structured configs it keeps the rules this project promises:
+
+- an unknown key names the closest valid one; a wrong type names the key and the type it wants;
+- `on`, `off`, `yes` and `no` are strings (the values string-enum keys document); bool keys still
+  accept them, and `true`/`false`;
+- a key given twice in one YAML file is an error naming the file and line, and so is bad YAML;
+- a command-line value with a ` #` in it is kept verbatim (YAML would cut it at the `#`);
+- `${section.key}` interpolates another config key; any other `${...}` (an environment variable,
+  a resolver) is kept as written: no value is ever expanded from outside the config;
+- `???` marks a value that must be given before the run starts;
+- ranges are checked at load (counts >= 1, probabilities in (0, 1], temperature > 0 for GRPO).
+
+`save_config` writes the resolved config into the run folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
+import math
+import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 class ConfigError(ValueError):
@@ -65,7 +81,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 64
-    gpu_memory_utilization: float = 0.5
+    # share of the device the engine may take while awake; 0: the colocation memory plan decides
+    gpu_memory_utilization: float = 0.0
     tensor_parallel_size: int = 1  # ranks per engine (node-local groups of consecutive ranks; rollout/groups.py)
     enforce_eager: bool = False
     refit_bucket_mb: int = 512
@@ -141,139 +158,380 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def _closest(name: str, valid: list[str]) -> str:
-    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+# --- reading YAML --------------------------------------------------------------------------------
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with three changes for config files and command-line values.
+
+    Only `true`/`false` are booleans: YAML 1.1 also reads `on/off/yes/no` as booleans, which turned
+    the documented `parallel.offload_during_generate=off` into False. Dates stay strings. A key
+    given twice in one mapping is an error instead of the later one silently winning.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {first_line[key] + 1}); "
+                    "keep one: a later copy would silently replace the earlier one", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL_TAG, _TIMESTAMP_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def _yaml_error(exc: yaml.YAMLError, where: str) -> ConfigError:
+    """A YAML error as `where, line L, column C: problem` (lines and columns count from 1)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    detail = f"{problem} ({context})" if context else problem
+    if mark is None:
+        return ConfigError(f"{where}: not valid YAML: {detail}")
+    return ConfigError(f"{where}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {detail}")
+
+
+def read_yaml(path: str | Path) -> dict:
+    """One config file as a mapping; bad YAML and duplicate keys fail naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, f"config file {path}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections at the top level, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def _base_names(value: Any, path: Path) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ConfigError(f"config file {path}: 'base' must name a YAML file (or a list of them), got {value!r}")
+
+
+def _file_layers(path: Path, chain: tuple[Path, ...] = ()) -> list[tuple[str, dict]]:
+    """(source, mapping) for `path` and, first, every file it extends through `base:`, depth first."""
+    data = read_yaml(path)
+    layers = []
+    for name in _base_names(data.pop("base"), path) if "base" in data else []:
+        base = (path.parent / name).resolve()
+        if base in chain or base == path.resolve():
+            raise ConfigError(f"config file {path}: base {name!r} extends itself through "
+                              + " -> ".join(str(p) for p in (*chain, path.resolve(), base)))
+        if not base.is_file():
+            raise ConfigError(f"config file {path}: base {name!r} not found (looked for {base}; "
+                              "a base is named relative to the file that names it)")
+        layers += _file_layers(base, (*chain, path.resolve()))
+    layers.append((f"config file {path}", data))
+    return layers
+
+
+# --- command-line overrides ----------------------------------------------------------------------
+
+def _override_value(text: str, raw: str) -> Any:
+    """Parse the right side of `key=value` as one YAML value; a value YAML would cut at ` #` stays verbatim."""
+    stripped = raw.strip()
+    if not stripped:
+        return ""
+    try:
+        node = yaml.compose(stripped, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, f"command-line override {text!r}") from None
+    if node is None or stripped[node.end_mark.index:].strip():
+        # YAML reads `#` after a space as a comment: take the whole value as written instead.
+        return stripped
+    try:
+        return yaml.load(stripped, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, f"command-line override {text!r}") from None
+
+
+def _split_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    dotted, raw = text.split("=", 1)
+    dotted = dotted.strip()
+    if not dotted or any(not part for part in dotted.split(".")):
+        raise ConfigError(f"override {text!r}: {dotted!r} is not a dotted key like trainer.max_steps")
+    return dotted, _override_value(text, raw)
+
+
+def parse_override(text: str) -> dict:
+    """`a.b=v` → {'a': {'b': v}}, v read as a YAML value (3 is int, 1e-6 float, true bool, off str)."""
+    dotted, value = _split_override(text)
+    for part in reversed(dotted.split(".")):
+        value = {part: value}
+    return value
+
+
+# --- the schema ----------------------------------------------------------------------------------
+
+def _fields(cls: type) -> dict[str, Any]:
+    """Field name → resolved type annotation of a config dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return f"a list of {_type_name(item)}"
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the annotation `tp`; ints widen to float, nothing else converts."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for arm in typing.get_args(tp):
-            if arm is type(None) and value is None:
-                return None
-            try:
-                return _coerce(key, value, arm)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"config key '{key}': {value!r} fits none of {tp}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"config key '{key}': expected a list, got {type(value).__name__} {value!r}")
-        (item_tp,) = typing.get_args(tp) or (Any,)
-        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
-        raise ConfigError(
-            f"config key '{key}': expected {_type_name(tp)}, got {type(value).__name__} {value!r}"
-        )
-    return value
+def _closest(name: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
 
 
-def _apply(obj: Any, updates: dict, prefix: str) -> None:
-    hints = typing.get_type_hints(type(obj))
-    names = [f.name for f in dataclasses.fields(obj)]
-    for name, value in updates.items():
-        key = f"{prefix}{name}"
-        if name not in names:
-            raise ConfigError(f"unknown config key '{key}'{_closest(name, names)}")
-        current = getattr(obj, name)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key '{key}' is a section; expected a mapping, got {value!r}")
-            _apply(current, value, f"{key}.")
-        else:
-            setattr(obj, name, _coerce(key, value, hints[name]))
+def _leaf_type(dotted: str) -> Any:
+    """The annotation of a leaf key such as 'rollout.temperature', or None when there is no such leaf."""
+    cls: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(cls) or part not in _fields(cls):
+            return None
+        cls = _fields(cls)[part]
+    return None if dataclasses.is_dataclass(cls) else cls
 
 
-def parse_override(text: str) -> dict:
-    """`a.b=v` → {'a': {'b': v}} with v parsed as a YAML scalar (so 3 is int, 1e-6 float, true bool)."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}' is not of the form key.sub=value")
-    dotted, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    if isinstance(value, str) and value.lower() in ("none", "null"):
-        value = None
-    for part in reversed(dotted.strip().split(".")):
-        value = {part: value}
-    return value
+_INTERPOLATION = re.compile(r"(?<!\\)\$\{([^{}]*)\}")
+_KEY_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 
 
-def _float_literal(value: Any) -> Any:
-    # YAML 1.1 reads "1e-6" as a string; accept it as the float everyone means.
+def _guard_interpolations(value: str, key: str, source: str) -> str:
+    """Keep `${section.key}` references to config keys; escape every other `${...}` so it stays literal."""
+    def one(match: re.Match) -> str:
+        target = match.group(1).strip()
+        if not (_KEY_PATH.fullmatch(target) and target.split(".")[0] in _fields(Config)):
+            return "\\" + match.group(0)  # ${HOME}, ${oc.env:X}: literal text, never expanded
+        if _leaf_type(target) is None:
+            section, _, name = target.rpartition(".")
+            hint = _closest(name, list(_fields(_section_type(section)))) if _section_type(section) else ""
+            raise ConfigError(f"config key '{key}' ({source}): ${{{target}}} names no config key{hint}")
+        return match.group(0)
+    return _INTERPOLATION.sub(one, value)
+
+
+def _section_type(dotted: str) -> Any:
+    cls: Any = Config
+    for part in dotted.split("."):
+        fields = _fields(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return None
+        cls = fields[part]
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
+    """Checks OmegaConf does not make for one leaf value, and the interpolation guard on its strings."""
+    if isinstance(value, dict):
+        raise ConfigError(f"config key '{key}' ({source}) is a value, not a section; expected "
+                          f"{_type_name(tp)}, got a mapping {value!r}")
+    if tp is str and isinstance(value, bool):
+        raise ConfigError(f"config key '{key}' ({source}): expected a string, got the boolean {value!r}; "
+                          "quote it if you mean the text")
     if isinstance(value, str):
-        try:
-            return float(value) if any(c in value.lower() for c in "e.") else value
-        except ValueError:
-            return value
+        return _guard_interpolations(value, key, source)
+    if isinstance(value, list):
+        return [_guard_interpolations(v, key, source) if isinstance(v, str) else v for v in value]
     return value
 
 
-def _normalize_floats(obj: Any, updates: dict) -> dict:
-    hints = typing.get_type_hints(type(obj))
-    out = {}
-    for name, value in updates.items():
-        if name in hints and dataclasses.is_dataclass(getattr(obj, name, None)) and isinstance(value, dict):
-            out[name] = _normalize_floats(getattr(obj, name), value)
-        elif hints.get(name) is float:
-            out[name] = _float_literal(value)
+def _leaves(data: dict, cls: type, prefix: str, source: str) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) for every leaf of `data`, checking each key against the schema on the way."""
+    fields = _fields(cls)
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown config key '{key}' ({source}){_closest(str(name), list(fields))}")
+        tp = fields[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{key}' ({source}) is a section; expected a mapping of its "
+                                  f"keys ({', '.join(_fields(tp))}), got {value!r}")
+            yield from _leaves(value, tp, f"{key}.", source)
         else:
-            out[name] = value
-    return out
+            yield key, _prepare(key, value, tp, source)
+
+
+def _set(conf: Any, key: str, value: Any, source: str) -> None:
+    """Assign one leaf; OmegaConf converts it to the key's type or we name the key and the type."""
+    try:
+        OmegaConf.update(conf, key, value, merge=False)
+    except OmegaConfBaseException as exc:
+        note = " (a command-line value with ' #' is kept whole, not cut at the '#')" if " #" in str(value) else ""
+        raise ConfigError(f"config key '{key}' ({source}): expected {_type_name(_leaf_type(key))}, "
+                          f"got {type(value).__name__} {value!r}{note}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
+
+
+def _resolve(conf: Any, sources: list[str]) -> Config:
+    """The merged OmegaConf tree as a `Config`, with `???` values and interpolations settled."""
+    missing = sorted(OmegaConf.missing_keys(conf))
+    if missing:
+        raise ConfigError(f"config keys marked ??? (required) were not given: {', '.join(missing)}; "
+                          f"set them on the command line, e.g. {missing[0]}=VALUE")
+    try:
+        return OmegaConf.to_object(conf)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"config key '{key}': {_first_line(exc)} "
+                          f"(from {'; '.join(sources) or 'the defaults'})") from None
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """Build the root config from an optional YAML file and `a.b=v` overrides, validating every key."""
-    cfg = Config()
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        _apply(cfg, _normalize_floats(cfg, data), "")
+    layers = _file_layers(Path(path)) if path else []
     for text in overrides or []:
-        _apply(cfg, _normalize_floats(cfg, parse_override(text)), "")
+        layers.append((f"command line {text!r}", parse_override(text)))
+    conf = OmegaConf.structured(Config)
+    for source, data in layers:
+        for key, value in _leaves(data, Config, "", source):
+            _set(conf, key, value, source)
+    cfg = _resolve(conf, [s for s, _ in layers if not s.startswith("command line")])
     validate(cfg)
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Cross-field checks that a single type annotation cannot express."""
-    if cfg.trainer.max_steps < 0:
-        raise ConfigError("config key 'trainer.max_steps' must be >= 0")
-    if cfg.rollout.n < 1:
-        raise ConfigError("config key 'rollout.n' must be >= 1")
-    if cfg.algorithm.dual_clip and cfg.algorithm.dual_clip <= 1.0:
-        raise ConfigError("config key 'algorithm.dual_clip' must be 0 (off) or > 1")
-    if not (cfg.optim.lr > 0 and cfg.optim.lr < float("inf")):
-        raise ConfigError(f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}")
-    if cfg.optim.max_tokens_per_microbatch < 1:
-        raise ConfigError("config key 'optim.max_tokens_per_microbatch' must be >= 1")
-    if cfg.checkpoint.resume not in ("auto", "never") and not cfg.checkpoint.resume:
-        raise ConfigError("config key 'checkpoint.resume' must be auto, never or a checkpoint path")
+# --- ranges and cross-field checks -----------------------------------------------------------------
 
+AT_LEAST_ONE = (
+    "trainer.max_steps", "trainer.eval_samples", "trainer.eval_max_new_tokens",
+    "data.prompts_per_step", "data.max_prompt_tokens", "data.min_pixels", "data.max_pixels",
+    "rollout.n", "rollout.max_new_tokens", "rollout.tensor_parallel_size", "rollout.refit_bucket_mb",
+    "algorithm.ppo_epochs", "optim.max_tokens_per_microbatch", "parallel.tp",
+)
+AT_LEAST_ZERO = (
+    "trainer.seed", "trainer.eval_every", "trainer.max_nonfinite_in_row",
+    "rollout.temperature",
+    "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef", "algorithm.tis_cap",
+    "algorithm.max_refill_rounds", "algorithm.overlong_buffer", "algorithm.overlong_penalty",
+    "algorithm.mismatch_mask_threshold",
+    "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+    "checkpoint.every_steps", "checkpoint.keep",
+)
+PROBABILITIES = ("rollout.top_p",)  # in (0, 1]
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _float_keys(cls: type = Config, prefix: str = "") -> Iterator[str]:
+    for name, tp in _fields(cls).items():
+        if dataclasses.is_dataclass(tp):
+            yield from _float_keys(tp, f"{prefix}{name}.")
+        elif tp is float:
+            yield f"{prefix}{name}"
+
+
+def _range_errors(cfg: Config) -> Iterator[str]:
+    """One message per value outside its range, each naming the key."""
+    for key in _float_keys():
+        if not math.isfinite(_get(cfg, key)):
+            yield f"config key '{key}' must be a finite number, got {_get(cfg, key)}"
+    for key in AT_LEAST_ONE:
+        if _get(cfg, key) < 1:
+            yield f"config key '{key}' must be >= 1, got {_get(cfg, key)}"
+    for key in AT_LEAST_ZERO:
+        if _get(cfg, key) < 0:
+            yield f"config key '{key}' must be >= 0, got {_get(cfg, key)}"
+    for key in PROBABILITIES:
+        if not 0 < _get(cfg, key) <= 1:
+            yield f"config key '{key}' must be in (0, 1], got {_get(cfg, key)}"
+
+
+def _cross_errors(cfg: Config) -> Iterator[str]:
+    """Checks that tie keys together or have a range of their own."""
+    if cfg.trainer.mode == "grpo" and not cfg.rollout.temperature > 0:
+        yield (f"config key 'rollout.temperature' must be > 0 for GRPO (trainer.mode=grpo), got "
+               f"{cfg.rollout.temperature}: responses are sampled at it and logprobs are divided by it; "
+               "use 1.0 for the usual on-policy sampling")
+    if not 0 <= cfg.rollout.gpu_memory_utilization <= 1:
+        yield (f"config key 'rollout.gpu_memory_utilization' must be in (0, 1], or 0 to let the memory plan "
+               f"decide, got {cfg.rollout.gpu_memory_utilization}")
+    if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
+        yield f"config key 'rollout.top_k' must be -1 (off) or >= 1, got {cfg.rollout.top_k}"
+    if cfg.data.min_pixels > cfg.data.max_pixels:
+        yield (f"config key 'data.min_pixels' ({cfg.data.min_pixels}) must be <= data.max_pixels "
+               f"({cfg.data.max_pixels})")
+    if cfg.algorithm.dual_clip and not cfg.algorithm.dual_clip > 1.0:
+        yield f"config key 'algorithm.dual_clip' must be 0 (off) or > 1, got {cfg.algorithm.dual_clip}"
+    if not cfg.optim.lr > 0:
+        yield f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}"
+    for key in ("optim.beta1", "optim.beta2"):
+        if not 0 <= _get(cfg, key) < 1:
+            yield f"config key '{key}' must be in [0, 1), got {_get(cfg, key)}"
+    if not cfg.optim.eps > 0:
+        yield f"config key 'optim.eps' must be > 0, got {cfg.optim.eps}"
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        yield f"config key 'optim.min_lr_ratio' must be in [0, 1], got {cfg.optim.min_lr_ratio}"
+    if cfg.parallel.replicate < 0:
+        yield (f"config key 'parallel.replicate' must be 0 (one replica per node) or positive, "
+               f"got {cfg.parallel.replicate}")
+    if cfg.checkpoint.resume not in ("auto", "never") and not cfg.checkpoint.resume:
+        yield "config key 'checkpoint.resume' must be auto, never or a checkpoint path"
+
+
+def validate(cfg: Config) -> None:
+    """Range and cross-field checks that a type annotation cannot express; the first failure raises."""
+    for message in (*_range_errors(cfg), *_cross_errors(cfg)):
+        raise ConfigError(message)
+
+
+# --- saving --------------------------------------------------------------------------------------
 
 def config_to_dict(cfg: Config) -> dict:
+    """The config as plain nested dicts (for trackers and logs)."""
     return dataclasses.asdict(cfg)
 
 
+def _escape(value: Any) -> Any:
+    """Escape `${` so a saved value reads back as the same text, never as an interpolation."""
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, list):
+        return [_escape(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _escape(v) for k, v in value.items()}
+    return value
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    """Write the resolved config as YAML that `load_config` reads back to an equal `Config`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(_escape(config_to_dict(cfg)))))
+    os.replace(tmp, path)

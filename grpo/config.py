@@ -393,18 +393,17 @@ def _first_line(exc: Exception) -> str:
     return str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
 
 
-def _resolve(conf: Any, sources: list[str]) -> Config:
+def _resolve(conf: Any) -> Config:
     """The merged OmegaConf tree as a `Config`, with `???` values and interpolations settled."""
-    missing = sorted(OmegaConf.missing_keys(conf))
-    if missing:
-        raise ConfigError(f"config keys marked ??? (required) were not given: {', '.join(missing)}; "
-                          f"set them on the command line, e.g. {missing[0]}=VALUE")
     try:
+        missing = sorted(OmegaConf.missing_keys(conf))
+        if missing:
+            raise ConfigError(f"config keys marked ??? (required) were not given: {', '.join(missing)}; "
+                              f"set them on the command line, e.g. {missing[0]}=VALUE")
         return OmegaConf.to_object(conf)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(f"config key '{key}': {_first_line(exc)} "
-                          f"(from {'; '.join(sources) or 'the defaults'})") from None
+        raise ConfigError(f"config key '{key}': {_first_line(exc)}") from None
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
@@ -416,7 +415,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     for source, data in layers:
         for key, value in _leaves(data, Config, "", source):
             _set(conf, key, value, source)
-    cfg = _resolve(conf, [s for s, _ in layers if not s.startswith("command line")])
+    cfg = _resolve(conf)
     validate(cfg)
     return cfg
 

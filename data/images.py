@@ -19,6 +19,9 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+# An encoded image larger than this is refused before it is read: 64 MB holds a 64-megapixel
+# JPEG or PNG several times over, and the datasets' images are well under 1 MB.
+DEFAULT_MAX_IMAGE_BYTES = 64 << 20
 MAX_ASPECT_RATIO = 200
 
 # Modes that carry an alpha channel; they are composited on white rather than having the
@@ -48,22 +51,35 @@ def _looks_like_image(head: bytes) -> bool:
     return any(head.startswith(sig) for sig in _SIGNATURES)
 
 
-def _read_bytes(data: bytes | str | os.PathLike) -> tuple[bytes, str]:
-    """The encoded image and a description of where it came from (for messages)."""
+def _read_bytes(data: bytes | str | os.PathLike, max_image_bytes: int) -> tuple[bytes, str]:
+    """The encoded image and a description of where it came from (for messages).
+
+    A file's size is checked before it is read, and at most `max_image_bytes + 1` bytes are ever
+    read (a file that grows meanwhile cannot make it read more)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = bytes(data)
+        _check_bytes(len(data), max_image_bytes, f"{len(data)} bytes")
         return data, f"{len(data)} bytes"
     if isinstance(data, (str, os.PathLike)):
         path = Path(data)
         if not path.is_file():
             raise BadSample("missing_image", f"no such file {path}")
         try:
+            _check_bytes(path.stat().st_size, max_image_bytes, str(path))
             # Reading the (compressed) file whole keeps no file handle open behind the
             # returned image; a decompression bomb is small on disk.
-            return path.read_bytes(), str(path)
+            with path.open("rb") as f:
+                encoded = f.read(max_image_bytes + 1)
         except OSError as err:
             raise BadSample("missing_image", f"cannot read {path}: {err}") from err
+        _check_bytes(len(encoded), max_image_bytes, str(path))
+        return encoded, str(path)
     raise TypeError(f"decode_image takes bytes or a path, got {type(data).__name__}")
+
+
+def _check_bytes(size: int, max_image_bytes: int, where: str) -> None:
+    if size > max_image_bytes:
+        raise BadSample("image_too_large", f"{where}: {size} bytes on disk > max_image_bytes={max_image_bytes}")
 
 
 def _open(encoded: bytes, where: str) -> Image.Image:
@@ -125,14 +141,16 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 def decode_image(
-    data: bytes | str | os.PathLike, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    data: bytes | str | os.PathLike, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> Image.Image:
     """Decode image bytes or a file into a fully loaded RGB PIL image.
 
     Raises BadSample with reason:
       - "missing_image": the path does not exist;
       - "not_an_image": empty bytes or bytes no image format recognises;
-      - "image_too_large": width*height from the header exceeds `max_image_pixels`
+      - "image_too_large": the encoded image (a file's size, checked before reading it) is over
+        `max_image_bytes`, or width*height from the header exceeds `max_image_pixels`
         (checked before decoding, so a decompression bomb costs nothing); PIL's own hard
         limit (twice `PIL.Image.MAX_IMAGE_PIXELS`) is reported the same way;
       - "corrupt_image": the header parses but the pixel data does not (e.g. truncated).
@@ -140,7 +158,7 @@ def decode_image(
     composited on white. EXIF orientation is not applied (the public datasets and the
     Hugging Face image processors do not apply it either).
     """
-    encoded, where = _read_bytes(data)
+    encoded, where = _read_bytes(data, max_image_bytes)
     img = _open(encoded, where)
     _check_header_size(img, max_image_pixels, where)
     try:

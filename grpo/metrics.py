@@ -8,12 +8,16 @@ the ETA too, so logs piped to a file show it.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("vlrl")
 
 # Keys shown on the compact stdout line, in order, when present.
 STDOUT_KEYS = (
@@ -93,11 +97,35 @@ class MetricsLogger:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Drop rows past the resume point so a resumed run does not duplicate steps."""
+    """Drop rows past the resume point so a resumed run does not duplicate steps.
+
+    A line that is not a JSON row with a step (torn by a crash mid-write, binary junk) is dropped
+    with a warning naming the file and its line numbers, and appended to `metrics.jsonl.bad` so
+    nothing is lost. The file is rewritten through a temporary name and an atomic rename.
+    """
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep, bad = [], []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            row_step = int(json.loads(raw.decode("utf-8"))["step"])
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
+            bad.append((number, raw))
+            continue
+        if row_step <= step:
+            keep.append(raw)
+    if bad:
+        aside = path.with_name(path.name + ".bad")
+        with aside.open("ab") as f:
+            f.write(b"".join(raw + b"\n" for _, raw in bad))
+        lines = ", ".join(str(n) for n, _ in bad[:10]) + (" ..." if len(bad) > 10 else "")
+        log.warning("%s: %d unreadable line(s) (line %s: torn by a crash or not JSON) dropped and kept in %s",
+                    path, len(bad), lines, aside)
+    draft = path.with_name(path.name + ".tmp")
+    draft.write_bytes(b"".join(raw + b"\n" for raw in keep))
+    os.replace(draft, path)
 
 
 def peak_memory_gb(device: torch.device) -> float:

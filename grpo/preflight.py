@@ -1,34 +1,117 @@
 """Start-up checks: everything that can be verified before anything heavy loads.
 
-Each failure names the config key to change. Checked: the model folder (config.json, weights,
-a supported family), the data files, the engine choice against what this machine has, and the
-colocated engine's GPU memory budget.
+Each failure names the config key to change. Checked: the model folder (config.json parses, a
+supported family, tokenizer files, each safetensors file's header against its size), the train
+and eval files (they open, and some of `SAMPLE_ROWS` rows spread over each decode), the engine
+choice against what this machine has, and the colocated engine's GPU memory budget.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
 
+from data.datasets import SkipStats, VLDataset
 from grpo.config import Config, ConfigError
 from models.family import ADAPTERS
 from rollout.factory import resolve_engine_name
+
+
+SAMPLE_ROWS = 8  # rows of each data file decoded at start
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def _read_json(path: Path, key: str, value: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{key}={value!r}: {path.name} is not valid JSON ({exc}); restore it from the source "
+                          "checkpoint") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}={value!r}: {path.name} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+def _check_safetensors(path: Path, value: str) -> None:
+    """The header parses and the tensors it describes fit in the file (a truncated copy fails here)."""
+    where = f"model.path={value!r}: {path.name}"
+    if not path.is_file():
+        raise ConfigError(f"{where} is missing (named by model.safetensors.index.json); copy the whole checkpoint")
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= min(size - 8, _MAX_HEADER):
+                raise ConfigError(f"{where} is not a safetensors file ({size} bytes; its header length reads {n}); "
+                                  "re-copy or re-export the checkpoint")
+            header = json.loads(f.read(n))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: the safetensors header does not parse ({exc}); re-copy or re-export the "
+                          "checkpoint") from exc
+    if 8 + n + end > size:
+        raise ConfigError(f"{where} is truncated: its header describes {8 + n + end} bytes, the file has {size}; "
+                          "re-copy the checkpoint")
+
+
+def _weight_files(folder: Path, value: str) -> list[Path]:
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index, "model.path", value).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"model.path={value!r}: {index.name} has no weight_map; restore it from the source")
+        return [folder / name for name in sorted(set(map(str, weight_map.values())))]
+    raise ConfigError(f"model.path={value!r}: no model.safetensors or model.safetensors.index.json "
+                      "(only safetensors weights are loaded, never pickle files)")
 
 
 def _check_model(path: str) -> None:
     folder = Path(path)
     if not path or not (folder / "config.json").is_file():
         raise ConfigError(f"model.path={path!r}: no config.json there; point it at a Hugging Face model folder on disk")
-    if not ((folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()):
-        raise ConfigError(f"model.path={path!r}: no model.safetensors or model.safetensors.index.json "
-                          "(only safetensors weights are loaded, never pickle files)")
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    model_type = _read_json(folder / "config.json", "model.path", path).get("model_type")
+    weights = _weight_files(folder, path)
     if model_type not in ADAPTERS:
         raise ConfigError(f"model.path={path!r}: model family '{model_type}' is not supported; "
                           f"supported: {', '.join(sorted(ADAPTERS))}")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.path={path!r}: no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the tokenizer "
+                          "files of the source checkpoint into the folder")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            _read_json(folder / name, "model.path", path)
+    for file in weights:
+        _check_safetensors(file, path)
+
+
+def _sample_rows(key: str, path: str, cfg: Config) -> None:
+    """Open a data file and decode up to SAMPLE_ROWS rows spread over it; at least one must be usable."""
+    d = cfg.data
+    try:
+        dataset = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}={path!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - pyarrow's own errors for a file that is not what its name says
+        raise ConfigError(f"{key}={path!r}: cannot read it ({type(exc).__name__}: {exc})") from exc
+    rows = len(dataset)
+    if rows == 0:
+        raise ConfigError(f"{key}={path!r}: the file has no rows")
+    n = min(SAMPLE_ROWS, rows)
+    stats = SkipStats()
+    usable = sum(1 for _ in dataset.iter_samples([i * rows // n for i in range(n)], stats))
+    if usable == 0:
+        reasons = ", ".join(f"{r}: {c}" for r, c in stats.as_dict().items())
+        raise ConfigError(f"{key}={path!r}: none of {n} rows sampled across its {rows} rows is usable ({reasons}; "
+                          f"each row is logged above). Check data.task={d.task} and the file's images; "
+                          "`python -m data.datasets inspect FILE --task T` scans it all")
 
 
 def _check_data(cfg: Config) -> None:
@@ -37,6 +120,7 @@ def _check_data(cfg: Config) -> None:
             continue
         if not path or not Path(path).is_file():
             raise ConfigError(f"{key}={path!r}: file not found (a parquet or JSONL file on local disk)")
+        _sample_rows(key, path, cfg)
 
 
 def _check_engine(cfg: Config) -> None:

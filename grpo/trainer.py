@@ -21,10 +21,11 @@ from data.processing import EncodedPrompt, encode_response, load_processor, sft_
 from data.rewards import score
 from grpo import algorithm as alg
 from grpo.checkpoint import checkpoint_dir, load_checkpoint, resolve_resume, save_checkpoint
-from grpo.config import Config, save_config
+from grpo.config import Config
 from grpo.metrics import MetricsLogger, peak_memory_gb
 from grpo.preemption import PreemptionGuard
 from grpo.preflight import preflight
+from grpo.run_folder import claim_run_folder
 from grpo.update import (
     all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, padded, per_target,
     sequence_logprobs,
@@ -66,8 +67,8 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         if self.dims.is_main:
             print(f"parallel: {self.dims.describe()}", flush=True)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
+        # lock the folder, refuse to write over an earlier run unless told, write config.yaml (collective)
+        self.run_lock = claim_run_folder(cfg, self.run_dir, self.dims.is_main)
         torch.manual_seed(cfg.trainer.seed + self.dims.rank)
         self.engine_group = EngineGroup.build(cfg.rollout.tensor_parallel_size, self.dims.world_size, self.dims.rank,
                                               self.dims.local_world_size)

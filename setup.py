@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Reinforcement learning (GRPO) and SFT for vision-language models in one torchrun trainer",
     python_requires=">=3.10",
-    packages=["grpo", "models", "rollout", "data", "tools"],
+    packages=["grpo", "models", "models.families", "rollout", "data", "tools"],
     py_modules=["train"],
     install_requires=[
         "torch>=2.11,<2.14",

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from PIL import Image
 
-from data.images import BadSample, canonicalize_image, to_rgb
+from data.images import BadSample
 from data.prompts import build_messages
 
 log = logging.getLogger(__name__)
@@ -41,162 +40,49 @@ class EncodedPrompt:
     answer: str = ""
 
 
-def _field(size, key: str):
+def size_field(size, key: str):
     """A field of an image processor's size dict (a dict or transformers' SizeDict), or None."""
     if size is None:
         return None
     return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
 
 
-class QwenImages:
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: dynamic resolution, one `<|image_pad|>` per merged patch.
+class ImageRule:
+    """How one family's images reach its model; each family module defines one and registers it.
 
-    Images are re-fit (a no-op for canonical ones) to multiples of patch × merge, the family's
-    grid (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), within the image processor's pixel limits.
-    pixel_values: (patches, dim); image_grid_thw: the (t, h, w) patch grid per image.
+    Built from the loaded image processor and the processor's settings (processor_config.json
+    over preprocessor_config.json). `placeholder` is what the chat template writes per image.
     """
 
-    placeholder = "<|image_pad|>"
+    placeholder: str = "<image>"
 
     def __init__(self, image_processor, config: dict):
         self.image_processor = image_processor
-        self.merge_size = int(getattr(image_processor, "merge_size", 2))
-        self.factor = int(getattr(image_processor, "patch_size", 14)) * self.merge_size
-        size = getattr(image_processor, "size", None)
-        self.min_pixels = int(getattr(image_processor, "min_pixels", None) or _field(size, "shortest_edge") or self.factor**2)
-        self.max_pixels = int(getattr(image_processor, "max_pixels", None) or _field(size, "longest_edge") or 1 << 24)
 
     def prepare(self, image):
-        if image.width % self.factor == 0 and image.height % self.factor == 0:
-            return to_rgb(image)
-        top = max(self.max_pixels, image.width * image.height, self.factor**2)
-        return canonicalize_image(image, min_pixels=min(self.min_pixels, top), max_pixels=top, factor=self.factor)
+        """The image at the pixels the model sees (one resize at most; a no-op when already there)."""
+        raise NotImplementedError
 
     def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.image_processor(images=images, do_resize=False, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+        """(pixel_values, image_grid_thw) of prepared images, from the family's image processor."""
+        raise NotImplementedError
 
     def expansion(self, grid_row: torch.Tensor) -> str:
-        return self.placeholder * (int(grid_row.prod()) // self.merge_size**2)
-
-
-class FixedSizeImages:
-    """LLaVA: every image resized to the vision tower's square input; a fixed `<image>` run per image.
-
-    pixel_values: (images, 3, H, W); image_grid_thw: (1, H / patch, W / patch) per image, one
-    token per patch (the CLS token is dropped under the "default" feature strategy, kept under
-    "full" as one more token, written as a row (1, 1, 1) more — see `expansion`).
-    """
-
-    placeholder = "<image>"
-
-    def __init__(self, image_processor, config: dict):
-        self.image_processor = image_processor
-        crop = getattr(image_processor, "crop_size", None) or getattr(image_processor, "size", None)
-        side = _field(crop, "height") or _field(crop, "shortest_edge")
-        self.size = (int(_field(crop, "height") or side), int(_field(crop, "width") or side))
-        self.patch_size = int(config["patch_size"])
-        self.extra = int(config.get("num_additional_image_tokens", 0))
-        if config.get("vision_feature_select_strategy", "default") == "default":
-            self.extra -= 1
-
-    def prepare(self, image):
-        image = to_rgb(image)
-        if image.size == (self.size[1], self.size[0]):
-            return image
-        return image.resize((self.size[1], self.size[0]), resample=Image.Resampling.BICUBIC)
-
-    def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        h, w = self.size[0] // self.patch_size, self.size[1] // self.patch_size
-        return pixels, torch.tensor([[1, h, w]] * len(images))
-
-    def expansion(self, grid_row: torch.Tensor) -> str:
-        return self.placeholder * (int(grid_row.prod()) + self.extra)
-
-
-class SplitImages:
-    """SmolVLM (Idefics3): images tiled into squares of the vision tower's size plus a global tile.
-
-    `prepare` brings an image to the size the image processor would tile (longest edge at the
-    processor's `size`, both sides multiples of the tile side), in one resize, so the processor's
-    own resize keeps that size and it only cuts tiles and downscales the global view; the engine
-    calls the processor the same way (vLLM's tile count assumes that resize). pixel_values: (tiles, 3, S, S) for all images of
-    the prompt; image_grid_thw: (tiles, rows, cols) per image. Each image's placeholder expands
-    to the Idefics3 layout: per tile `<fake_token_around_image><row_r_col_c>` + image_seq_len
-    `<image>`, a newline after each row, then the framed `<global-img>` tile.
-    """
-
-    placeholder = "<image>"
-    fake = "<fake_token_around_image>"
-    global_tag = "<global-img>"
-
-    def __init__(self, image_processor, config: dict):
-        self.image_processor = image_processor
-        self.longest = int(_field(image_processor.size, "longest_edge"))
-        self.tile = int(image_processor.max_image_size["longest_edge"])
-        self.seq_len = int(config["image_seq_len"])
-
-    def prepare(self, image):
-        image = to_rgb(image)
-        w, h = image.size
-        scale = self.longest / max(w, h)
-        w, h = max(1, round(w * scale)), max(1, round(h * scale))
-        w, h = (-(-w // self.tile) * self.tile, -(-h // self.tile) * self.tile)
-        return image if image.size == (w, h) else image.resize((w, h), resample=Image.Resampling.LANCZOS)
-
-    def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.image_processor(images=[images], do_image_splitting=True,
-                                   return_row_col_info=True, return_tensors="pt")
-        rows, cols = out["rows"][0], out["cols"][0]
-        grid = torch.tensor([[r * c + 1, r, c] for r, c in zip(rows, cols)])
-        return out["pixel_values"][0], grid
-
-    def expansion(self, grid_row: torch.Tensor) -> str:
-        _, rows, cols = (int(v) for v in grid_row)
-        run = self.placeholder * self.seq_len
-        glob = f"{self.fake}{self.global_tag}{run}{self.fake}"
-        if rows == 0 and cols == 0:
-            return glob
-        tiles = "".join("".join(f"{self.fake}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
-                        for r in range(rows))
-        return f"{tiles}\n{glob}"
-
-
-class Gemma3Images(FixedSizeImages):
-    """Gemma3: a fixed square image of `image_seq_length` soft tokens, framed as the Gemma3Processor does.
-
-    The chat template writes `<start_of_image>` per image; it becomes
-    "\\n\\n<start_of_image>" + image_seq_length × `<image_soft_token>` + "<end_of_image>\\n\\n".
-    image_grid_thw: (1, k, k) with k² = image_seq_length. Pan-and-scan crops are not used.
-    """
-
-    placeholder = "<start_of_image>"
-
-    def __init__(self, image_processor, config: dict):
-        size = image_processor.size
-        self.image_processor = image_processor
-        self.size = (int(_field(size, "height")), int(_field(size, "width")))
-        self.tokens = int(config.get("image_seq_length", 256))
-        self.side = int(round(self.tokens**0.5))
-
-    def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = self.image_processor(images=images, do_pan_and_scan=False, return_tensors="pt")["pixel_values"]
-        return pixels, torch.tensor([[1, self.side, self.side]] * len(images))
-
-    def expansion(self, grid_row: torch.Tensor) -> str:
-        return f"\n\n{self.placeholder}" + "<image_soft_token>" * int(grid_row.prod()) + "<end_of_image>\n\n"
+        """The text one image's placeholder expands to (the adapter counts its image tokens)."""
+        raise NotImplementedError
 
 
 # Image rules by the checkpoint's processor class (processor_config.json / preprocessor_config.json).
-IMAGE_RULES = {
-    "Qwen2VLProcessor": QwenImages,
-    "Qwen2_5_VLProcessor": QwenImages,
-    "Qwen3VLProcessor": QwenImages,
-    "LlavaProcessor": FixedSizeImages,
-    "Idefics3Processor": SplitImages,
-    "Gemma3Processor": Gemma3Images,
-}
+# The family modules (models/families/) fill it when they register; data/ imports no model code.
+IMAGE_RULES: dict[str, type[ImageRule]] = {}
+
+
+def register_image_rule(processor_class: str, rule: type[ImageRule]) -> None:
+    """Make `rule` the image rule of checkpoints whose processor class is `processor_class`."""
+    if IMAGE_RULES.get(processor_class, rule) is not rule:
+        raise ValueError(f"processor class {processor_class!r} already has the image rule "
+                         f"{IMAGE_RULES[processor_class].__name__}")
+    IMAGE_RULES[processor_class] = rule
 
 
 def _processor_config(folder: Path) -> dict:
@@ -215,7 +101,7 @@ class VLProcessor:
 
     Loading the pieces directly (not through AutoProcessor) keeps the image path free of the
     video processor, which needs torchvision. The family's image rule (`IMAGE_RULES`, chosen
-    by the checkpoint's processor class) says which size every image is brought to (the pixels
+    by the checkpoint's processor class, filled by the family modules) says which size every image is brought to (the pixels
     the trainer and the engine both see), which tensors the processor emits, and what each
     image's placeholder in the chat-templated text expands to.
     """
@@ -232,7 +118,8 @@ class VLProcessor:
         config = _processor_config(folder)
         kind = config.get("processor_class", "Qwen2VLProcessor")
         if kind not in IMAGE_RULES:
-            raise ValueError(f"{model_path}: processor class {kind!r} is not supported; supported: {sorted(IMAGE_RULES)}")
+            raise ValueError(f"{model_path}: processor class {kind!r} is not supported; supported: {sorted(IMAGE_RULES)} "
+                             "(families register their image rules when models.family is imported)")
         self.images = IMAGE_RULES[kind](self.image_processor, config)
         self.image_pad = self.images.placeholder
         if self.tokenizer.chat_template is None:

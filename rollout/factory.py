@@ -50,5 +50,5 @@ def build_engine(cfg, policy):
         cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
         enforce_eager=r.enforce_eager, max_model_len=d.max_prompt_tokens + r.max_new_tokens, seed=cfg.trainer.seed,
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
-        max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id,
+        max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
     )

@@ -74,8 +74,9 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from models.family import FAMILIES, FamilyAdapter, build_adapter
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
-from rollout.weight_names import EMBED_TOKENS, HF_TO_VLLM, VLLMSkips, vllm_load_name, vllm_param_for
+from rollout.weight_names import VLLMSkips, vllm_load_name, vllm_names, vllm_param_for
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +91,16 @@ def read_config(model_path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"VLLMEngine: no config.json in model folder {model_path}")
     config = json.loads(path.read_text(encoding="utf-8"))
-    if config.get("model_type") not in HF_TO_VLLM:
+    if config.get("model_type") not in FAMILIES:
         raise ValueError(
-            f"VLLMEngine: {path} has model_type {config.get('model_type')!r}; supported: {sorted(HF_TO_VLLM)}"
+            f"VLLMEngine: {path} has model_type {config.get('model_type')!r}; supported: {sorted(FAMILIES)}"
         )
     return config
 
 
 def _load_adapter(model_path):
-    """The family adapter of a model folder (it owns the family's vLLM prompt form and processor kwargs)."""
+    """The family adapter of a model folder, for an engine built without the policy's adapter."""
     from transformers import AutoConfig
-
-    from models.family import build_adapter
 
     return build_adapter(AutoConfig.from_pretrained(str(model_path), local_files_only=True))
 
@@ -297,12 +296,12 @@ def _read_params(model, targets: list[tuple[str, str, object]]) -> dict[str, tor
     return out
 
 
-# Families vLLM 0.26 runs with bidirectional attention over image tokens (its `is_mm_prefix_lm`),
+# Families vLLM 0.26 runs with bidirectional attention over image tokens (its `is_mm_prefix_lm`;
+# `VLLMNames.mm_prefix` in the family's module),
 # through FlexAttention, whose metadata builder allocates a (max_num_seqs, KV blocks) int64 map on
 # every step: 1024 rows on an H200. Models with little KV per token get millions of blocks from
 # gpu_memory_utilization alone (the tiny Gemma3 asked for 279 GiB at 0.5), so the engine caps
 # their KV cache where that map would pass FLEX_BLOCK_MAP_BYTES.
-MM_PREFIX_FAMILIES = ("gemma3",)
 FLEX_BLOCK_MAP_BYTES = 256 * 1024**2
 FLEX_MAX_NUM_SEQS = 1024  # vLLM 0.26's LLM default on GPUs with >= 70 GiB (256 below)
 KV_BLOCK_TOKENS = 16  # vLLM's default block size; larger blocks only shrink the map
@@ -327,7 +326,8 @@ def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: fl
     gpu_memory_utilization could give the KV cache at most, which for released models it is not
     (Gemma3-4B: 139 KB per token, so the cap is 73 GB of KV, above 0.5 of an H200).
     """
-    if config.get("model_type") not in MM_PREFIX_FAMILIES:
+    spec = FAMILIES.get(config.get("model_type"))
+    if spec is None or not spec.vllm.mm_prefix:
         return None
     blocks = FLEX_BLOCK_MAP_BYTES // (FLEX_MAX_NUM_SEQS * 8)
     # Tensor parallelism splits the KV heads over the GPUs (more GPUs than heads replicate them).
@@ -339,7 +339,7 @@ def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: fl
 def head_is_embedding(model, family: str) -> bool:
     """Whether vLLM's `model` ties lm_head to embed_tokens (then its load_weights skips lm_head.*)."""
     head = vllm_param_for(family, "lm_head.weight")[0].rpartition(".")[0]
-    embed_name = EMBED_TOKENS.get(family, "model.language_model.embed_tokens.weight")
+    embed_name = vllm_names(family).embed_tokens
     embed = vllm_param_for(family, embed_name)[0].rpartition(".")[0]
     return model.get_submodule(head) is model.get_submodule(embed)
 
@@ -391,6 +391,7 @@ class VLLMEngine(Engine):
         min_pixels: int,
         max_pixels: int,
         image_pad_id: int,
+        adapter: FamilyAdapter | None = None,
         max_images_per_prompt: int = 1,
         async_scheduling: bool | None = None,
     ):
@@ -405,7 +406,7 @@ class VLLMEngine(Engine):
             raise ValueError(f"VLLMEngine: dtype {dtype!r} must be 'bfloat16', 'float16' or 'float32'")
         config = read_config(model_path)
         self.family = config["model_type"]
-        self.adapter = _load_adapter(model_path)
+        self.adapter = adapter if adapter is not None else _load_adapter(model_path)
         if image_pad_id != self.adapter.image_token_id:
             raise ValueError(f"VLLMEngine: image_pad_id={image_pad_id} is not the {self.family} image token "
                              f"{self.adapter.image_token_id} of {model_path}")

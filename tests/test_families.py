@@ -50,6 +50,18 @@ def _prompts(path):
     return prompts
 
 
+def test_the_image_rule_and_the_adapter_count_the_same_placeholders(family_model):
+    from transformers import AutoConfig
+
+    from models.family import build_adapter
+
+    _, path = family_model
+    adapter = build_adapter(AutoConfig.from_pretrained(str(path), local_files_only=True))
+    for prompt in _prompts(path)[:2]:
+        have = prompt.input_ids.count(adapter.image_token_id)
+        assert have > 0 and have == sum(adapter.image_token_count(g) for g in prompt.image_grid_thw)
+
+
 def _policy_logprobs(policy, prompts, gens, max_per_bin):
     """The trainer's logprobs of each generation; samples of a prompt share its pixel tensor."""
     batch = generation_batch(policy.adapter, prompts, gens)
@@ -203,3 +215,21 @@ def test_gemma3_masks_with_the_older_transformers_cache_argument(monkeypatch, tm
     monkeypatch.setattr(masking, "create_causal_mask", create_causal_mask)
     older = _policy_logprobs(policy, prompts, gens, max_per_bin=1)[0]
     assert calls and torch.equal(current, older)
+
+
+def test_every_registered_family_is_whole():
+    """One registration holds the adapter, the image rule data/ uses, the vLLM names and the tiny spec."""
+    import transformers
+
+    from data.processing import IMAGE_RULES
+    from models.family import FAMILIES, family
+
+    assert set(FAMILIES) >= {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "gemma3"}
+    for name, spec in FAMILIES.items():
+        assert spec.model_type == name and callable(spec.adapter)
+        assert spec.tiny.processor_class in spec.image_rules
+        assert all(IMAGE_RULES[k] is rule for k, rule in spec.image_rules.items())
+        assert hasattr(transformers, spec.tiny.model_class)
+        assert spec.vllm.prefixes and spec.vllm.stacking_scopes
+    with pytest.raises(ValueError, match="'blip2' is not supported; supported families: .*gemma3"):
+        family("blip2")

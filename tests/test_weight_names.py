@@ -8,7 +8,6 @@ import transformers
 from safetensors import safe_open
 
 from rollout.weight_names import (
-    HF_TO_VLLM,
     SHARD_IDS,
     STACKED,
     collapse_image_pads,
@@ -18,7 +17,7 @@ from rollout.weight_names import (
 
 # The Qwen2/2.5-VL rows, pinned name by name here; every other family's row is checked against
 # that family's own tiny model in tests/test_families.py.
-FAMILIES = sorted(f for f in HF_TO_VLLM if f in ("qwen2_vl", "qwen2_5_vl"))
+FAMILIES = ["qwen2_5_vl", "qwen2_vl"]
 LAYER0 = "model.language_model.layers.0"
 
 
@@ -218,7 +217,7 @@ def test_collapse_then_reexpand_round_trips():
 
 # --- tensors vLLM builds no parameter for ----------------------------------------------------
 
-from rollout.weight_names import EMBED_TOKENS, VLLM_PENDING, VLLMSkips, vllm_load_name  # noqa: E402
+from rollout.weight_names import VLLM_PENDING, VLLMSkips, vllm_load_name, vllm_names  # noqa: E402
 
 
 def _llava_config(layers=4, feature_layer=-2):
@@ -266,7 +265,7 @@ def test_qwen_families_skip_nothing():
 
 
 def test_smolvlm_embedding_name_maps_to_the_vllm_text_model():
-    assert vllm_param_for("idefics3", EMBED_TOKENS["idefics3"]) == ("model.text_model.embed_tokens.weight", None)
+    assert vllm_param_for("idefics3", vllm_names("idefics3").embed_tokens) == ("model.text_model.embed_tokens.weight", None)
     assert vllm_param_for("idefics3", "lm_head.weight") == ("lm_head.weight", None)
 
 
@@ -316,3 +315,8 @@ def test_smolvlm_and_qwen_load_names_are_the_transformers_names():
     for family, name in (("idefics3", "model.vision_model.encoder.layers.0.self_attn.q_proj.weight"),
                          ("qwen2_5_vl", "model.visual.blocks.0.attn.qkv.weight")):
         assert vllm_load_name(family, name) == name
+
+
+def test_an_unknown_family_names_the_registered_ones():
+    with pytest.raises(ValueError, match="unknown family 'blip2'.*qwen2_5_vl"):
+        vllm_param_for("blip2", "lm_head.weight")

@@ -4,8 +4,9 @@
     python tools/make_tiny_model.py --family qwen2_vl --size demo --out ckpt/demo --seed 3
     python tools/make_tiny_model.py --family gemma3 --size tiny --out /tmp/tiny-gemma3
 
-Families: qwen2_vl, qwen2_5_vl, qwen3_vl, llava (a CLIP tower over a Qwen2 decoder),
-idefics3 (SmolVLM: a SigLIP-style tower over a Llama decoder) and gemma3. Every family's
+Families: every registered family (`models.family.FAMILIES`); each family's module says what its
+tiny checkpoint is made of (`models.families.tiny.TinySpec`: classes, tokens, chat-template image
+part, config and image processor from a size). Every family's
 chat template lays turns out as ChatML does (`<|im_start|>` + role, a newline, the message),
 but ends each turn with the family's own end-of-turn token (`<|im_end|>` for Qwen, `</s>` for
 LLaVA, `<end_of_utterance>` for SmolVLM, `<end_of_turn>` for Gemma3), so stopping and SFT
@@ -71,7 +72,6 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -83,214 +83,25 @@ import transformers  # noqa: E402
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from models.families.tiny import (  # noqa: E402,F401  (re-exported: the tests and tools build from here)
+    MERGE_SIZE, PATCH_SIZE, SPECIAL_TOKENS, SizeSpec, TinySpec, fixed_image_side,
+)
+from models.family import FAMILIES as _REGISTRY, build_adapter  # noqa: E402
 from tools.corpus import generate_corpus  # noqa: E402
 
-# The Qwen2-VL family's special tokens, in the order the hub tokenizers number them.
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-# Qwen2.5-VL's tokenizer adds these after the vision tokens; the tool-call tags are
-# added tokens but not special (they survive skip_special_tokens), as on the hub.
-QWEN2_5_EXTRA_TOKENS = (
-    ("<tool_call>", False),
-    ("</tool_call>", False),
-    ("<|fim_prefix|>", True),
-    ("<|fim_middle|>", True),
-    ("<|fim_suffix|>", True),
-    ("<|fim_pad|>", True),
-    ("<|repo_name|>", True),
-    ("<|file_sep|>", True),
-)
-
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-
-# Behaves like the Qwen2-VL chat template: a default system turn, ChatML turns (each ended by
-# the family's end-of-turn token, `<|im_end|>` for Qwen), one vision placeholder per
-# image/video part (numbered when add_vision_id is set), and the assistant header for
-# add_generation_prompt. Every tag strips the whitespace around it, so all output comes from
-# the quoted strings and the template's layout is free.
-CHAT_TEMPLATE = """\
-{%- set seen = namespace(images=0, videos=0) -%}
-{%- for message in messages -%}
-    {%- if loop.first and message['role'] != 'system' -%}
-        {{- '<|im_start|>system\\n""" + DEFAULT_SYSTEM_PROMPT + """@END_OF_TURN@\\n' -}}
-    {%- endif -%}
-    {{- '<|im_start|>' + message['role'] + '\\n' -}}
-    {%- if message['content'] is string -%}
-        {{- message['content'] -}}
-    {%- else -%}
-        {%- for part in message['content'] -%}
-            {%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}
-                {%- set seen.images = seen.images + 1 -%}
-                {%- if add_vision_id -%}
-                    {{- 'Picture ' + seen.images | string + ': ' -}}
-                {%- endif -%}
-                {{- '""" + "@IMAGE_PART@" + """' -}}
-            {%- elif part['type'] == 'video' or 'video' in part -%}
-                {%- set seen.videos = seen.videos + 1 -%}
-                {%- if add_vision_id -%}
-                    {{- 'Video ' + seen.videos | string + ': ' -}}
-                {%- endif -%}
-                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
-            {%- elif 'text' in part -%}
-                {{- part['text'] -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-    {{- '@END_OF_TURN@\\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\\n' -}}
-{%- endif -%}
-"""
-
-
-
-def chat_template(family: FamilySpec) -> str:
-    """The ChatML-laid-out template with the family's image part and end-of-turn token."""
-    return CHAT_TEMPLATE.replace("@IMAGE_PART@", family.image_part).replace("@END_OF_TURN@", family.end_of_turn)
-
-
-# OpenAI CLIP normalization, which both families' image processors use.
-IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
-IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
-PATCH_SIZE = 14
-MERGE_SIZE = 2
-TEMPORAL_PATCH_SIZE = 2
-VOCAB_MULTIPLE = 64
 WEIGHT_NAMES = ("hub", "current")
+# The tiny-model spec of every registered family, by model_type.
+FAMILIES: dict[str, TinySpec] = {name: spec.tiny for name, spec in _REGISTRY.items()}
 
 
-@dataclass(frozen=True)
-class FamilySpec:
-    """What differs between the supported families."""
+def chat_template(family: TinySpec) -> str:
+    """The ChatML-laid-out template with the family's image part and end-of-turn token."""
+    return family.chat_template()
 
-    config_class: str
-    model_class: str
-    processor_class: str
-    extra_tokens: tuple[tuple[str, bool], ...]
-    # What the chat template writes for one image part (the processor expands it).
-    image_part: str = "<|vision_start|><|image_pad|><|vision_end|>"
-    patch_size: int = PATCH_SIZE
-    # What the chat template writes after every message (the family's real end-of-turn token).
-    end_of_turn: str = "<|im_end|>"
-    # Tokenizer attributes the family's processor reads by name (saved in tokenizer_config.json).
-    named_tokens: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True)
-class SizeSpec:
-    """Shapes and limits of one checkpoint size."""
-
-    bpe_vocab: int
-    text_hidden: int
-    text_layers: int
-    text_heads: int
-    text_kv_heads: int
-    text_intermediate: int
-    mrope_section: tuple[int, int, int]
-    max_positions: int
-    vision_hidden: int
-    vision_depth: int
-    vision_heads: int
-    vision_mlp_ratio: int  # Qwen2-VL's vision MLP width, as a multiple of vision_hidden
-    vision_intermediate: int  # Qwen2.5-VL's gated vision MLP width
-    window_size: int  # Qwen2.5-VL window attention, in pixels
-    fullatt_blocks: tuple[int, ...]  # Qwen2.5-VL blocks with full attention
-    min_pixels: int
-    max_pixels: int
-    vocab_size: int = 0  # model vocab; 0 = the tokenizer length rounded up to VOCAB_MULTIPLE
-
-
-FAMILIES = {
-    "qwen2_vl": FamilySpec(
-        config_class="Qwen2VLConfig",
-        model_class="Qwen2VLForConditionalGeneration",
-        processor_class="Qwen2VLProcessor",
-        extra_tokens=(),
-    ),
-    "qwen2_5_vl": FamilySpec(
-        config_class="Qwen2_5_VLConfig",
-        model_class="Qwen2_5_VLForConditionalGeneration",
-        processor_class="Qwen2_5_VLProcessor",
-        extra_tokens=QWEN2_5_EXTRA_TOKENS,
-    ),
-    # Qwen3-VL: 16-pixel patches (32-pixel grid), learned position embeddings interpolated to
-    # the image's grid, DeepStack features from a few vision blocks, interleaved m-rope.
-    "qwen3_vl": FamilySpec(
-        config_class="Qwen3VLConfig",
-        model_class="Qwen3VLForConditionalGeneration",
-        processor_class="Qwen3VLProcessor",
-        extra_tokens=QWEN2_5_EXTRA_TOKENS + (("<think>", False), ("</think>", False)),
-        patch_size=16,
-    ),
-    # LLaVA (1.5 layout) over a Qwen2 decoder: a CLIP tower at one square size, the second-to-last
-    # layer's patch features (CLS dropped), a 2-layer MLP projector; one <image> token per patch.
-    "llava": FamilySpec(
-        config_class="LlavaConfig",
-        model_class="LlavaForConditionalGeneration",
-        processor_class="LlavaProcessor",
-        extra_tokens=(("<image>", True), ("</s>", True)),
-        image_part="<image>",
-        end_of_turn="</s>",
-    ),
-    # SmolVLM (Idefics3) over a Llama decoder: images tiled into squares of the tower's size plus
-    # a global tile, pixel-shuffled by 2x2, framed by <fake_token_around_image>/<row_r_col_c>/<global-img>.
-    "idefics3": FamilySpec(
-        config_class="Idefics3Config",
-        model_class="Idefics3ForConditionalGeneration",
-        processor_class="Idefics3Processor",
-        extra_tokens=(("<fake_token_around_image>", True), ("<image>", True), ("<global-img>", True),
-                      ("<end_of_utterance>", True))
-        + tuple((f"<row_{r}_col_{c}>", True) for r in range(1, 7) for c in range(1, 7)),
-        image_part="<image>",
-        end_of_turn="<end_of_utterance>",
-    ),
-    # Gemma3 (its 4B+ vision models): a SigLIP tower at one square size, average-pooled to a
-    # fixed number of soft tokens, bidirectional attention inside each image, sliding-window
-    # and global decoder layers. The tiny one keeps lm_head untied (Gemma3 ties it).
-    "gemma3": FamilySpec(
-        config_class="Gemma3Config",
-        model_class="Gemma3ForConditionalGeneration",
-        processor_class="Gemma3Processor",
-        # Runs of 1-4 newlines are single tokens, as in Gemma3's own vocabulary: vLLM's Gemma3
-        # processor looks "\n" … "\n\n\n\n" up by those strings to merge them around images.
-        extra_tokens=(("<start_of_image>", True), ("<image_soft_token>", True), ("<end_of_image>", True),
-                      ("<end_of_turn>", True)) + tuple(("\n" * k, False) for k in (1, 2, 3, 4)),
-        image_part="<start_of_image>",
-        end_of_turn="<end_of_turn>",
-        # Gemma3Processor (transformers, and vLLM's processor through it) reads these, as Gemma3's
-        # own tokenizer_config.json declares them.
-        named_tokens=(("boi_token", "<start_of_image>"), ("eoi_token", "<end_of_image>"),
-                      ("image_token", "<image_soft_token>")),
-    ),
-}
-
-GEMMA3_TOKENS = 4  # soft tokens per image of the tiny Gemma3 (the 4B model: 256), a square number
 
 def processor_fields(family_name: str, size: SizeSpec) -> dict:
     """What the family's processor class reads from processor_config.json besides the image processor."""
-    if family_name == "gemma3":
-        return {"image_seq_length": GEMMA3_TOKENS}
-    if family_name == "idefics3":  # tokens per tile: (tile / patch)² / scale_factor², scale_factor 2
-        return {"image_seq_len": (fixed_image_side(size) // PATCH_SIZE) ** 2 // 4}
-    if family_name == "llava":
-        return {"patch_size": PATCH_SIZE, "vision_feature_select_strategy": "default",
-                "num_additional_image_tokens": 1, "image_token": "<image>"}
-    return {}
+    return FAMILIES[family_name].processor_fields(size)
 
 SIZES = {
     "tiny": SizeSpec(
@@ -368,7 +179,7 @@ def train_bpe(lines: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def build_tokenizer(family: FamilySpec, size: SizeSpec):
+def build_tokenizer(family: TinySpec, size: SizeSpec):
     """The family's tokenizer class over a locally trained BPE and the family's added tokens."""
     backend = train_bpe(generate_corpus(), size.bpe_vocab)
     added = [(token, True) for token in SPECIAL_TOKENS] + list(family.extra_tokens)
@@ -386,186 +197,22 @@ def build_tokenizer(family: FamilySpec, size: SizeSpec):
         model_max_length=size.max_positions,
         **({"extra_special_tokens": dict(family.named_tokens)} if family.named_tokens else {}),
     )
-    tokenizer.chat_template = chat_template(family)
+    tokenizer.chat_template = family.chat_template()
     ids = [tokenizer.convert_tokens_to_ids(content) for content, _ in added]
     if ids != list(range(size.bpe_vocab, size.bpe_vocab + len(added))):
         raise RuntimeError(f"build_tokenizer: added tokens got ids {ids}, expected them right after the BPE vocab")
     return tokenizer
 
 
-def fixed_image_side(size: SizeSpec) -> int:
-    """The square input side of fixed-size families: twice the side of the size's minimum image."""
-    return int(round((4 * size.min_pixels) ** 0.5 / PATCH_SIZE)) * PATCH_SIZE
-
-
 def build_image_processor(size: SizeSpec, family_name: str = "qwen2_5_vl"):
-    """The family's image processor with the size's pixel limits.
-
-    The PIL flavour is used where it exists because it needs no torchvision; it saves
-    under the family's canonical name, so loaders pick whichever flavour they have.
-    Qwen3-VL's grid is 32 pixels, not 28: its limits are the size's, scaled by (32/28)².
-    """
-    family = FAMILIES[family_name]
-    if family_name == "gemma3":
-        side = fixed_image_side(size)
-        cls = getattr(transformers, "Gemma3ImageProcessorPil", None) or transformers.Gemma3ImageProcessor
-        return cls(size={"height": side, "width": side}, do_pan_and_scan=False,
-                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    if family_name == "idefics3":
-        # Images up to two tiles a side: a 2x2 split plus the global tile at most.
-        tile = fixed_image_side(size)
-        cls = getattr(transformers, "Idefics3ImageProcessorPil", None) or transformers.Idefics3ImageProcessor
-        return cls(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile}, do_image_splitting=True,
-                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    if family_name == "llava":
-        side = fixed_image_side(size)
-        cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
-        return cls(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
-                   image_mean=list(IMAGE_MEAN), image_std=list(IMAGE_STD))
-    cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
-    if family_name == "qwen3_vl":
-        scale = (family.patch_size * MERGE_SIZE) ** 2 / (PATCH_SIZE * MERGE_SIZE) ** 2
-        return cls(min_pixels=int(size.min_pixels * scale), max_pixels=int(size.max_pixels * scale),
-                   patch_size=family.patch_size, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
-                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    return cls(
-        min_pixels=size.min_pixels,
-        max_pixels=size.max_pixels,
-        patch_size=PATCH_SIZE,
-        temporal_patch_size=TEMPORAL_PATCH_SIZE,
-        merge_size=MERGE_SIZE,
-        image_mean=list(IMAGE_MEAN),
-        image_std=list(IMAGE_STD),
-    )
-
-
-def _vision_config(family_name: str, size: SizeSpec) -> dict:
-    """Vision sub-config in the field names of the family's vision config class."""
-    common = dict(
-        depth=size.vision_depth,
-        num_heads=size.vision_heads,
-        in_channels=3,
-        patch_size=PATCH_SIZE,
-        spatial_merge_size=MERGE_SIZE,
-        temporal_patch_size=TEMPORAL_PATCH_SIZE,
-    )
-    if family_name == "qwen2_vl":
-        # Qwen2-VL: embed_dim is the tower's width, hidden_size the merger's output.
-        return dict(common, embed_dim=size.vision_hidden, hidden_size=size.text_hidden,
-                    mlp_ratio=size.vision_mlp_ratio)
-    if family_name == "gemma3":
-        return dict(model_type="siglip_vision_model", hidden_size=size.vision_hidden,
-                    intermediate_size=size.vision_intermediate, num_hidden_layers=size.vision_depth,
-                    num_attention_heads=size.vision_heads, image_size=fixed_image_side(size), patch_size=PATCH_SIZE,
-                    vision_use_head=False)
-    if family_name == "idefics3":
-        return dict(hidden_size=size.vision_hidden, intermediate_size=size.vision_intermediate,
-                    num_hidden_layers=size.vision_depth, num_attention_heads=size.vision_heads,
-                    image_size=fixed_image_side(size), patch_size=PATCH_SIZE)
-    if family_name == "llava":
-        return dict(model_type="clip_vision_model", hidden_size=size.vision_hidden,
-                    intermediate_size=size.vision_intermediate, num_hidden_layers=size.vision_depth,
-                    num_attention_heads=size.vision_heads, image_size=fixed_image_side(size), patch_size=PATCH_SIZE,
-                    projection_dim=size.text_hidden, hidden_act="quick_gelu")
-    if family_name == "qwen3_vl":
-        # DeepStack levels at 1/4, 1/2 and 3/4 of the depth (the 8B model: blocks 8, 16, 24 of 27),
-        # a learned 8x8 position table interpolated to each image's grid.
-        depth = size.vision_depth
-        deepstack = sorted({min(depth - 1, depth * k // 4) for k in (1, 2, 3)})
-        return dict(common, patch_size=FAMILIES[family_name].patch_size, hidden_size=size.vision_hidden,
-                    intermediate_size=size.vision_intermediate, out_hidden_size=size.text_hidden,
-                    num_position_embeddings=64, deepstack_visual_indexes=deepstack)
-    return dict(
-        common,
-        hidden_size=size.vision_hidden,
-        intermediate_size=size.vision_intermediate,
-        out_hidden_size=size.text_hidden,
-        window_size=size.window_size,
-        fullatt_block_indexes=list(size.fullatt_blocks),
-        tokens_per_second=2,
-    )
-
-
-def _rope_parameters(family_name: str, size: SizeSpec) -> dict:
-    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(size.mrope_section)}
-    if family_name == "qwen3_vl":
-        rope.update(rope_theta=5000000.0, mrope_interleaved=True)
-    return rope
+    """The family's image processor with the size's pixel limits (the PIL flavour where it exists:
+    it needs no torchvision, and saves under the family's canonical name)."""
+    return _lookup(FAMILIES, family_name, "family").image_processor(size)
 
 
 def build_config(family_name: str, size: SizeSpec, tokenizer):
     """The family's config class with the size's shapes and the tokenizer's token ids."""
-    family = FAMILIES[family_name]
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    vocab_size = size.vocab_size or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"make_tiny_model: vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    text_config = dict(
-        vocab_size=vocab_size,
-        hidden_size=size.text_hidden,
-        intermediate_size=size.text_intermediate,
-        num_hidden_layers=size.text_layers,
-        num_attention_heads=size.text_heads,
-        num_key_value_heads=size.text_kv_heads,
-        max_position_embeddings=size.max_positions,
-        max_window_layers=size.text_layers,
-        use_sliding_window=False,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        rope_parameters=_rope_parameters(family_name, size),
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-    )
-    if family_name == "qwen3_vl":
-        text_config["head_dim"] = size.text_hidden // size.text_heads
-        for key in ("max_window_layers", "use_sliding_window"):
-            text_config.pop(key)
-    config_class = getattr(transformers, family.config_class)
-    if family_name == "gemma3":
-        head_dim = size.text_hidden // size.text_heads
-        text = dict(model_type="gemma3_text", vocab_size=text_config["vocab_size"], hidden_size=size.text_hidden,
-                    intermediate_size=size.text_intermediate, num_hidden_layers=size.text_layers,
-                    num_attention_heads=size.text_heads, num_key_value_heads=size.text_kv_heads, head_dim=head_dim,
-                    query_pre_attn_scalar=head_dim, max_position_embeddings=size.max_positions, rms_norm_eps=1e-6,
-                    sliding_window=16, tie_word_embeddings=False,
-                    layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(size.text_layers)],
-                    bos_token_id=text_config["bos_token_id"], eos_token_id=text_config["eos_token_id"],
-                    pad_token_id=text_config["bos_token_id"])
-        return config_class(
-            text_config=text, vision_config=_vision_config(family_name, size), mm_tokens_per_image=GEMMA3_TOKENS,
-            boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
-            eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
-            image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"), tie_word_embeddings=False,
-            architectures=[family.model_class],
-        )
-    if family_name == "idefics3":
-        text_config = {k: v for k, v in text_config.items() if k not in ("max_window_layers", "use_sliding_window")}
-        text_config.update(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-        return config_class(
-            text_config=text_config, vision_config=_vision_config(family_name, size),
-            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=2, tie_word_embeddings=False,
-            architectures=[family.model_class],
-        )
-    if family_name == "llava":
-        text_config = dict(text_config, model_type="qwen2")
-        text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
-        return config_class(
-            text_config=text_config, vision_config=_vision_config(family_name, size),
-            image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-            image_seq_length=(fixed_image_side(size) // PATCH_SIZE) ** 2, vision_feature_layer=-2,
-            vision_feature_select_strategy="default", projector_hidden_act="gelu", tie_word_embeddings=False,
-            architectures=[family.model_class],
-        )
-    return config_class(
-        text_config=text_config,
-        vision_config=_vision_config(family_name, size),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        architectures=[family.model_class],
-    )
+    return _lookup(FAMILIES, family_name, "family").config(size, tokenizer)
 
 
 def _draw_zero_matrices(model, std: float = 0.02) -> None:
@@ -602,7 +249,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def save_processor_files(out: Path, tokenizer, image_processor, processor_class: str,
-                         template: str = chat_template(FAMILIES["qwen2_vl"]),
+                         template: str = FAMILIES["qwen2_vl"].chat_template(),
                          processor_fields: dict | None = None) -> None:
     """Write the tokenizer, chat template, image processor and processor config.
 
@@ -652,9 +299,7 @@ def _save_weights(model, out: Path, weight_names: str) -> None:
 def _summary(out: Path, family_name: str, size_name: str, model, tokenizer, seconds: float) -> str:
     """One line describing what was built."""
     total = sum(p.numel() for p in model.parameters())
-    tower = getattr(model.model, "visual", None) or getattr(model.model, "vision_tower", None)
-    tower = tower if tower is not None else model.model.vision_model
-    vision = sum(p.numel() for p in tower.parameters())
+    vision = sum(p.numel() for p in build_adapter(model.config).vision_tower(model).parameters())
     size = SIZES[size_name] if isinstance(size_name, str) else size_name
     size_name = size_name if isinstance(size_name, str) else "custom"
     return (
@@ -706,7 +351,7 @@ def make_tiny_model(
     try:
         _save_weights(model, staging, weight_names)
         save_processor_files(staging, tokenizer, build_image_processor(size_spec, family), family_spec.processor_class,
-                             chat_template(family_spec), processor_fields(family, size_spec))
+                             family_spec.chat_template(), family_spec.processor_fields(size_spec))
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -719,7 +364,7 @@ def make_tiny_model(
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(description="Build a tiny offline Qwen2-VL-family checkpoint.")
+    parser = argparse.ArgumentParser(description="Build a tiny offline VLM checkpoint of a registered family.")
     parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
     parser.add_argument("--size", choices=sorted(SIZES), required=True)
     parser.add_argument("--out", required=True, help="folder to create")

@@ -1,0 +1,6 @@
+"""The model families, one module each; importing one registers it (`models.family.register`)."""
+
+from models.families import qwen_vl  # noqa: F401
+from models.families import llava  # noqa: F401
+from models.families import idefics3  # noqa: F401
+from models.families import gemma3  # noqa: F401

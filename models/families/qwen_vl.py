@@ -1,0 +1,326 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic resolution, m-rope positions, one `<|image_pad|>` per merged patch.
+
+Images keep their size (sides on the patch × merge grid, within the processor's pixel limits);
+the processor cuts them into patch rows, and every 2×2 block of patches becomes one image token
+(`image_tokens`). Positions are 3-D m-rope (temporal, height, width) next to the plain 1-D row.
+Qwen3-VL adds DeepStack: features of a few vision blocks added to the decoder's hidden states
+at the image positions. vLLM 0.26 keeps transformers' module paths under other prefixes and
+stacks the decoder's q/k/v and gate/up (and Qwen2.5-VL's gated vision MLP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch import nn
+
+from data.images import canonicalize_image, to_rgb
+from data.processing import ImageRule, size_field
+from models.families.tiny import (
+    IMAGE_MEAN, IMAGE_STD, MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, SizeSpec, TinySpec, text_config, token_ids,
+)
+from models.family import Family, FamilyAdapter, VLLMNames, register
+
+
+def image_tokens(grid_thw, merge_size: int) -> int:
+    """Placeholder tokens of one image of patch grid (t, h, w): one per merge × merge patches."""
+    return int(torch.as_tensor(grid_thw).prod()) // merge_size**2
+
+
+class QwenImages(ImageRule):
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: dynamic resolution, one `<|image_pad|>` per merged patch.
+
+    Images are re-fit (a no-op for canonical ones) to multiples of patch × merge, the family's
+    grid (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), within the image processor's pixel limits.
+    pixel_values: (patches, dim); image_grid_thw: the (t, h, w) patch grid per image.
+    """
+
+    placeholder = "<|image_pad|>"
+
+    def __init__(self, image_processor, config: dict):
+        self.image_processor = image_processor
+        self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        self.factor = int(getattr(image_processor, "patch_size", 14)) * self.merge_size
+        size = getattr(image_processor, "size", None)
+        self.min_pixels = int(getattr(image_processor, "min_pixels", None) or size_field(size, "shortest_edge") or self.factor**2)
+        self.max_pixels = int(getattr(image_processor, "max_pixels", None) or size_field(size, "longest_edge") or 1 << 24)
+
+    def prepare(self, image):
+        if image.width % self.factor == 0 and image.height % self.factor == 0:
+            return to_rgb(image)
+        top = max(self.max_pixels, image.width * image.height, self.factor**2)
+        return canonicalize_image(image, min_pixels=min(self.min_pixels, top), max_pixels=top, factor=self.factor)
+
+    def encode(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.image_processor(images=images, do_resize=False, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def expansion(self, grid_row: torch.Tensor) -> str:
+        return self.placeholder * image_tokens(grid_row, self.merge_size)
+
+
+
+@dataclass
+class QwenVLAdapter(FamilyAdapter):
+    """Qwen2-VL / Qwen2.5-VL: m-rope positions, vision tower `model.visual`, decoder in `model.language_model`.
+
+    pixel_values: (patches, 3·temporal_patch·patch²) rows; image_grid_thw: the patch grid (t, h, w).
+    """
+
+    legacy_weight_names: tuple[tuple[str, str], ...] = (
+        (r"^visual\.", "model.visual."),
+        (r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
+    )
+    varlen_attention: bool = True  # tests/gpu/test_varlen_attention.py on the H200 (Qwen2.5-VL)
+    end_of_turn: str = "<|im_end|>"  # ChatML
+    video_token_id: int = 0
+    vision_start_token_id: int = 0
+    vision_end_token_id: int = 0
+    spatial_merge_size: int = 2
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+
+    @property
+    def pixel_factor(self) -> int:
+        """Image sides must be multiples of this many pixels (patch × merge)."""
+        return self.patch_size * self.spatial_merge_size
+
+    @property
+    def banned_token_ids(self) -> list[int]:
+        return [self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id]
+
+    def image_token_count(self, grid_thw: torch.Tensor) -> int:
+        return image_tokens(grid_thw, self.spatial_merge_size)
+
+    def pixel_rows(self, grid: torch.Tensor) -> int:
+        return int(grid.prod(dim=-1).sum())
+
+    def dummy_vision_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        grid = torch.tensor([[1, self.spatial_merge_size, self.spatial_merge_size]])
+        pixels = torch.zeros(int(grid.prod()), 3 * self.temporal_patch_size * self.patch_size**2)
+        return pixels.to(device), grid.to(device)
+
+    def image_features(self, model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        out = self.vision_tower(model)(pixels, grid_thw=grid)
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        if isinstance(feats, (tuple, list)):
+            feats = torch.cat(list(feats))
+        return [feats]
+
+    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """(4, L) positions of one sequence: row 0 the plain 1-D positions, rows 1–3 m-rope (t, h, w).
+
+        Text runs advance all three m-rope rows together; an image of merged grid (t, h, w) takes
+        positions start + (t_i, h_i, w_i) and the text after it resumes at start + max(t, h, w).
+        Row 0 lets attention see sequence boundaries when sequences are packed into one row.
+        """
+        ids = input_ids.tolist()
+        n = len(ids)
+        rope = torch.empty(3, n, dtype=torch.long)
+        grids = [] if image_grid_thw is None else image_grid_thw.tolist()
+        pos, i, img = 0, 0, 0
+        while i < n:
+            if ids[i] != self.image_token_id:
+                j = i
+                while j < n and ids[j] != self.image_token_id:
+                    j += 1
+                rope[:, i:j] = torch.arange(pos, pos + j - i)
+                pos += j - i
+                i = j
+                continue
+            if img >= len(grids):
+                raise ValueError(f"sequence has more image placeholder runs than images ({len(grids)} grids)")
+            t, h, w = grids[img]
+            h, w = h // self.spatial_merge_size, w // self.spatial_merge_size
+            count = t * h * w
+            if ids[i : i + count] != [self.image_token_id] * count:
+                raise ValueError(
+                    f"image {img} needs {count} placeholder tokens at position {i}; the sequence has fewer"
+                )
+            grid = torch.stack(
+                torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+            ).reshape(3, -1)
+            rope[:, i : i + count] = grid + pos
+            pos += max(t, h, w)
+            i += count
+            img += 1
+        if img != len(grids):
+            raise ValueError(f"sequence has {img} image placeholder runs but {len(grids)} images")
+        return torch.cat([torch.arange(n).unsqueeze(0), rope], dim=0)
+
+    def next_rope_position(self, position_ids: torch.Tensor) -> int:
+        """The m-rope position a token appended after this (4, L) sequence takes."""
+        return int(position_ids[1:].max()) + 1 if position_ids.shape[1] else 0
+
+    def rope_rows(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return position_ids[1:]
+
+    @property
+    def rope_row_count(self) -> int:
+        return 3
+
+    def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
+        out = self.language_model(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
+
+    def engine_inputs(self, input_ids, positions, attention_mask, pixels, grid):
+        kwargs = dict(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask)
+        if pixels is not None:
+            kwargs.update(pixel_values=pixels, image_grid_thw=grid)
+        return kwargs
+
+    def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict:
+        # Images arrive with sides on the patch × merge grid within these limits; the trainer's
+        # processor is told not to resize them, and so is vLLM's (Qwen2VLImageProcessor.size).
+        return {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}, "do_resize": False}
+
+
+@dataclass
+class Qwen3VLAdapter(QwenVLAdapter):
+    """Qwen3-VL: Qwen-VL positions and inputs, plus DeepStack.
+
+    The vision tower also returns features of a few intermediate blocks (one stream per
+    deepstack level, aligned with the image tokens); the decoder adds level k to the hidden
+    states at the image positions after its k-th layer. Position ids are Qwen2-VL's for images
+    (interleaved m-rope sections are the rotary embedding's business, not the ids').
+    """
+
+    varlen_attention: bool = False  # not yet checked on a GPU
+
+    def image_features(self, model, pixels, grid):
+        out = self.vision_tower(model)(pixels, grid_thw=grid)
+        return [out.pooler_output, *out.deepstack_features]
+
+    def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
+        kwargs = {}
+        if extra_streams:
+            kwargs = dict(visual_pos_masks=image_mask, deepstack_visual_embeds=list(extra_streams))
+        out = self.language_model(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **kwargs)
+        return out.last_hidden_state
+
+
+def _qwen_adapter(config, name: str, arch: str, cls=QwenVLAdapter) -> QwenVLAdapter:
+    vc = config.vision_config
+    return cls(
+        name=name,
+        hf_architecture=arch,
+        image_token_id=config.image_token_id,
+        video_token_id=config.video_token_id,
+        vision_start_token_id=config.vision_start_token_id,
+        vision_end_token_id=config.vision_end_token_id,
+        spatial_merge_size=vc.spatial_merge_size,
+        patch_size=vc.patch_size,
+        temporal_patch_size=vc.temporal_patch_size,
+    )
+
+
+# --- vLLM ---------------------------------------------------------------------------------------
+# transformers 5 names the decoder `model.language_model.*` and the tower `model.visual.*`;
+# checkpoint files use the hub layout `model.*`, `visual.*`, `lm_head.*`. vLLM 0.26
+# (`Qwen2VLForConditionalGeneration.hf_to_vllm_mapper` and its 2.5/3 siblings) puts the decoder
+# under `language_model.model.` and the head under `language_model.lm_head.`.
+_PREFIXES = (
+    (r"^model\.language_model\.", "language_model.model."),
+    (r"^model\.visual\.", "visual."),
+    (r"^model\.", "language_model.model."),
+    (r"^visual\.", "visual."),
+    (r"^lm_head\.", "language_model.lm_head."),
+)
+# Qwen2-VL's and Qwen3-VL's vision MLPs are fc1/fc2 (nothing to stack); Qwen2.5-VL's is gated and
+# vLLM fuses its gate/up like the decoder's. The towers keep the checkpoint's fused attn.qkv.
+_DECODER = ("language_model.model.layers.",)
+
+
+# --- tiny checkpoints ---------------------------------------------------------------------------
+# Qwen2.5-VL's tokenizer adds these after the vision tokens; the tool-call tags are
+# added tokens but not special (they survive skip_special_tokens), as on the hub.
+QWEN2_5_EXTRA_TOKENS = (
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", True),
+    ("<|fim_middle|>", True),
+    ("<|fim_suffix|>", True),
+    ("<|fim_pad|>", True),
+    ("<|repo_name|>", True),
+    ("<|file_sep|>", True),
+)
+QWEN3_PATCH_SIZE = 16  # Qwen3-VL: 16-pixel patches, a 32-pixel grid
+
+
+def _vision_config(model_type: str, size: SizeSpec) -> dict:
+    common = dict(depth=size.vision_depth, num_heads=size.vision_heads, in_channels=3, patch_size=PATCH_SIZE,
+                  spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE)
+    if model_type == "qwen2_vl":
+        # Qwen2-VL: embed_dim is the tower's width, hidden_size the merger's output.
+        return dict(common, embed_dim=size.vision_hidden, hidden_size=size.text_hidden,
+                    mlp_ratio=size.vision_mlp_ratio)
+    if model_type == "qwen3_vl":
+        # DeepStack levels at 1/4, 1/2 and 3/4 of the depth (the 8B model: blocks 8, 16, 24 of 27),
+        # a learned 8x8 position table interpolated to each image's grid.
+        depth = size.vision_depth
+        deepstack = sorted({min(depth - 1, depth * k // 4) for k in (1, 2, 3)})
+        return dict(common, patch_size=QWEN3_PATCH_SIZE, hidden_size=size.vision_hidden,
+                    intermediate_size=size.vision_intermediate, out_hidden_size=size.text_hidden,
+                    num_position_embeddings=64, deepstack_visual_indexes=deepstack)
+    return dict(common, hidden_size=size.vision_hidden, intermediate_size=size.vision_intermediate,
+                out_hidden_size=size.text_hidden, window_size=size.window_size,
+                fullatt_block_indexes=list(size.fullatt_blocks), tokens_per_second=2)
+
+
+def _tiny_config(model_type: str, config_class: str, model_class: str):
+    def build(size: SizeSpec, tokenizer):
+        rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(size.mrope_section)}
+        if model_type == "qwen3_vl":
+            rope.update(rope_theta=5000000.0, mrope_interleaved=True)
+            text = text_config(size, tokenizer, rope_parameters=rope, head_dim=size.text_hidden // size.text_heads)
+        else:
+            text = text_config(size, tokenizer, rope_parameters=rope, max_window_layers=size.text_layers,
+                               use_sliding_window=False)
+        image, video, start, end = token_ids(tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                             "<|vision_end|>")
+        return getattr(transformers, config_class)(
+            text_config=text, vision_config=_vision_config(model_type, size), image_token_id=image,
+            video_token_id=video, vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
+            architectures=[model_class],
+        )
+    return build
+
+
+def _tiny_image_processor(model_type: str):
+    """Qwen2-VL's image processor with the size's pixel limits; Qwen3-VL's grid is 32 pixels, not 28,
+    so its limits are the size's scaled by (32/28)²."""
+    def build(size: SizeSpec):
+        cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+        if model_type == "qwen3_vl":
+            scale = (QWEN3_PATCH_SIZE * MERGE_SIZE) ** 2 / (PATCH_SIZE * MERGE_SIZE) ** 2
+            return cls(min_pixels=int(size.min_pixels * scale), max_pixels=int(size.max_pixels * scale),
+                       patch_size=QWEN3_PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+                       image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+        return cls(min_pixels=size.min_pixels, max_pixels=size.max_pixels, patch_size=PATCH_SIZE,
+                   temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+                   image_mean=list(IMAGE_MEAN), image_std=list(IMAGE_STD))
+    return build
+
+
+def _family(model_type: str, prefix: str, cls=QwenVLAdapter, extra_tokens=(), stacking=_DECODER) -> Family:
+    model_class = f"{prefix}ForConditionalGeneration"
+    return Family(
+        model_type=model_type,
+        adapter=lambda config: _qwen_adapter(config, model_type, model_class, cls),
+        image_rules={f"{prefix}Processor": QwenImages},
+        vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=stacking),
+        tiny=TinySpec(model_class=model_class, processor_class=f"{prefix}Processor",
+                      config=_tiny_config(model_type, f"{prefix}Config", model_class),
+                      image_processor=_tiny_image_processor(model_type), extra_tokens=extra_tokens),
+    )
+
+
+register(_family("qwen2_vl", "Qwen2VL"))
+register(_family("qwen2_5_vl", "Qwen2_5_VL", extra_tokens=QWEN2_5_EXTRA_TOKENS,
+                 stacking=(*_DECODER, "visual.blocks.")))
+# Qwen3-VL: learned position embeddings interpolated to the image's grid, DeepStack features from a
+# few vision blocks, interleaved m-rope.
+register(_family("qwen3_vl", "Qwen3VL", Qwen3VLAdapter,
+                 extra_tokens=QWEN2_5_EXTRA_TOKENS + (("<think>", False), ("</think>", False))))

@@ -164,7 +164,7 @@ _BOOL_TAG = "tag:yaml.org,2002:bool"
 _TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 
 
-class _Loader(yaml.SafeLoader):
+class _ConfigSafeLoader(yaml.SafeLoader):
     """PyYAML's safe loader with three changes for config files and command-line values.
 
     Only `true`/`false` are booleans: YAML 1.1 also reads `on/off/yes/no` as booleans, which turned
@@ -187,11 +187,11 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-_Loader.yaml_implicit_resolvers = {
+_ConfigSafeLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL_TAG, _TIMESTAMP_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_ConfigSafeLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def _yaml_error(exc: yaml.YAMLError, where: str) -> ConfigError:
@@ -211,7 +211,7 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader)
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_ConfigSafeLoader)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
@@ -257,14 +257,14 @@ def _override_value(text: str, raw: str) -> Any:
     if not stripped:
         return ""
     try:
-        node = yaml.compose(stripped, Loader=_Loader)
+        node = yaml.compose(stripped, Loader=_ConfigSafeLoader)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, f"command-line override {text!r}") from None
     if node is None or stripped[node.end_mark.index:].strip():
         # YAML reads `#` after a space as a comment: take the whole value as written instead.
         return stripped
     try:
-        return yaml.load(stripped, Loader=_Loader)
+        return yaml.load(stripped, Loader=_ConfigSafeLoader)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, f"command-line override {text!r}") from None
 
@@ -309,14 +309,21 @@ def _closest(name: str, valid: list[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
 
 
+def _annotation(dotted: str) -> Any:
+    """The annotation at a dotted path ('rollout' → RolloutConfig, 'rollout.n' → int), or None."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        fields = _fields(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in fields:
+            return None
+        tp = fields[part]
+    return tp
+
+
 def _leaf_type(dotted: str) -> Any:
     """The annotation of a leaf key such as 'rollout.temperature', or None when there is no such leaf."""
-    cls: Any = Config
-    for part in dotted.split("."):
-        if not dataclasses.is_dataclass(cls) or part not in _fields(cls):
-            return None
-        cls = _fields(cls)[part]
-    return None if dataclasses.is_dataclass(cls) else cls
+    tp = _annotation(dotted)
+    return None if dataclasses.is_dataclass(tp) else tp
 
 
 _INTERPOLATION = re.compile(r"(?<!\\)\$\{([^{}]*)\}")
@@ -331,20 +338,11 @@ def _guard_interpolations(value: str, key: str, source: str) -> str:
             return "\\" + match.group(0)  # ${HOME}, ${oc.env:X}: literal text, never expanded
         if _leaf_type(target) is None:
             section, _, name = target.rpartition(".")
-            hint = _closest(name, list(_fields(_section_type(section)))) if _section_type(section) else ""
+            parent = _annotation(section)
+            hint = _closest(name, list(_fields(parent))) if dataclasses.is_dataclass(parent) else ""
             raise ConfigError(f"config key '{key}' ({source}): ${{{target}}} names no config key{hint}")
         return match.group(0)
     return _INTERPOLATION.sub(one, value)
-
-
-def _section_type(dotted: str) -> Any:
-    cls: Any = Config
-    for part in dotted.split("."):
-        fields = _fields(cls) if dataclasses.is_dataclass(cls) else {}
-        if part not in fields:
-            return None
-        cls = fields[part]
-    return cls if dataclasses.is_dataclass(cls) else None
 
 
 def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:

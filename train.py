@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
-        except (RunFolderError, CheckpointError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        except (RunFolderError, CheckpointError) as exc:  # every rank raises it; one says it
+            if dist.get_rank() == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
             return 2
         if args.eval_only:
             result = trainer.evaluate()

@@ -233,3 +233,107 @@ def test_unknown_fault_phase_is_refused(trained, tiny_model, tmp_path, monkeypat
     monkeypatch.setenv(FAULT_ENV, "after_lunch@1")
     with pytest.raises(ValueError, match="unknown phase 'after_lunch'; phases: before_dcp"):
         save(tmp_path / "run", 1, trained, tiny_model)
+
+
+# --- verified checkpoints, pruning, what resume=auto refuses ----------------------------------
+def _flip_byte(path: Path, at: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if at is None else at
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_covers_every_file_and_damage_is_named(trained, tiny_model, tmp_path):
+    run = tmp_path / "run"
+    first = save(run, 1, trained, tiny_model, keep=0)
+    second = save(run, 2, trained, tiny_model, keep=0)
+    manifest = json.loads((second / ckpt.MANIFEST).read_text())["files"]
+    on_disk = {p.name for p in second.iterdir() if p.is_file() and p.name != ckpt.MANIFEST}
+    assert set(manifest) == on_disk and not list(second.glob("manifest_rank*"))
+    assert all(manifest[n]["size"] == (second / n).stat().st_size for n in on_disk)
+    assert ckpt.verify_checkpoint(second)["files"] == len(on_disk)
+    policy, optimizer = trained
+
+    shard = next(second.glob("__0_*.distcp"))
+    kept = shard.read_bytes()
+    _flip_byte(shard)  # same size, different bytes: only the hash can tell
+    with pytest.raises(ckpt.CheckpointError) as info:
+        load_checkpoint(second, policy.model, optimizer)
+    message = str(info.value)
+    assert f"checkpoint {second} is damaged: {shard.name} does not match the sha256" in message
+    assert f"checkpoint.resume={first}" in message and "It was not loaded" in message
+    with pytest.raises(ckpt.CheckpointError, match=shard.name):  # the merge path verifies too
+        ckpt.load_full_model_state(second, policy.model)
+    shard.write_bytes(kept[:-10])
+    with pytest.raises(ckpt.CheckpointError, match=f"{shard.name} is not the {len(kept)} bytes that were written"):
+        load_checkpoint(second, policy.model, optimizer)
+    shard.write_bytes(kept)
+    (second / "rng_rank0.safetensors").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="rng_rank0.safetensors is missing"):
+        load_checkpoint(second, policy.model, optimizer)
+    (first / ckpt.MANIFEST).write_text("{torn")
+    with pytest.raises(ckpt.CheckpointError, match=r"manifest.json does not parse.*no other complete checkpoint|"
+                                                   r"manifest.json does not parse.*step_2"):
+        load_checkpoint(first, policy.model, optimizer)
+
+
+def test_checkpoint_without_manifest_loads_with_a_warning(trained, tiny_model, tmp_path, caplog):
+    first = save(tmp_path / "run", 1, trained, tiny_model)
+    (first / ckpt.MANIFEST).unlink()
+    with caplog.at_level("WARNING", logger="vlrl"):
+        load_checkpoint(first, trained[0].model, trained[1])
+    assert f"checkpoint {first} has no manifest.json" in caplog.text
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(trained, tiny_model, tmp_path):
+    """A run resumed from an older checkpoint of its own folder writes steps below the newest one."""
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    for step in (2, 4):
+        save(run, step, trained, tiny_model, keep=2)
+    third = save(run, 3, trained, tiny_model, keep=2)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_3", "step_4"]
+    assert (root / "latest").read_text().strip() == "step_3" and find_latest(run) == third
+    first = save(run, 1, trained, tiny_model, keep=1)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1"]
+    assert (root / (root / "latest").read_text().strip()).is_dir() and find_latest(run) == first
+
+
+def test_resume_auto_stops_when_no_step_folder_is_complete(trained, tiny_model, tmp_path):
+    run = tmp_path / "run"
+    good = save(run, 1, trained, tiny_model)
+    (good / ".metadata").unlink()
+    (run / "checkpoints" / "step_2.tmp").mkdir()
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.resolve_resume("auto", run)
+    message = str(info.value)
+    assert "holds step folders but no complete checkpoint" in message
+    assert "step_1 has no .metadata" in message and "step_2.tmp is an interrupted save" in message
+    assert "checkpoint.resume=overwrite" in message and "trainer.run_dir" in message
+    assert ckpt.resolve_resume("auto", tmp_path / "fresh") is None  # an unused folder starts at step 0
+
+
+# --- the merge tool's output folder -----------------------------------------------------------
+def test_merge_refuses_a_non_empty_out_unless_told(trained, tiny_model, tmp_path):
+    from tools.checkpoint_merge import main as merge_main
+
+    run = tmp_path / "run"
+    step = save(run, 1, trained, tiny_model)
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    (out / "notes.txt").write_text("keep me")
+    assert merge_main(["--checkpoint", str(step), "--out", str(out)]) == 2
+    assert (out / "config.json").read_text() == '{"mine": true}' and sorted(p.name for p in out.iterdir()) == [
+        "config.json", "notes.txt"]
+    for bad in (run, step, step / "merged"):  # the run folder, the checkpoint, inside it: never, even when told
+        assert merge_main(["--checkpoint", str(step), "--out", str(bad), "--overwrite"]) == 2
+    assert ckpt.verify_checkpoint(step)["files"] > 0 and not (step / "merged").exists()
+    assert merge_main(["--checkpoint", str(step), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
+    assert not list(tmp_path.glob(".model.*")), "temporary folders were left next to --out"
+    fresh = tmp_path / "new" / "model"
+    assert merge_main(["--checkpoint", str(step), "--out", str(fresh)]) == 0 and (fresh / "config.json").is_file()
+    _flip_byte(next(step.glob("__0_*.distcp")))
+    assert merge_main(["--checkpoint", str(step), "--out", str(tmp_path / "other")]) == 2
+    assert not (tmp_path / "other").exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -289,6 +290,7 @@ def parse_override(text: str) -> dict:
 
 # --- the schema ----------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _fields(cls: type) -> dict[str, Any]:
     """Field name → resolved type annotation of a config dataclass."""
     hints = typing.get_type_hints(cls)

@@ -208,3 +208,24 @@ def test_other_ranges(override, message):
 def test_shipped_configs_are_in_range():
     for path in sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")):
         config.validate(load_config(str(path)))
+
+
+@dataclasses.dataclass
+class _Switches:
+    answer: typing.Literal["yes", "no", "ask"] = "ask"
+    power: typing.Literal["on", "off", "auto"] = "auto"
+
+
+@dataclasses.dataclass
+class _ConfigWithSwitches(Config):
+    switches: _Switches = dataclasses.field(default_factory=_Switches)
+
+
+@pytest.mark.parametrize("key,value", [("switches.answer", "yes"), ("switches.answer", "no"),
+                                       ("switches.power", "on"), ("switches.power", "off")])
+def test_yes_no_on_off_enum_values_from_command_line_and_yaml(key, value, tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "Config", _ConfigWithSwitches)
+    assert _get(load_config(None, [f"{key}={value}"]), key) == value
+    path = tmp_path / "c.yaml"
+    path.write_text(_yaml_for(key, value))
+    assert _get(load_config(str(path)), key) == value

@@ -1,6 +1,7 @@
-"""Every family beyond Qwen2/2.5-VL, on a tiny checkpoint built here: the built-in engine's logprobs
-equal the policy's (packed, and one sequence per micro-batch), one SFT and one GRPO step run
-through the trainer, and every weight has exactly one home in vLLM's model.
+"""Every registered family, on a tiny checkpoint built here: the built-in engine's logprobs equal the
+policy's (packed, and one sequence per micro-batch), one SFT and one GRPO step run through the
+trainer, an image changes the logprobs of what follows it, and every weight has exactly one home
+in vLLM's model. A new family's module gets these tests by registering.
 
 The measured token_mult_prob_error of each family is printed (`pytest -s`); the README's family
 table quotes these numbers.
@@ -14,6 +15,7 @@ import torch
 from data.processing import VLProcessor
 from data.prompts import build_messages
 from grpo.config import ModelConfig, load_config
+from models.family import FAMILIES as REGISTERED
 from models.packing import pack, unpack_per_sequence
 from models.parallel import build_parallel_dims, init_distributed
 from models.policy import build_policy
@@ -22,7 +24,7 @@ from rollout.torch_engine import TorchEngine
 from rollout.weight_names import vllm_param_for
 from tests.test_torch_engine import generation_batch
 
-FAMILIES = ["qwen3_vl", "llava", "idefics3", "gemma3"]
+FAMILIES = sorted(REGISTERED)
 HEAD_SCALE = 40.0  # sharpens the random model's near-uniform next-token distribution
 
 

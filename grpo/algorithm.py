@@ -2,7 +2,10 @@
 
 Nothing here knows about models, devices or ranks. Per-token tensors are shaped (B, T): B
 sequences, T token positions, with a `mask` of the same shape marking response tokens (bool, or
-float where nonzero means valid). Positions outside the mask may hold anything, even NaN or inf:
+float where nonzero means valid). The trainer passes the packed form instead: (K,) tensors of a
+micro-batch's scored tokens in row order with `segments` (K,), each token's sequence index in
+0..S-1 (`num_segments` = S); every function that reduces per sequence takes both forms and gives
+the same numbers. Positions outside the mask may hold anything, even NaN or inf:
 the reductions and `policy_loss` select valid entries (masked_fill) instead of multiplying by
 the mask, because NaN * 0 is NaN, and `policy_loss` keeps such values out of the gradient too.
 Element-wise functions (`kl_penalty`, `tis_weights`) compute every position as given.
@@ -62,6 +65,29 @@ def _as_bool(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def _check_tokens(where: str, name: str, x: torch.Tensor, segments: torch.Tensor | None) -> None:
+    """(B, T) without segments, or (K,) with (K,) segments (the packed form)."""
+    if segments is None:
+        _check_2d(where, name, x)
+    elif x.dim() != 1 or segments.shape != x.shape:
+        raise ValueError(f"{where}: packed {name} must be (K,) with segments (K,), got {tuple(x.shape)} and "
+                         f"{tuple(segments.shape)}")
+
+
+def _num_segments(segments: torch.Tensor, num_segments: int | None) -> int:
+    if num_segments is not None:
+        return num_segments
+    return int(segments.max()) + 1 if segments.numel() else 0
+
+
+def _per_sequence_sum(values: torch.Tensor, segments: torch.Tensor | None, num_segments: int | None) -> torch.Tensor:
+    """Row sums of (B, T) values, or per-segment sums of packed (K,) values."""
+    if segments is None:
+        return values.sum(dim=1)
+    out = values.new_zeros(_num_segments(segments, num_segments))
+    return out.index_add(0, segments, values)
+
+
 def _group_view(where: str, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N,) rewards → (N/G, G) float64 view of consecutive groups, after checking the input."""
     if rewards.dim() != 1:
@@ -112,14 +138,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return total.sum(dim) / valid.sum(dim).clamp_min(1)
 
 
-def valid_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid tokens, sequences with at least one valid token) of a (B, T) mask, as float32
-    scalars: what `global_tokens` / `global_seqs` expect once summed over ranks and micro-batches.
+def valid_counts(mask: torch.Tensor, segments: torch.Tensor | None = None,
+                 num_segments: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid tokens, sequences with at least one valid token) of a (B, T) mask (or a packed (K,)
+    mask with its segments), as float32 scalars: what `global_tokens` / `global_seqs` expect once
+    summed over ranks and micro-batches.
     """
-    _check_2d("valid_counts", "mask", mask)
+    _check_tokens("valid_counts", "mask", mask, segments)
     valid = _as_bool(mask)
     tokens = valid.sum().to(torch.float32)
-    seqs = valid.any(dim=1).sum().to(torch.float32)
+    seqs = (_per_sequence_sum(valid.float(), segments, num_segments) > 0).sum().to(torch.float32)
     return tokens, seqs
 
 
@@ -130,8 +158,10 @@ def aggregate_loss(
     *,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int | None = None,
 ) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to a scalar.
+    """Reduce a (B, T) per-token loss (or a packed (K,) one with its `segments`) to a scalar.
 
     - ``token-mean``: sum of valid token losses / `global_tokens` (default: local valid tokens).
     - ``seq-mean-token-sum``: sum over sequences of their token-loss sums / `global_seqs`.
@@ -144,16 +174,16 @@ def aggregate_loss(
     """
     where = "aggregate_loss"
     _check_choice(where, "mode", mode, _LOSS_AGGS)
-    _check_2d(where, "per_token", per_token)
+    _check_tokens(where, "per_token", per_token, segments)
     _check_same_shape(where, per_token=per_token, mask=mask)
     valid = _as_bool(mask)
     values = per_token.masked_fill(~valid, 0.0)
-    tokens, seqs = valid_counts(valid)
+    tokens, seqs = valid_counts(valid, segments, num_segments)
     if mode == "token-mean":
         return values.sum() / _denominator(where, "global_tokens", global_tokens, tokens)
-    seq_sums = values.sum(dim=1)
+    seq_sums = _per_sequence_sum(values, segments, num_segments)
     if mode == "seq-mean-token-mean":
-        seq_sums = seq_sums / valid.sum(dim=1).clamp_min(1)
+        seq_sums = seq_sums / _per_sequence_sum(valid.to(values.dtype), segments, num_segments).clamp_min(1)
     return seq_sums.sum() / _denominator(where, "global_seqs", global_seqs, seqs)
 
 
@@ -296,10 +326,10 @@ def tis_weights(
 
 
 def _expand_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if advantages.dim() == 1 and advantages.shape[0] == like.shape[0]:
-        return advantages.unsqueeze(-1).expand_as(like)
     if advantages.shape == like.shape:
         return advantages
+    if advantages.dim() == 1 and like.dim() == 2 and advantages.shape[0] == like.shape[0]:
+        return advantages.unsqueeze(-1).expand_as(like)
     raise ValueError(
         f"policy_loss: advantages must be (B,) or (B, T) for logp {tuple(like.shape)}, "
         f"got {tuple(advantages.shape)}"
@@ -319,10 +349,13 @@ def policy_loss(
     tis_weights: torch.Tensor | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip loss with asymmetric clipping, optional dual clip and TIS weights.
 
-    Shapes: logp, old_logp, mask, tis_weights (B, T); advantages (B,) or (B, T).
+    Shapes: logp, old_logp, mask, tis_weights (B, T); advantages (B,) or (B, T). Packed: all of
+    them (K,) with `segments` (K,), the sequence of each token (advantages per token too).
     With r = exp(logp - old_logp) (log-ratio clamped to [-20, 20]) and A the advantage:
 
         per_token = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
@@ -341,7 +374,7 @@ def policy_loss(
     valid-token count, for weighting these means across ranks).
     """
     where = "policy_loss"
-    _check_2d(where, "logp", logp)
+    _check_tokens(where, "logp", logp, segments)
     _check_same_shape(where, logp=logp, old_logp=old_logp, mask=mask)
     if tis_weights is not None:
         _check_same_shape(where, logp=logp, tis_weights=tis_weights)
@@ -365,9 +398,8 @@ def policy_loss(
         per_token = torch.where(dual_active, bound, per_token)
     if tis_weights is not None:
         per_token = per_token * tis_weights.detach().float()
-    loss = aggregate_loss(
-        per_token, valid, loss_agg, global_tokens=global_tokens, global_seqs=global_seqs
-    )
+    loss = aggregate_loss(per_token, valid, loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                          segments=segments, num_segments=num_segments)
     clip_active = clipped > unclipped
     metrics = _policy_metrics(
         ratio.detach(), log_ratio.detach(), clip_active, dual_active, valid, clip_low, clip_high
@@ -407,11 +439,12 @@ def _policy_metrics(
 
 @torch.no_grad()
 def mismatch_metrics(
-    engine_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor
+    engine_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor,
+    segments: torch.Tensor | None = None, num_segments: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """How far the engine's logprobs of the sampled tokens are from the trainer's.
 
-    Inputs (B, T). With d = train_logp - engine_logp and e = exp(|d|) (|d| clamped to 20):
+    Inputs (B, T), or packed (K,) with `segments` (then B = `num_segments`). With d = train_logp - engine_logp and e = exp(|d|) (|d| clamped to 20):
 
     - ``token_mult_prob_error``: local masked mean of e; ``token_mult_prob_error_sum`` and
       ``token_count`` let the caller all-reduce both and divide once for the global mean.
@@ -424,7 +457,7 @@ def mismatch_metrics(
     Scalars are float32 tensors; nothing here carries gradients.
     """
     where = "mismatch_metrics"
-    _check_2d(where, "engine_logp", engine_logp)
+    _check_tokens(where, "engine_logp", engine_logp, segments)
     _check_same_shape(where, engine_logp=engine_logp, train_logp=train_logp, mask=mask)
     valid = _as_bool(mask)
     delta = (train_logp.float() - engine_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -433,16 +466,19 @@ def mismatch_metrics(
     k3 = torch.exp(delta) - delta - 1.0  # exactly 0 at invalid positions
     count = valid.sum().to(torch.float32)
     sums = {"mult": mult.masked_fill(~valid, 0.0).sum(), "k3": k3.sum(), "k1": (-delta).sum()}
-    per_seq = valid.sum(dim=1).clamp_min(1)
-    has_tokens = valid.any(dim=1)
+    seq_valid = _per_sequence_sum(valid.float(), segments, num_segments)
+    has_tokens = seq_valid > 0
+    seq_sum = _per_sequence_sum(mult.masked_fill(~valid, 0.0), segments, num_segments)
+    if segments is None:
+        seq_max = mult.amax(dim=1)
+    else:
+        seq_max = mult.new_ones(seq_valid.shape[0]).scatter_reduce(0, segments, mult, "amax")
     return {
         "token_mult_prob_error": sums["mult"] / count.clamp_min(1.0),
         "token_mult_prob_error_sum": sums["mult"],
         "token_count": count,
-        "seq_max_mult_prob_error": mult.amax(dim=1),
-        "seq_mean_mult_prob_error": torch.where(
-            has_tokens, mult.masked_fill(~valid, 0.0).sum(dim=1) / per_seq, torch.ones_like(count)
-        ),
+        "seq_max_mult_prob_error": seq_max,
+        "seq_mean_mult_prob_error": torch.where(has_tokens, seq_sum / seq_valid.clamp_min(1), torch.ones_like(seq_sum)),
         "gen_kl": sums["k3"] / count.clamp_min(1.0),
         "gen_kl_sum": sums["k3"],
         "gen_kl_k1": sums["k1"] / count.clamp_min(1.0),

@@ -131,10 +131,10 @@ def _check_engine(cfg: Config) -> None:
         name = resolve_engine_name(cfg.rollout.engine, family)
     except RuntimeError as exc:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine}: {exc}") from exc
-    if name == "vllm" and not 0.0 < cfg.rollout.gpu_memory_utilization < 1.0:
-        raise ConfigError("rollout.gpu_memory_utilization must be in (0, 1): the share of GPU memory the "
-                          "colocated engine may take while the policy is offloaded")
-    if name == "vllm" and torch.cuda.is_available():
+    if name == "vllm" and not 0.0 <= cfg.rollout.gpu_memory_utilization < 1.0:
+        raise ConfigError("rollout.gpu_memory_utilization must be in [0, 1): the share of GPU memory the "
+                          "colocated engine may take while awake (0: the memory plan decides)")
+    if name == "vllm" and torch.cuda.is_available() and cfg.rollout.gpu_memory_utilization > 0:
         free, total = torch.cuda.mem_get_info()
         want = cfg.rollout.gpu_memory_utilization * total
         if want > free:

@@ -1,8 +1,9 @@
 """The training loop: SFT steps, or GRPO steps that read top to bottom.
 
-GRPO step, colocated and time-sliced on every rank:
-    generate (engine awake; the policy on CPU meanwhile if both do not fit the GPU) → score → old/ref logprobs → advantages
-    → PPO epochs over packed micro-batches → refit the engine.
+GRPO step, colocated and time-sliced on every rank (rollout/colocation.py owns the turns):
+    rollout (engine awake; only what the memory plan says does not fit leaves the GPU) → score
+    → experience (pack once; reference/old logprobs; advantages) → update (PPO epochs over the
+    same packed micro-batches) → refit the engine.
 """
 
 from __future__ import annotations
@@ -22,18 +23,18 @@ from data.rewards import score
 from grpo import algorithm as alg
 from grpo.checkpoint import checkpoint_dir, load_checkpoint, resolve_resume, save_checkpoint
 from grpo.config import Config
-from grpo.metrics import MetricsLogger, peak_memory_gb
+from grpo.metrics import MetricsLogger
 from grpo.preemption import PreemptionGuard
 from grpo.preflight import preflight
 from grpo.run_folder import claim_run_folder
 from grpo.update import (
-    all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, padded, per_target,
-    sequence_logprobs,
+    PackedStep, all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, packed_logprobs,
 )
-from models.packing import unpack_per_sequence
+from models.flops import llm_flops, peak_tflops
 from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
 from rollout.base import Generation, PromptInput, SamplingParams
+from rollout.colocation import Colocation, MemoryNeeds, activation_bytes, kv_bytes_per_token, tensor_bytes
 from rollout.factory import build_engine
 from rollout.groups import EngineGroup
 
@@ -41,16 +42,9 @@ log = logging.getLogger("vlrl")
 MISMATCH_ALARM = 1.05
 # Reward reasons that mean the scorer could not judge (counted), as opposed to a wrong answer.
 REWARD_FAILURES = ("timeout", "limit_exceeded", "answer_too_long", "invalid_gold_answer")
-
-
-OFFLOAD_HEADROOM = 0.85  # share of the device that resident policy state and the engine may fill together
-
-
-def offload_needed(param_bytes: int, ref_bytes: int, engine_bytes: int, device_bytes: int) -> bool:
-    """Whether the policy must leave the GPU while the engine generates: its parameters, AdamW's two
-    moments (as large as the parameters each), a reference model and the engine's memory would
-    together pass OFFLOAD_HEADROOM of the device (the rest: activations, allocator slack)."""
-    return 3 * param_bytes + ref_bytes + engine_bytes > OFFLOAD_HEADROOM * device_bytes
+# The phases a GRPO step's time splits into (perf/other_s is what none of them covers). Generation
+# includes waking and putting the engine to sleep (perf/wake_s, perf/sleep_s, perf/offload_s).
+STEP_PHASES = ("perf/gen_s", "perf/logprob_s", "perf/score_s", "perf/train_s", "perf/refit_s")
 
 
 class NonFiniteStop(RuntimeError):
@@ -83,10 +77,14 @@ class Trainer:
         self.ref: Policy | None = None
         if cfg.trainer.mode == "grpo" and cfg.algorithm.kl_coef > 0:
             self.ref = build_policy(cfg.model, self.dims)
-        self.engine = None
-        self.version = 0  # optimizer updates applied to the policy in this process
-        self._engine_version = -1  # the policy version whose weights the engine holds
-        self._offload_auto: bool | None = None  # decided on the first generation (see _offload)
+        self.colocation = Colocation(
+            self.policy, self.optimizer, reference=self.ref, needs=self._memory_needs,
+            build_engine=lambda share: build_engine(cfg, self.policy, gpu_memory_utilization=share,
+                                                    max_num_seqs=self._rollout_sequences()),
+            offload=cfg.parallel.offload_during_generate, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            agree=lambda v: all_reduce_max_int(v, self.policy.device), is_main=self.dims.is_main,
+        )
+        self._peak_tflops = peak_tflops(self.policy.device)
         self.step = 0
         self.preempted = False  # set when a SIGTERM/SIGINT stopped train() early
         self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0, "reward_failures": 0}
@@ -109,15 +107,39 @@ class Trainer:
             reduce_max=lambda v: all_reduce_max_int(v, self.policy.device),
         )
 
+    @property
+    def engine(self):
+        """The rollout engine (None until the first generation builds it)."""
+        return self.colocation.engine
+
     def _engine(self):
         """The rollout engine, built on first use and refit whenever the policy has moved since."""
-        if self.engine is None:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # memory cached from training would count as taken to vLLM
-            self.engine = build_engine(self.cfg, self.policy)
-        if self._engine_version != self.version:
-            self.refit()
-        return self.engine
+        return self.colocation.ensure_engine()
+
+    def _rollout_sequences(self) -> int:
+        """The most sequences one engine generates at once: its group's share of a step's prompts × n."""
+        per_rank = max(self.cfg.data.prompts_per_step // self.dims.dp, 1)
+        return per_rank * self.engine_group.size * self.cfg.rollout.n
+
+    def _memory_needs(self) -> MemoryNeeds:
+        """What the colocated step needs on this rank's GPU (the memory plan's inputs)."""
+        cfg = self.cfg
+        params = tensor_bytes(self.policy.model.parameters())
+        count = sum(p.numel() for p in self.policy.model.parameters())  # full (unsharded) sizes
+        config = self.policy.model.config
+        engine_dtype = 2 if self.policy.dtype != torch.float32 else 4
+        tp = cfg.rollout.tensor_parallel_size
+        seq_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        return MemoryNeeds(
+            device=torch.cuda.get_device_properties(self.policy.device).total_memory,
+            parameters=params, gradients=params, optimizer=2 * params,
+            reference=0 if self.ref is None else tensor_bytes(self.ref.model.parameters()),
+            compute_copy=count * engine_dtype if self.dims.world_size == 1 else 0,
+            activations=activation_bytes(config, cfg.optim.max_tokens_per_microbatch, cfg.model.activation_checkpointing),
+            engine_weights=count * engine_dtype // tp,
+            engine_kv_wanted=int(1.25 * self._rollout_sequences() * min(seq_tokens, 1024 + cfg.rollout.max_new_tokens)
+                                 * kv_bytes_per_token(config, engine_dtype, tp)),
+        )
 
     def _resume(self) -> None:
         path = resolve_resume(self.cfg.checkpoint.resume, self.run_dir)
@@ -161,6 +183,7 @@ class Trainer:
         while self.step < cfg.trainer.max_steps:
             self.step += 1
             t0 = time.monotonic()
+            self.colocation.peak.begin()
             lr = lr_at(self.step, cfg.optim, cfg.trainer.max_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -170,7 +193,9 @@ class Trainer:
                 metrics = self.grpo_step(per_rank)
             metrics["optim/lr"] = lr
             metrics["perf/step_s"] = time.monotonic() - t0
-            metrics["memory/peak_gb"] = peak_memory_gb(self.policy.device)
+            phases = sum(metrics.get(k, 0.0) for k in STEP_PHASES)
+            metrics["perf/other_s"] = metrics["perf/step_s"] - phases if phases else 0.0
+            metrics["memory/peak_gb"] = self.colocation.peak.end()
             metrics["data/skipped_samples"] = self._skipped_total()
             if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 and self.eval_feeder:
                 metrics.update(self.evaluate())
@@ -215,7 +240,7 @@ class Trainer:
         out = optimizer_step(self.policy, self.optimizer, batch, loss_fn, max_tokens=self.cfg.optim.max_tokens_per_microbatch,
                              grad_clip=self.cfg.optim.grad_clip, denominators={"tokens": global_tokens})
         train_s = time.monotonic() - t0
-        self.version += 1
+        self.colocation.policy_updated()
         self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
         total_tokens = sum(t.numel() for t in batch["input_ids"].items)
         (all_tokens,) = all_reduce_sum([total_tokens], self.policy.device)
@@ -254,108 +279,74 @@ class Trainer:
         )
 
     def generate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> list[Generation]:
-        """The engine wakes for generation and sleeps after it (on GPU, where its KV cache would
-        take the memory training needs); the policy leaves the GPU meanwhile if both do not fit."""
-        engine = self._engine()
-        offload = self._offload()
-        time_slice = offload or self.policy.device.type == "cuda"
-        if offload:
-            self.policy.offload(self.optimizer)
-        elif time_slice:
-            torch.cuda.empty_cache()  # what training cached goes back before the engine wakes
-        if time_slice:
-            engine.wake()
+        """Responses from the engine, awake for the call and asleep after it (see Colocation)."""
         inputs = [PromptInput(p.input_ids.tolist(), p.images, p.pixel_values, p.image_grid_thw) for p in prompts]
-        # a tensor-parallel engine serves its group's prompts together; each rank keeps its own
-        inputs, params, start = self.engine_group.gather(inputs, params)
-        gens = self.engine_group.own(engine.generate(inputs, params), start, len(prompts))
-        if time_slice:
-            engine.sleep()
-        if offload:
-            self.policy.reload(self.optimizer)
-        return gens
-
-    def _offload(self) -> bool:
-        """parallel.offload_during_generate; `auto` decides once, on GPU, from the memory both need."""
-        mode = self.cfg.parallel.offload_during_generate
-        if mode != "auto":
-            return mode == "on"
-        if self.policy.device.type != "cuda":
-            return False
-        if self._offload_auto is None:
-            params = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-                         for p in self.policy.model.parameters())
-            ref = 0 if self.ref is None else sum(p.numel() * p.element_size() for p in self.ref.model.parameters())
-            total = torch.cuda.get_device_properties(self.policy.device).total_memory
-            engine = self.engine.memory_budget_bytes(total) if hasattr(self.engine, "memory_budget_bytes") else params
-            need = offload_needed(params, ref, engine, total)
-            self._offload_auto = bool(all_reduce_max_int(int(need), self.policy.device))
-            if self.dims.is_main:
-                where = "goes to CPU" if self._offload_auto else "stays on the GPU"
-                print(f"generation: the policy {where} (policy + AdamW state ~{3 * params / 2**30:.1f} GiB, "
-                      f"engine {engine / 2**30:.1f} GiB, device {total / 2**30:.1f} GiB)", flush=True)
-        return self._offload_auto
+        with self.colocation.generating() as engine:
+            # a tensor-parallel engine serves its group's prompts together; each rank keeps its own
+            inputs, params, start = self.engine_group.gather(inputs, params)
+            return self.engine_group.own(engine.generate(inputs, params), start, len(prompts))
 
     def refit(self) -> float:
-        t0 = time.monotonic()
-        dtype = getattr(self.engine, "dtype", None)
-        if self.policy.device.type == "cuda":
-            # A sleeping engine maps its weights back for refit: what training cached must go back
-            # first (a 3B policy on one H200 ran out of memory there at step 2 without this).
-            torch.cuda.empty_cache()
-        self.engine.refit(self.policy.full_state_dict(dtype))
-        self._engine_version = self.version
-        return time.monotonic() - t0
+        """Stream the policy's weights into the engine; returns seconds."""
+        return self.colocation.refit()
 
     def grpo_step(self, per_rank: int) -> dict:
-        cfg, alg_cfg = self.cfg, self.cfg.algorithm
-        G = cfg.rollout.n
+        """rollout → score → experience (pack once, logprobs, advantages) → update → refit."""
         timings = {}
-
         t = time.monotonic()
         prompts, gens, rewards_info = self._rollouts(per_rank)
         timings["perf/gen_s"] = time.monotonic() - t
+        gen_detail = dict(self.colocation.timings)
 
         t = time.monotonic()
-        responses = [torch.tensor(g.token_ids, dtype=torch.long) for g in gens]
-        batch = self._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
-        max_tokens = cfg.optim.max_tokens_per_microbatch
-        reuse = self._old_logprobs_from_update()
-        if not reuse:
-            old, _ = sequence_logprobs(self.policy, batch, max_tokens, cfg.rollout.temperature)
-            batch["old_logprobs"] = old
-        batch["engine_logprobs"] = [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens]
-        if self.ref is not None:
-            batch["ref_logprobs"], _ = sequence_logprobs(self.ref, batch, max_tokens, cfg.rollout.temperature)
+        step = self._experience(prompts, gens)
         timings["perf/logprob_s"] = time.monotonic() - t
 
         t = time.monotonic()
-        rewards = torch.tensor([r.score for r in rewards_info], dtype=torch.float32)
-        lengths = torch.tensor([len(g.token_ids) for g in gens])
-        if alg_cfg.overlong_buffer > 0:
-            rewards = rewards + alg.overlong_penalty(lengths, cfg.rollout.max_new_tokens, alg_cfg.overlong_buffer,
-                                                     alg_cfg.overlong_penalty)
-        if self.ref is not None and alg_cfg.kl_in_reward:  # reuse is off here: old logprobs exist
-            kl = [alg.kl_penalty(o, r, alg_cfg.kl_estimator).sum()
-                  for o, r in zip(batch["old_logprobs"].items, batch["ref_logprobs"].items)]
-            rewards = rewards - alg_cfg.kl_coef * torch.stack(kl)
-        adv = alg.compute_advantages(rewards, G, alg_cfg.adv_estimator) if len(rewards) else rewards
-        batch["advantages"] = [a.reshape(1) for a in adv]
-        if reuse:
-            batch["mismatch_keep"] = [torch.ones(1) for _ in gens]
-        else:
-            fidelity = self._fidelity(batch)
+        rewards = self._advantages(step, gens, rewards_info)
+        fidelity = {} if self._old_logprobs_from_update() else self._fidelity(step)
         timings["perf/score_s"] = time.monotonic() - t
 
         t = time.monotonic()
-        train = self._ppo_update(batch, old_from_update=reuse)
+        train = self._ppo_update(step, old_from_update=self._old_logprobs_from_update())
         timings["perf/train_s"] = time.monotonic() - t
-        if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now
-            fidelity = self._fidelity(batch)
+        if not fidelity:  # the update's own forward gave the old logprobs; compare them with the engine's now
+            fidelity = self._fidelity(step)
 
         timings["perf/refit_s"] = self.refit()
-        return {**self._rollout_metrics(gens, rewards_info, rewards), **fidelity, **train, **timings,
-                **self._throughput(batch, timings)}
+        return {**self._rollout_metrics(gens, rewards_info, rewards), **fidelity, **train, **timings, **gen_detail,
+                **self._throughput(step, timings)}
+
+    def _experience(self, prompts: list[EncodedPrompt], gens: list[Generation]) -> PackedStep:
+        """The step's sequences packed once onto the device, with engine, reference and (when the
+        update cannot supply them) old logprobs as packed per-token fields."""
+        cfg = self.cfg
+        responses = [torch.tensor(g.token_ids, dtype=torch.long) for g in gens]
+        batch = self._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
+        step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device)
+        step.set_per_token("engine_logprobs", [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens])
+        if not self._old_logprobs_from_update():
+            packed_logprobs(self.policy, step, "old_logprobs", cfg.rollout.temperature)
+        if self.ref is not None:
+            packed_logprobs(self.ref, step, "ref_logprobs", cfg.rollout.temperature)
+        return step
+
+    def _advantages(self, step: PackedStep, gens: list[Generation], rewards_info) -> torch.Tensor:
+        """Rewards (with overlong and in-reward KL penalties) → group advantages, packed per token."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        rewards = torch.tensor([r.score for r in rewards_info], dtype=torch.float32)
+        lengths = torch.tensor([len(g.token_ids) for g in gens])
+        if a.overlong_buffer > 0:
+            rewards = rewards + alg.overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
+                                                     a.overlong_penalty)
+        if self.ref is not None and a.kl_in_reward:  # old logprobs exist here (see _old_logprobs_from_update)
+            for mb, f in step:
+                if mb.sample_indices:
+                    f["kl"] = alg.kl_penalty(f["old_logprobs"], f["ref_logprobs"], a.kl_estimator)
+            rewards = rewards - a.kl_coef * step.sequence_sums("kl").cpu()
+        adv = alg.compute_advantages(rewards, cfg.rollout.n, a.adv_estimator) if len(rewards) else rewards
+        step.set_per_sequence("advantages", adv)
+        return rewards
 
     def _rollouts(self, per_rank: int):
         """Prompts, G responses each, and their rewards; with dynamic sampling, only informative groups."""
@@ -391,32 +382,35 @@ class Trainer:
         infos = [score(self.cfg.data.task, text, prompts[g.prompt_index].answer) for g, text in zip(gens, texts)]
         return prompts, gens, infos
 
-    def _fidelity(self, batch: Batch) -> dict:
-        """token_mult_prob_error between the engine's and the trainer's logprobs of the sampled tokens."""
+    def _fidelity(self, step: PackedStep) -> dict:
+        """token_mult_prob_error between the engine's and the trainer's logprobs of the sampled tokens,
+        from the packed fields; sequences past algorithm.mismatch_mask_threshold get token weight 0."""
         dev = self.policy.device
-        eng, old = batch["engine_logprobs"].items, batch["old_logprobs"].items
-        if len(eng):
-            e = torch.nn.utils.rnn.pad_sequence(eng, batch_first=True)
-            o = torch.nn.utils.rnn.pad_sequence(old, batch_first=True)
-            mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in eng], batch_first=True)
-            m = alg.mismatch_metrics(e, o, mask)
-            seq_max = m["seq_max_mult_prob_error"]
-            sums = [float(m["token_mult_prob_error_sum"]), float(m["token_count"]), float(m["gen_kl_sum"])]
-            keep = alg.mismatch_sequence_mask(seq_max, self.cfg.algorithm.mismatch_mask_threshold)
-        else:
-            seq_max, sums, keep = torch.ones(0), [0.0, 0.0, 0.0], torch.ones(0, dtype=torch.bool)
-        batch["mismatch_keep"] = [k.reshape(1).float() for k in keep]
-        masked = int((~keep).sum())
-        total, count, kl = all_reduce_sum(sums, dev)
-        (masked_all,) = all_reduce_sum([masked], dev)
-        self.counters["masked_mismatch_seqs"] += int(masked_all)
-        t = torch.tensor([float(seq_max.max()) if len(seq_max) else 1.0], device=dev, dtype=torch.float64)
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)
+        seq_max = torch.ones(1, dtype=torch.float64, device=dev)
+        masked = torch.zeros(1, dtype=torch.float64, device=dev)
+        for mb, f in step:
+            if not mb.sample_indices:
+                continue
+            seg = mb.target_seq
+            m = alg.mismatch_metrics(f["engine_logprobs"], f["old_logprobs"], torch.ones_like(seg, dtype=torch.bool),
+                                     segments=seg, num_segments=len(mb.sample_indices))
+            sums += torch.stack([m["token_mult_prob_error_sum"], m["token_count"], m["gen_kl_sum"]]).double()
+            seq_max = torch.maximum(seq_max, m["seq_max_mult_prob_error"].double().max().reshape(1))
+            keep = alg.mismatch_sequence_mask(m["seq_max_mult_prob_error"], self.cfg.algorithm.mismatch_mask_threshold)
+            f["token_weight"] = keep.float()[seg]
+            masked += (~keep).sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sums)
+            dist.all_reduce(masked)
+            dist.all_reduce(seq_max, op=dist.ReduceOp.MAX)
+        total, count, kl = sums.tolist()
+        masked_all = float(masked.item())
+        self.counters["masked_mismatch_seqs"] += int(masked_all)
         value = total / max(count, 1)
         if value > MISMATCH_ALARM and self.dims.is_main:
             log.warning("fidelity alarm: token_mult_prob_error=%.4f > %.2f at step %d", value, MISMATCH_ALARM, self.step)
-        return {"fidelity/token_mult_prob_error": value, "fidelity/token_mult_prob_error_seq_max": float(t.item()),
+        return {"fidelity/token_mult_prob_error": value, "fidelity/token_mult_prob_error_seq_max": float(seq_max.item()),
                 "fidelity/gen_kl": kl / max(count, 1), "fidelity/masked_seqs": masked_all}
 
     def _old_logprobs_from_update(self) -> bool:
@@ -431,55 +425,53 @@ class Trainer:
         return (a.ppo_epochs == 1 and a.mismatch_mask_threshold <= 0
                 and not (self.ref is not None and a.kl_in_reward))
 
-    def _ppo_update(self, batch: Batch, old_from_update: bool = False) -> dict:
+    def _ppo_update(self, step: PackedStep, old_from_update: bool = False) -> dict:
+        """PPO epochs over the step's packed micro-batches; every per-token value stays on the device."""
         cfg, a = self.cfg, self.cfg.algorithm
-        masks = [torch.ones(x.numel()) * k for x, k in zip(batch["engine_logprobs"].items, batch["mismatch_keep"].items)]
-        collected: list[torch.Tensor | None] = [None] * len(batch)
-        tokens = sum(float(m.sum()) for m in masks)
-        seqs = sum(1.0 for m in masks if m.sum() > 0)
-        g_tokens, g_seqs = all_reduce_sum([tokens, seqs], self.policy.device)
-        batch["token_weight"] = masks
+        dev = self.policy.device
+        counts = torch.zeros(2, dtype=torch.float64, device=dev)  # scored tokens, sequences with any
+        for mb, f in step:
+            if mb.sample_indices:
+                w = f.get("token_weight")
+                if w is None:
+                    w = f["token_weight"] = torch.ones_like(f["engine_logprobs"])
+                counts += torch.stack(alg.valid_counts(w > 0, mb.target_seq, len(mb.sample_indices))).double()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        g_tokens, g_seqs = counts.tolist()
 
         def loss_fn(lp, mb, den):
-            dev = lp.device
-            logp, mask = padded(lp, mb)
+            f = mb.fields
+            logp = lp.float()
             if old_from_update:
-                old = logp.detach()
-                for i, chunk in zip(mb.sample_indices, unpack_per_sequence(lp.detach().float().cpu(), mb)):
-                    collected[i] = chunk
-            else:
-                old, _ = padded(per_target(batch, mb, "old_logprobs").to(dev), mb)
-            w, _ = padded(per_target(batch, mb, "token_weight").to(dev), mb)
-            mask = mask & (w > 0)
-            adv = torch.cat([batch["advantages"][i] for i in mb.sample_indices]).to(dev)
-            tis = None
-            if a.tis_cap > 0:
-                eng, _ = padded(per_target(batch, mb, "engine_logprobs").to(dev), mb)
-                tis = alg.tis_weights(old, eng, a.tis_cap)
-            loss, m = alg.policy_loss(logp, old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
+                f["old_logprobs"] = logp.detach()
+            old = f["old_logprobs"]
+            mask = f["token_weight"] > 0
+            tis = alg.tis_weights(old, f["engine_logprobs"], a.tis_cap) if a.tis_cap > 0 else None
+            seg, nseg = mb.target_seq, len(mb.sample_indices)
+            loss, m = alg.policy_loss(logp, old, f["advantages"], mask, clip_low=a.clip_low, clip_high=a.clip_high,
                                       dual_clip=a.dual_clip, loss_agg=a.loss_agg, tis_weights=tis,
-                                      global_tokens=den["tokens"], global_seqs=den["seqs"])
-            n = float(mask.sum())
-            sums = {"loss/clip_fraction_sum": float(m["clip_fraction"]) * n, "loss/tokens": n}
+                                      global_tokens=den["tokens"], global_seqs=den["seqs"], segments=seg,
+                                      num_segments=nseg)
+            n = mask.sum()
+            sums = {"loss/clip_fraction_sum": m["clip_fraction"] * n, "loss/tokens": n}
             if self.ref is not None and not a.kl_in_reward:
-                ref, _ = padded(per_target(batch, mb, "ref_logprobs").to(dev), mb)
-                kl = alg.kl_penalty(logp, ref, a.kl_estimator)
-                kl_loss = alg.aggregate_loss(kl, mask, a.loss_agg, global_tokens=den["tokens"], global_seqs=den["seqs"])
+                kl = alg.kl_penalty(logp, f["ref_logprobs"], a.kl_estimator)
+                kl_loss = alg.aggregate_loss(kl, mask, a.loss_agg, global_tokens=den["tokens"], global_seqs=den["seqs"],
+                                             segments=seg, num_segments=nseg)
                 loss = loss + a.kl_coef * kl_loss
-                sums["loss/kl_sum"] = float(kl.detach()[mask].sum())
+                sums["loss/kl_sum"] = kl.detach()[mask].sum()
             return loss, sums
 
         out = {}
         for _ in range(a.ppo_epochs):
-            out = optimizer_step(self.policy, self.optimizer, batch, loss_fn, max_tokens=cfg.optim.max_tokens_per_microbatch,
+            out = optimizer_step(self.policy, self.optimizer, step, loss_fn, max_tokens=cfg.optim.max_tokens_per_microbatch,
                                  grad_clip=cfg.optim.grad_clip, temperature=cfg.rollout.temperature,
                                  denominators={"tokens": g_tokens, "seqs": g_seqs})
             self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
-            self.version += 1
-        if old_from_update:
-            batch["old_logprobs"] = [c if c is not None else torch.zeros(0) for c in collected]
+            self.colocation.policy_updated()
         keys = ["loss/clip_fraction_sum", "loss/tokens", "loss/kl_sum", "loss/entropy_sum"]
-        clip, n, kl, ent = all_reduce_sum([out.get(k, 0.0) for k in keys], self.policy.device)
+        clip, n, kl, ent = all_reduce_sum([out.get(k, 0.0) for k in keys], dev)
         metrics = {"loss/total": out["loss/total"], "loss/grad_norm": out["loss/grad_norm"],
                    "loss/skipped_nonfinite": out["loss/skipped_nonfinite"],
                    "loss/clip_fraction": clip / max(n, 1), "loss/entropy": ent / max(n, 1),
@@ -503,12 +495,18 @@ class Trainer:
                 "reward/format": fmt / n, "rollout/response_len_mean": ln / n, "rollout/response_len_max": float(max_len),
                 "rollout/truncated_frac": trunc / n, "reward/failures_total": float(self.counters["reward_failures"])}
 
-    def _throughput(self, batch: Batch, timings: dict) -> dict:
-        tokens = sum(t.numel() for t in batch["input_ids"].items)
-        gen_tokens = sum(t.numel() for t in batch["engine_logprobs"].items)
-        total, gen = all_reduce_sum([tokens, gen_tokens], self.policy.device)
-        return {"perf/tokens_per_s": total / max(timings["perf/train_s"], 1e-9),
-                "perf/gen_tokens_per_s": gen / max(timings["perf/gen_s"], 1e-9)}
+    def _throughput(self, step: PackedStep, timings: dict) -> dict:
+        """Tokens per second of training and generation, and the update's MFU (language-model FLOPs
+        of forward and backward over every micro-batch, the way EasyR1 and veRL count them)."""
+        seqlens = [t.numel() for t in step.batch["input_ids"].items]
+        gen_tokens = sum(int(f["engine_logprobs"].numel()) for mb, f in step if mb.sample_indices)
+        flops = llm_flops(self.policy.model.config, seqlens) * self.cfg.algorithm.ppo_epochs
+        total, gen, flops = all_reduce_sum([sum(seqlens), gen_tokens, flops], self.policy.device)
+        out = {"perf/tokens_per_s": total / max(timings["perf/train_s"], 1e-9),
+               "perf/gen_tokens_per_s": gen / max(timings["perf/gen_s"], 1e-9)}
+        if self._peak_tflops:
+            out["perf/mfu_llm"] = flops / max(timings["perf/train_s"], 1e-9) / (self._peak_tflops * 1e12 * self.dims.world_size)
+        return out
 
     # --- evaluation --------------------------------------------------------------------------
     @torch.no_grad()

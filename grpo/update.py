@@ -64,6 +64,69 @@ def dummy_microbatch() -> PackedMicrobatch:
                             torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0 * one, [])
 
 
+class PackedStep:
+    """One step's sequences packed once, on the device, and kept in that shape for every pass.
+
+    The micro-batch plan is made once (the same count on every rank); each micro-batch is packed
+    and moved to the device once. Per-token fields (engine, old and reference logprobs, token
+    weights, advantages) live beside each micro-batch in `fields[j][name]` as (K_j,) tensors in
+    the row's target order, so old/ref logprob passes and every PPO epoch read them where the
+    loss is computed, with no trip through the CPU. A bin with no samples (this rank has fewer
+    sequences than another) is a zero-weighted dummy micro-batch that keeps collectives in step.
+    """
+
+    def __init__(self, batch: Batch, max_tokens: int, device):
+        self.batch = batch
+        self.bins = common_microbatches(batch, max_tokens, device)
+        self.microbatches = [(pack(batch, b) if b else dummy_microbatch()).to(device) for b in self.bins]
+        self.fields: list[dict[str, torch.Tensor]] = [{} for _ in self.microbatches]
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def __iter__(self):
+        """(micro-batch, its fields) pairs, dummy micro-batches included."""
+        return iter(zip(self.microbatches, self.fields))
+
+    def set_per_token(self, name: str, values: list[torch.Tensor]) -> None:
+        """A per-sample field of one value per scored token (e.g. engine logprobs), packed."""
+        for mb, f in self:
+            if mb.sample_indices:
+                f[name] = torch.cat([values[i].reshape(-1) for i in mb.sample_indices]).to(
+                    self.device, torch.float32, non_blocking=True)
+
+    def set_per_sequence(self, name: str, values: torch.Tensor) -> None:
+        """A per-sample scalar (e.g. the advantage), broadcast to every scored token of its sequence."""
+        on_device = values.to(self.device, torch.float32)
+        for mb, f in self:
+            if mb.sample_indices:
+                index = torch.tensor(mb.sample_indices, device=self.device)
+                f[name] = on_device[index][mb.target_seq]
+
+    def per_sample(self, name: str) -> list[torch.Tensor]:
+        """A packed field back as one CPU tensor per sample, in batch order (for reports and tests)."""
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(self.batch)
+        for mb, f in self:
+            if mb.sample_indices and name in f:
+                for i, chunk in zip(mb.sample_indices, unpack_per_sequence(f[name].float().cpu(), mb.to("cpu"))):
+                    out[i] = chunk
+        return out
+
+    def sequence_sums(self, name: str) -> torch.Tensor:
+        """Per-sample sums of a packed per-token field, (N,) on the device."""
+        out = torch.zeros(len(self.batch), device=self.device)
+        for mb, f in self:
+            if mb.sample_indices and name in f:
+                index = torch.tensor(mb.sample_indices, device=self.device)
+                out.index_add_(0, index[mb.target_seq], f[name].float())
+        return out
+
+
+def as_packed(batch: "Batch | PackedStep", max_tokens: int, device) -> PackedStep:
+    return batch if isinstance(batch, PackedStep) else PackedStep(batch, max_tokens, device)
+
+
 def per_target(batch: Batch, mb: PackedMicrobatch, name: str) -> torch.Tensor:
     """A per-sample field aligned to scored tokens, concatenated in the micro-batch's target order."""
     return torch.cat([batch[name][i].reshape(-1) for i in mb.sample_indices])
@@ -84,50 +147,62 @@ def padded(values: torch.Tensor, mb: PackedMicrobatch) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def sequence_logprobs(policy: Policy, batch: Batch, max_tokens: int, temperature: float = 1.0,
+def packed_logprobs(policy: Policy, step: PackedStep, name: str, temperature: float = 1.0) -> None:
+    """Scored-token logprobs of every micro-batch into the packed field `name`, on the device
+    (old or reference logprobs); a collective across ranks."""
+    for mb, f in step:
+        lp, _ = policy.logprobs(mb, temperature=temperature)
+        if mb.sample_indices:
+            f[name] = lp.float()
+
+
+@torch.no_grad()
+def sequence_logprobs(policy: Policy, batch: "Batch | PackedStep", max_tokens: int, temperature: float = 1.0,
                       with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Scored-token logprobs (and entropies) per sample, in batch order; collective across ranks."""
-    out: list[torch.Tensor | None] = [None] * len(batch)
-    ents: list[torch.Tensor | None] = [None] * len(batch)
-    for bin_ in common_microbatches(batch, max_tokens, policy.device):
-        mb = pack(batch, bin_) if bin_ else dummy_microbatch()
+    """Scored-token logprobs (and entropies) per sample, in batch order, on CPU; collective across ranks."""
+    step = as_packed(batch, max_tokens, policy.device)
+    for mb, f in step:
         lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=with_entropy)
-        for i, chunk in zip(mb.sample_indices, unpack_per_sequence(lp.float().cpu(), mb)):
-            out[i] = chunk
-        if with_entropy:
-            for i, chunk in zip(mb.sample_indices, unpack_per_sequence(ent.float().cpu(), mb)):
-                ents[i] = chunk
-    return out, (ents if with_entropy else None)
+        if mb.sample_indices:
+            f["_logprobs"] = lp.float()
+            if with_entropy:
+                f["_entropy"] = ent.float()
+    return step.per_sample("_logprobs"), (step.per_sample("_entropy") if with_entropy else None)
 
 
 LossFn = Callable[[torch.Tensor, PackedMicrobatch, dict], tuple[torch.Tensor, dict[str, float]]]
 
 
-def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn, *,
+def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Batch | PackedStep", loss_fn: LossFn, *,
                    max_tokens: int, grad_clip: float, temperature: float = 1.0, denominators: dict) -> dict:
     """Forward/backward every micro-batch, clip, check finiteness, step. Returns local metric sums.
 
     `loss_fn(logprobs, mb, denominators)` returns a loss already normalized by the global
-    denominators; it is scaled by the data-parallel size because FSDP averages gradients.
+    denominators, and a dict of metric sums (floats or 0-d tensors; read once, after the last
+    micro-batch, so no micro-batch waits on the host); it is scaled by the data-parallel size
+    because FSDP averages gradients. A PackedStep's fields reach it as `mb.fields`.
     """
     device = policy.device
     dp = policy.dims.dp
+    step = as_packed(batch, max_tokens, device)
     optimizer.zero_grad(set_to_none=True)
-    loss_total = 0.0
-    sums: dict[str, float] = {}
-    for bin_ in common_microbatches(batch, max_tokens, device):
-        if bin_:
-            mb = pack(batch, bin_)
+    totals: list[torch.Tensor] = []
+    sums: dict[str, list] = {}
+    for mb, fields in step:
+        mb.fields = fields
+        if mb.sample_indices:
             lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
             loss, m = loss_fn(lp, mb, denominators)
-            sums["loss/entropy_sum"] = sums.get("loss/entropy_sum", 0.0) + float(ent.sum())
+            sums.setdefault("loss/entropy_sum", []).append(ent.detach().float().sum())
         else:
-            lp, _ = policy.logprobs(dummy_microbatch(), temperature=temperature)
+            lp, _ = policy.logprobs(mb, temperature=temperature)
             loss, m = lp.sum() * 0.0, {}
         (loss * dp).backward()
-        loss_total += float(loss.detach())
+        totals.append(loss.detach().float().reshape(()))
         for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+            sums.setdefault(k, []).append(v)
+    loss_total = float(torch.stack(totals).sum()) if totals else 0.0
+    sums = {k: float(sum(float(x) for x in v)) for k, v in sums.items()}
     params = [p for p in policy.model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):

@@ -8,7 +8,7 @@ the attention implementation finds the boundaries (`cu_seqlens`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,9 @@ class PackedMicrobatch:
     # runs once per prompt. pixel_values/image_grid_thw hold the distinct groups only.
     image_group: list[int] | None = None
     images_per_group: list[int] | None = None  # grid rows (images) in each distinct group
+    # Per-target values riding with this micro-batch through a step (grpo/update.py's PackedStep):
+    # name → (K,) tensor on the micro-batch's device, in target order.
+    fields: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

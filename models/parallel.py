@@ -174,7 +174,9 @@ def apply_parallelism(
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
-    kwargs = {"mesh": dims.dp_mesh}
+    # With one data-parallel rank nothing is sharded: keeping each unit's low-precision copy from
+    # forward to backward saves re-casting every parameter in backward, for one model-sized copy.
+    kwargs = {"mesh": dims.dp_mesh, "reshard_after_forward": dims.dp_mesh.size() > 1}
     if mp is not None:
         kwargs["mp_policy"] = mp
     fully_shard(adapter.vision_tower(model), **kwargs)

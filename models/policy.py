@@ -282,6 +282,16 @@ class Policy:
         if optimizer is not None:
             move_optimizer_state(optimizer, self.device)
 
+    def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move only the optimizer state to CPU (the parameters stay where they are)."""
+        move_optimizer_state(optimizer, torch.device("cpu"))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # non-blocking copies must land before the memory is reused
+            torch.cuda.empty_cache()
+
+    def reload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        move_optimizer_state(optimizer, self.device)
+
     # --- full weights ----------------------------------------------------------------------
     def full_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every weight, in transformers' current names; a collective on all ranks."""

@@ -47,7 +47,15 @@ class Generation:
 
 
 class Engine(ABC):
-    """Generates responses; sleeps to give the GPU back to training; takes new weights by refit."""
+    """Generates responses; sleeps to give the GPU back to training; takes new weights by refit.
+
+    What colocation (rollout/colocation.py) relies on: `generate` only while awake; `sleep`
+    frees the engine's device memory and `wake` undoes it, both idempotent; `refit` works awake
+    or asleep and leaves any cache that could hold results of the old weights empty; `dtype` is
+    what refit tensors are rounded to (None: the engine casts them itself).
+    """
+
+    dtype: torch.dtype | None = None
 
     @abstractmethod
     def generate(self, prompts: list[PromptInput], params: SamplingParams) -> list[Generation]:

@@ -36,8 +36,12 @@ def resolve_engine_name(name: str, family: str | None = None) -> str:
     return name
 
 
-def build_engine(cfg, policy):
-    """The engine for this rank, holding the policy's model folder; weights arrive by refit."""
+def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, max_num_seqs: int | None = None):
+    """The engine for this rank, holding the policy's model folder; weights arrive by refit.
+
+    `gpu_memory_utilization` is the colocation plan's share of the device for vLLM (default:
+    rollout.gpu_memory_utilization); `max_num_seqs` the most sequences one generation call runs
+    at once (vLLM sizes its scheduler and CUDA graphs by it)."""
     name = resolve_engine_name(cfg.rollout.engine, policy.model.config.model_type)
     if name == "torch":
         from rollout.torch_engine import TorchEngine
@@ -47,8 +51,9 @@ def build_engine(cfg, policy):
 
     r, d = cfg.rollout, cfg.data
     return VLLMEngine(
-        cfg.model.path, tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
-        enforce_eager=r.enforce_eager, max_model_len=d.max_prompt_tokens + r.max_new_tokens, seed=cfg.trainer.seed,
+        cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization or r.gpu_memory_utilization or 0.5,
+        enforce_eager=r.enforce_eager, max_num_seqs=max_num_seqs, max_model_len=d.max_prompt_tokens + r.max_new_tokens, seed=cfg.trainer.seed,
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
     )

@@ -394,6 +394,7 @@ class VLLMEngine(Engine):
         adapter: FamilyAdapter | None = None,
         max_images_per_prompt: int = 1,
         async_scheduling: bool | None = None,
+        max_num_seqs: int | None = None,
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -420,6 +421,7 @@ class VLLMEngine(Engine):
         # None: vLLM's choice (on). external_launcher relies on every rank of a TP group scheduling
         # identically; the TP=2 pair's hang is not yet explained, and turning this off is a test of it.
         self._async_scheduling = async_scheduling
+        self._max_num_seqs = max_num_seqs
         self._seed = seed
         self._calls = 0
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
@@ -470,6 +472,7 @@ class VLLMEngine(Engine):
             # engine hung in warm-up on the lent 2xH200 VM (colocated RL trainers disable it too).
             disable_custom_all_reduce=True,
             **self._kv_cache_kwargs(gpu_memory_utilization, dtype),
+            **self._batch_kwargs(enforce_eager),
             **({} if self._async_scheduling is None else {"async_scheduling": self._async_scheduling}),
         )
 
@@ -483,6 +486,20 @@ class VLLMEngine(Engine):
         log.info("VLLMEngine: %s KV cache capped at %.2f GiB (FlexAttention's per-step block map stays under "
                  "%d MiB)", self.family, cap / _GIB, FLEX_BLOCK_MAP_BYTES // 1024**2)
         return {"kv_cache_memory_bytes": cap}
+
+    def _batch_kwargs(self, enforce_eager: bool) -> dict:
+        """Scheduler width and CUDA graph sizes matched to the rollout batch, when the caller knows it.
+
+        vLLM's defaults (1024 sequences, graphs captured up to 512) capture graphs a rollout of
+        fewer sequences never replays, at start-up time; decode batches never exceed max_num_seqs.
+        """
+        if not self._max_num_seqs:
+            return {}
+        seqs = -(-self._max_num_seqs // 8) * 8  # vLLM's capture sizes step by 8
+        kwargs = {"max_num_seqs": seqs}
+        if not enforce_eager:
+            kwargs["compilation_config"] = {"max_cudagraph_capture_size": seqs}
+        return kwargs
 
     def _lm_head_is_embedding(self) -> bool:
         """Whether the engine ties lm_head to embed_tokens (then vLLM skips lm_head.* in refit)."""
@@ -635,10 +652,6 @@ class VLLMEngine(Engine):
             raise RuntimeError("VLLMEngine: vLLM could not reset its prefix cache (requests still running)")
         self._llm.llm_engine.reset_encoder_cache()
         self._llm.reset_mm_cache()
-
-    def memory_budget_bytes(self, device_bytes: int) -> int:
-        """What the engine takes of the device while awake (vLLM claims its utilization share)."""
-        return int(self.gpu_memory_utilization * device_bytes)
 
     def memory_gb(self) -> dict[str, float]:
         """GPU memory of this rank's device in GiB: in use on the device, and held by torch's allocator."""

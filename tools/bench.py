@@ -40,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from models.flops import llm_flops  # noqa: E402
+
 TARGETS = {"mfu_llm": (">=", 0.45), "refit_s": ("<=", 0.5), "sleep_wake_s": ("<=", 1.0),
            "gen_vs_standalone": (">=", 0.95), "padding_waste": ("<=", 0.05), "overhead_frac": ("<=", 0.05)}
 
@@ -77,18 +79,6 @@ def _parse(argv):
 
 
 # --- FLOPs -----------------------------------------------------------------------------------
-def llm_flops(text_cfg, seqlens: list[int]) -> float:
-    """Training FLOPs (forward + backward) of the language model, counted as EasyR1/veRL count them."""
-    h, heads = text_cfg.hidden_size, text_cfg.num_attention_heads
-    kv = text_cfg.num_key_value_heads
-    head_dim = getattr(text_cfg, "head_dim", None) or h // heads
-    mlp = 3 * h * text_cfg.intermediate_size
-    attn_linear = h * (heads * head_dim + 2 * kv * head_dim + heads * head_dim)
-    dense = (mlp + attn_linear) * text_cfg.num_hidden_layers + 2 * text_cfg.vocab_size * h
-    attn = 12 * sum(s * s for s in seqlens) * head_dim * heads * text_cfg.num_hidden_layers
-    return 6.0 * dense * sum(seqlens) + attn
-
-
 def vision_flops(vision_model, grids: list[torch.Tensor]) -> float:
     """Training FLOPs of the vision tower for these images: 6·N·patches plus full attention per image
     (an upper bound for Qwen2.5-VL's windowed blocks)."""

@@ -13,6 +13,7 @@
 #   full      the whole benchmark suite on the 3B-shaped model (ATTN=varlen|sdpa, default varlen)
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
 #   scale     3B-shaped GRPO steps on one GPU, then on two (NPROCS="1 2"; policy sharded, one engine per GPU)
+#   loop      train.py with the 3B recipe on one GPU (STEPS=8; LOOP_ARGS for overrides); tools/loop_summary.py
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
 #   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED (FAMS, default
 #             "idefics3 gemma3 llava"; then e.g. FAMS="qwen2_vl qwen3_vl qwen2_5_vl" in a second call;
@@ -84,6 +85,22 @@ scale)
     echo "3B GRPO on $np GPU(s) rc=$?"
     cp $W/scale_$np/metrics.jsonl "$OUT/scale_${np}_metrics.jsonl" 2>/dev/null
   done
+  ;;
+loop)
+  # The user's path: train.py with configs/clevr_qwen2_5_vl_3b.yaml as shipped apart from paths, at the
+  # benchmark's shape (16 prompts x 8 responses x 256 new tokens, 448x448 images), STEPS steps on one GPU.
+  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
+    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+  $PY tools/make_dataset.py --kind clevr --n 256 --seed 3 --out $W/loop.parquet --size 448x448 > /dev/null
+  rm -rf $W/loop
+  timeout ${LOOP_S:-400} $PY -m torch.distributed.run --standalone --nproc-per-node 1 train.py \
+    --config configs/clevr_qwen2_5_vl_3b.yaml model.path=$M data.train_path=$W/loop.parquet \
+    data.eval_path=$W/loop.parquet trainer.run_dir=$W/loop trainer.max_steps=${STEPS:-8} trainer.eval_every=0 \
+    data.prompts_per_step=16 rollout.max_new_tokens=256 checkpoint.every_steps=0 trainer.progress=false \
+    ${LOOP_ARGS:-} > "$OUT/loop.log" 2>&1
+  echo "3B GRPO loop rc=$?"
+  cp $W/loop/metrics.jsonl "$OUT/loop_metrics.jsonl" 2>/dev/null
+  $PY tools/loop_summary.py "$OUT/loop_metrics.jsonl" | tee "$OUT/loop_summary.json"
   ;;
 multi)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null

@@ -1,0 +1,363 @@
+"""Colocation: the policy and the engine taking turns on each rank's GPU, as one object.
+
+`Colocation` owns everything the two halves share: the memory plan made once at start, the
+engine (built on first use with the plan's share of the device), waking it for generation and
+putting it back to sleep, offloading the policy state the plan says does not fit beside it, and
+refitting the engine whenever the policy has moved. The trainer's step uses it as
+
+    with colocation.generating() as engine:     # wake (offload first, if planned) ... sleep
+        generations = engine.generate(...)
+    ... score, logprobs, update ...
+    colocation.policy_updated()                  # the engine's weights are now stale
+    colocation.refit()                           # stream the new weights into the engine
+
+The memory plan (`plan_memory`) works out what the policy needs on the device: its parameters,
+gradients, optimizer state, a reference model, and the peak activations of the configured
+micro-batch. During generation gradients do not exist (the update frees them), so the engine
+gets what the resident state leaves; only what does not fit beside the engine leaves the GPU,
+optimizer state before parameters. During training the engine sleeps and the policy has the
+device, so the plan also checks the training peak fits then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Literal
+
+import torch
+
+from rollout.base import Engine
+
+log = logging.getLogger("vlrl")
+_GIB = 2**30
+
+RESERVE_BYTES = 3 * _GIB  # CUDA context, NCCL buffers, allocator fragmentation
+ENGINE_OVERHEAD_BYTES = 4 * _GIB  # vLLM's activations, sampler and CUDA graphs beside weights and KV
+ENGINE_ASLEEP_BYTES = 1 * _GIB  # what a sleeping vLLM keeps (measured 0.79 GiB on an H200)
+MAX_ENGINE_SHARE = 0.9
+KV_HEADROOM = 1.25  # KV cache wanted beyond the longest step's tokens (block rounding, prefix sharing off)
+
+Offload = Literal["none", "optimizer", "optimizer+parameters"]
+
+
+@dataclass
+class MemoryNeeds:
+    """Bytes per GPU that each piece of the colocated step takes (inputs to `plan_memory`)."""
+
+    device: int
+    parameters: int  # the policy's local parameter shards (fp32 master copy on GPU)
+    gradients: int  # as large as the parameters; exist only during the update
+    optimizer: int  # AdamW: two moments as large as the parameters
+    reference: int = 0  # a frozen reference policy, if any
+    compute_copy: int = 0  # unsharded low-precision parameters held during forward/backward
+    activations: int = 0  # peak activations of one micro-batch (training only)
+    engine_weights: int = 0
+    engine_kv_wanted: int = 0  # KV cache for one step's sequences, with headroom
+    reserve: int = RESERVE_BYTES
+
+
+@dataclass
+class MemoryPlan:
+    """What stays on the GPU during generation, what leaves it, and the engine's share."""
+
+    needs: MemoryNeeds
+    offload: Offload
+    gpu_memory_utilization: float
+    explicit: bool = False  # the share came from rollout.gpu_memory_utilization, not the plan
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.offload != "none"
+
+    @property
+    def offload_parameters(self) -> bool:
+        return self.offload == "optimizer+parameters"
+
+    @property
+    def resident_during_generation(self) -> int:
+        n = self.needs
+        return (0 if self.offload_parameters else n.parameters + n.reference) + \
+            (0 if self.offload_optimizer else n.optimizer)
+
+    @property
+    def engine_bytes(self) -> int:
+        return int(self.gpu_memory_utilization * self.needs.device)
+
+    @property
+    def training_peak(self) -> int:
+        n = self.needs
+        return n.parameters + n.gradients + n.optimizer + n.reference + n.compute_copy + n.activations
+
+    def lines(self) -> list[str]:
+        """One line per item, for the start-up log."""
+        n, g = self.needs, lambda b: f"{b / _GIB:6.1f} GiB"
+        where_opt = "offloaded to CPU during generation" if self.offload_optimizer else "resident"
+        where_par = "offloaded to CPU during generation" if self.offload_parameters else "resident"
+        share = "rollout.gpu_memory_utilization (explicit)" if self.explicit else "what the resident state leaves"
+        out = [
+            f"memory plan, per GPU of {n.device / _GIB:.1f} GiB:",
+            f"  policy parameters        {g(n.parameters)}  {where_par}",
+            f"  gradients                {g(n.gradients)}  training only (freed after each update)",
+            f"  optimizer state          {g(n.optimizer)}  {where_opt}",
+        ]
+        if n.reference:
+            out.append(f"  reference model          {g(n.reference)}  {where_par}")
+        if n.compute_copy:
+            out.append(f"  unsharded compute copy   {g(n.compute_copy)}  training only")
+        out += [
+            f"  activations (peak)       {g(n.activations)}  training only (estimate for one micro-batch)",
+            f"  reserve                  {g(n.reserve)}  CUDA context, communication buffers, fragmentation",
+            f"  engine                   {g(self.engine_bytes)}  gpu_memory_utilization={self.gpu_memory_utilization:.3f}"
+            f" ({share}; weights {n.engine_weights / _GIB:.1f} GiB, KV wanted {n.engine_kv_wanted / _GIB:.1f} GiB)",
+            f"  training peak            {g(self.training_peak)}  of {(n.device - ENGINE_ASLEEP_BYTES - n.reserve) / _GIB:.1f}"
+            " GiB while the engine sleeps",
+        ]
+        return out + [f"  warning: {w}" for w in self.warnings]
+
+
+def _engine_floor(n: MemoryNeeds) -> int:
+    return n.engine_weights + ENGINE_OVERHEAD_BYTES + n.engine_kv_wanted
+
+
+def plan_memory(needs: MemoryNeeds, *, offload: Literal["auto", "on", "off"] = "auto",
+                gpu_memory_utilization: float = 0.0) -> MemoryPlan:
+    """The colocation plan: keep as much policy state resident as the engine leaves room for.
+
+    `offload` is parallel.offload_during_generate: `on` moves optimizer state and parameters off
+    the GPU for every generation, `off` never, `auto` moves only what does not fit (optimizer
+    state first). `gpu_memory_utilization` > 0 fixes the engine's share (an explicit override);
+    0 gives the engine everything the resident state and the reserve leave, up to 90%.
+    """
+    explicit = gpu_memory_utilization > 0
+    choices: list[Offload] = {"on": ["optimizer+parameters"], "off": ["none"]}.get(
+        offload, ["none", "optimizer", "optimizer+parameters"])
+    plan = None
+    for choice in choices:
+        plan = MemoryPlan(needs, choice, 0.0, explicit)
+        left = needs.device - plan.resident_during_generation - needs.reserve
+        if explicit:
+            plan.gpu_memory_utilization = gpu_memory_utilization
+            fits = plan.engine_bytes <= left
+        else:
+            plan.gpu_memory_utilization = max(min(left / needs.device, MAX_ENGINE_SHARE), 0.0)
+            fits = left >= _engine_floor(needs)
+        if fits:
+            break
+    else:
+        plan.warnings.append(
+            f"the engine's share ({plan.engine_bytes / _GIB:.1f} GiB) and the resident policy state "
+            f"({plan.resident_during_generation / _GIB:.1f} GiB) do not fit the device with "
+            f"parallel.offload_during_generate={offload}; generation may run out of memory"
+        )
+    if not explicit and plan.engine_bytes < _engine_floor(needs):
+        plan.warnings.append(
+            f"the engine gets {plan.engine_bytes / _GIB:.1f} GiB, less than its weights, overhead and the KV cache "
+            f"for one step's sequences ({_engine_floor(needs) / _GIB:.1f} GiB): generation will queue requests"
+        )
+    room = needs.device - ENGINE_ASLEEP_BYTES - needs.reserve
+    if plan.training_peak > room:
+        plan.warnings.append(
+            f"training needs ~{plan.training_peak / _GIB:.1f} GiB but ~{room / _GIB:.1f} GiB is free while the "
+            "engine sleeps: lower optim.max_tokens_per_microbatch or set model.activation_checkpointing=true"
+        )
+    return plan
+
+
+# --- estimates from the model's shape -------------------------------------------------------------
+def text_config(config) -> object:
+    return getattr(config, "text_config", None) or config
+
+
+def activation_bytes(config, tokens: int, checkpointing: bool, dtype_bytes: int = 2) -> int:
+    """Peak activation bytes of a forward/backward over a packed row of `tokens` tokens.
+
+    Per token and decoder layer, a SwiGLU block with FlashAttention keeps about (8·hidden +
+    4·intermediate) values for backward (norm inputs and outputs, q/k/v, attention output,
+    gate/up/activation/product); with activation checkpointing only each layer's input stays,
+    plus one layer recomputed at a time. The lm_head runs in chunks (models/policy.py), so logits
+    add little. An estimate that errs high.
+    """
+    t = text_config(config)
+    h, inter, layers = t.hidden_size, getattr(t, "intermediate_size", 4 * t.hidden_size), t.num_hidden_layers
+    per_layer = (8 * h + 4 * inter) * dtype_bytes
+    if checkpointing:
+        return tokens * (layers * h * dtype_bytes + per_layer)
+    return tokens * layers * per_layer
+
+
+def kv_bytes_per_token(config, dtype_bytes: int = 2, tensor_parallel_size: int = 1) -> int:
+    """K and V bytes per token over all decoder layers, per GPU of a tensor-parallel engine."""
+    t = text_config(config)
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    kv_heads = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
+    split = max(1, min(tensor_parallel_size, kv_heads))
+    return 2 * t.num_hidden_layers * kv_heads * head_dim * dtype_bytes // split
+
+
+def tensor_bytes(tensors) -> int:
+    """Local bytes of parameters or state tensors (a DTensor counts its local shard)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+# --- the device's peak ---------------------------------------------------------------------------
+class DevicePeak:
+    """This process's peak device memory over a step, in bytes, never above the device's size.
+
+    torch's allocator statistics alone overstate it: a sleeping vLLM engine's tensors stay
+    allocated in torch's books while their memory is unmapped, so `max_memory_allocated` read
+    160-190 GiB on a 140 GiB H200. The peak is instead the device's used memory at the step's
+    start plus what torch's caching allocator reserved beyond that during the step, and the
+    device's used memory sampled while the engine is awake (`sample`).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._peak = 0
+        self._start_used = self._start_reserved = 0
+
+    def _used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def begin(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            self._start_used, self._start_reserved = self._used(), torch.cuda.memory_reserved(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._peak = self._start_used
+
+    def sample(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            self._peak = max(self._peak, self._used())
+
+    def end(self) -> float:
+        """The step's peak in GiB (on CPU: the process's peak resident memory)."""
+        if not self._cuda:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        grown = torch.cuda.max_memory_reserved(self.device) - self._start_reserved
+        self.sample()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return min(max(self._peak, self._start_used + grown), total) / _GIB
+
+
+# --- the colocation object ----------------------------------------------------------------------
+class Colocation:
+    """Owns the engine's life on this rank: the memory plan, wake/sleep, offload/reload, refit.
+
+    `build_engine(gpu_memory_utilization)` makes the engine (called once, on first use, after the
+    plan). `needs` is a callable returning this rank's `MemoryNeeds` (called once, on first use).
+    """
+
+    def __init__(self, policy, optimizer: torch.optim.Optimizer, *, build_engine: Callable[[float], Engine],
+                 needs: Callable[[], MemoryNeeds] | None, offload: str = "auto", gpu_memory_utilization: float = 0.0,
+                 reference=None, agree: Callable[[int], int] = lambda v: v, is_main: bool = True):
+        self.policy = policy
+        self.optimizer = optimizer
+        self.reference = reference
+        self._build_engine = build_engine
+        self._needs = needs
+        self._offload_mode = offload
+        self._utilization = gpu_memory_utilization
+        self._agree = agree  # all-reduce max across ranks, so every rank takes the same decision
+        self._is_main = is_main
+        self.engine: Engine | None = None
+        self.plan: MemoryPlan | None = None
+        self.policy_version = 0  # optimizer updates applied to the policy in this process
+        self.engine_version = -1  # the policy version whose weights the engine holds
+        self.timings: dict[str, float] = {}
+        self._gpu = policy.device.type == "cuda"
+        self.peak = DevicePeak(policy.device)
+
+    # --- start-up ------------------------------------------------------------------------------
+    def make_plan(self) -> MemoryPlan | None:
+        """The plan, made once (on a GPU; on CPU there is nothing to share)."""
+        if self.plan is None and self._gpu and self._needs is not None:
+            plan = plan_memory(self._needs(), offload=self._offload_mode,
+                               gpu_memory_utilization=self._utilization)
+            # every rank offloads alike (an FSDP collective must not meet a rank whose shards moved)
+            level = self._agree(["none", "optimizer", "optimizer+parameters"].index(plan.offload))
+            plan.offload = ["none", "optimizer", "optimizer+parameters"][level]
+            self.plan = plan
+            if self._is_main:
+                print("\n".join(plan.lines()), flush=True)
+        return self.plan
+
+    def ensure_engine(self) -> Engine:
+        """The engine, built on first use with the plan's share and refit if the policy has moved."""
+        if self.engine is None:
+            plan = self.make_plan()
+            if self._gpu:
+                torch.cuda.empty_cache()  # memory cached from training would count as taken to vLLM
+            self.engine = self._build_engine(plan.gpu_memory_utilization if plan else self._utilization)
+        if self.engine_version != self.policy_version:
+            self.refit()
+        return self.engine
+
+    # --- the phases ------------------------------------------------------------------------------
+    @contextmanager
+    def generating(self) -> Iterator[Engine]:
+        """The engine awake and current for the block; afterwards asleep, the policy state back."""
+        engine = self.ensure_engine()
+        plan = self.plan
+        time_slice = self._gpu
+        t = time.monotonic()
+        if plan is not None and plan.offload_parameters:
+            self.policy.offload(None)
+            if self.reference is not None:
+                self.reference.offload(None)
+        if plan is not None and plan.offload_optimizer:
+            self.policy.offload_optimizer(self.optimizer)
+        if time_slice:
+            torch.cuda.empty_cache()  # what training cached goes back before the engine wakes
+        offload_s = time.monotonic() - t
+        t = time.monotonic()
+        if time_slice:
+            engine.wake()
+        wake_s = time.monotonic() - t
+        self.peak.sample()
+        try:
+            yield engine
+        finally:
+            self.peak.sample()
+            t = time.monotonic()
+            if time_slice:
+                engine.sleep()
+            sleep_s = time.monotonic() - t
+            t = time.monotonic()
+            if plan is not None and plan.offload_parameters:
+                self.policy.reload(None)
+                if self.reference is not None:
+                    self.reference.reload(None)
+            if plan is not None and plan.offload_optimizer:
+                self.policy.reload_optimizer(self.optimizer)
+            reload_s = time.monotonic() - t
+            self.timings = {"perf/wake_s": wake_s, "perf/sleep_s": sleep_s, "perf/offload_s": offload_s + reload_s}
+
+    def policy_updated(self, steps: int = 1) -> None:
+        """The policy took `steps` optimizer steps: the engine's weights are stale until `refit`."""
+        self.policy_version += steps
+
+    def refit(self) -> float:
+        """Stream the policy's full weights into the engine (in the engine's dtype); returns seconds."""
+        t0 = time.monotonic()
+        if self.engine is None:
+            return 0.0
+        if self._gpu:
+            # A sleeping engine maps its weights back for refit: what training cached must go back
+            # first (a 3B policy on one H200 ran out of memory there without this).
+            torch.cuda.empty_cache()
+        self.engine.refit(self.policy.full_state_dict(self.engine.dtype))
+        self.engine_version = self.policy_version
+        return time.monotonic() - t0

@@ -1,0 +1,136 @@
+"""The colocation memory plan's arithmetic and the Colocation object's engine life cycle."""
+
+import pytest
+import torch
+
+from rollout.colocation import (
+    ENGINE_ASLEEP_BYTES, MAX_ENGINE_SHARE, Colocation, MemoryNeeds, activation_bytes, kv_bytes_per_token, plan_memory,
+)
+
+GIB = 2**30
+
+
+def needs_3b_h200(**overrides):
+    """Qwen2.5-VL-3B on one H200: fp32 master weights (3.78B parameters), AdamW, a reference model."""
+    params = int(15.1 * GIB)
+    base = dict(device=int(139.8 * GIB), parameters=params, gradients=params, optimizer=2 * params, reference=params,
+                compute_copy=params // 2, activations=20 * GIB, engine_weights=params // 2, engine_kv_wanted=3 * GIB)
+    base.update(overrides)
+    return MemoryNeeds(**base)
+
+
+def test_3b_on_one_h200_keeps_the_policy_resident():
+    n = needs_3b_h200()
+    plan = plan_memory(n)
+    assert plan.offload == "none" and not plan.warnings
+    resident = n.parameters + n.optimizer + n.reference  # gradients are freed after each update
+    assert plan.resident_during_generation == resident
+    expected = (n.device - resident - n.reserve) / n.device
+    assert plan.gpu_memory_utilization == pytest.approx(expected)
+    assert 0.5 < plan.gpu_memory_utilization < 0.6
+    assert plan.training_peak == resident + n.gradients + n.compute_copy + n.activations
+
+
+def test_optimizer_state_leaves_before_parameters():
+    params = 30 * GIB  # a 7.5B fp32 policy (90 GiB with AdamW) on a 100 GiB device
+    n = MemoryNeeds(device=100 * GIB, parameters=params, gradients=params, optimizer=2 * params,
+                    engine_weights=15 * GIB // 2, engine_kv_wanted=2 * GIB)
+    plan = plan_memory(n)
+    assert plan.offload == "optimizer"
+    assert plan.resident_during_generation == params
+    assert plan.engine_bytes >= n.engine_weights + n.engine_kv_wanted
+
+    tight = MemoryNeeds(device=48 * GIB, parameters=params, gradients=params, optimizer=params,
+                        engine_weights=15 * GIB, engine_kv_wanted=2 * GIB)
+    assert plan_memory(tight).offload == "optimizer+parameters"
+
+
+def test_share_is_capped_and_small_models_leave_room():
+    n = MemoryNeeds(device=100 * GIB, parameters=GIB, gradients=GIB, optimizer=2 * GIB, engine_weights=GIB // 2)
+    plan = plan_memory(n)
+    assert plan.offload == "none" and plan.gpu_memory_utilization == MAX_ENGINE_SHARE
+
+
+def test_explicit_share_and_forced_modes():
+    n = needs_3b_h200()
+    plan = plan_memory(n, gpu_memory_utilization=0.35)
+    assert plan.explicit and plan.gpu_memory_utilization == 0.35 and plan.offload == "none"
+    plan = plan_memory(n, gpu_memory_utilization=0.7)  # 98 GiB beside 60 GiB of state: optimizer goes first
+    assert plan.offload == "optimizer"
+    assert plan_memory(n, offload="on").offload == "optimizer+parameters"
+    off = plan_memory(n, offload="off", gpu_memory_utilization=0.9)
+    assert off.offload == "none" and any("do not fit" in w for w in off.warnings)
+
+
+def test_training_that_cannot_fit_warns():
+    plan = plan_memory(needs_3b_h200(activations=80 * GIB))
+    assert any("max_tokens_per_microbatch" in w for w in plan.warnings)
+    room = plan.needs.device - ENGINE_ASLEEP_BYTES - plan.needs.reserve
+    assert plan.training_peak > room
+
+
+def test_plan_lines_name_every_item():
+    plan = plan_memory(needs_3b_h200())
+    text = "\n".join(plan.lines())
+    for item in ("policy parameters", "gradients", "optimizer state", "reference model", "activations", "engine",
+                 "gpu_memory_utilization=0.5", "training peak"):
+        assert item in text, item
+    assert len(plan.lines()) >= 9
+
+
+class _Cfg:
+    hidden_size, intermediate_size, num_hidden_layers = 2048, 11008, 36
+    num_attention_heads, num_key_value_heads, head_dim = 16, 2, 128
+
+
+def test_shape_estimates():
+    full = activation_bytes(_Cfg, 8192, checkpointing=False)
+    ckpt = activation_bytes(_Cfg, 8192, checkpointing=True)
+    assert ckpt < full / 10
+    assert 20 * GIB < full < 40 * GIB  # ~112 KB per token and layer in bf16
+    assert kv_bytes_per_token(_Cfg) == 2 * 36 * 2 * 128 * 2
+    assert kv_bytes_per_token(_Cfg, tensor_parallel_size=2) == kv_bytes_per_token(_Cfg) // 2
+    assert kv_bytes_per_token(_Cfg, tensor_parallel_size=8) == kv_bytes_per_token(_Cfg) // 2  # 2 KV heads
+
+
+class _FakeEngine:
+    dtype = None
+
+    def __init__(self):
+        self.calls = []
+
+    def refit(self, named):
+        self.calls.append(("refit", len(list(named))))
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def wake(self):
+        self.calls.append("wake")
+
+
+class _FakePolicy:
+    device = torch.device("cpu")
+
+    def full_state_dict(self, dtype=None):
+        yield "w", torch.zeros(2)
+
+
+def test_engine_is_built_once_and_refit_only_when_stale():
+    built = []
+
+    def build(share):
+        built.append(share)
+        return _FakeEngine()
+
+    colo = Colocation(_FakePolicy(), None, build_engine=build, needs=None, gpu_memory_utilization=0.25)
+    with colo.generating() as engine:
+        assert engine.calls == [("refit", 1)]  # dummy weights replaced before the first generation
+    with colo.generating():
+        pass
+    assert built == [0.25] and engine.calls == [("refit", 1)]  # current: no second refit
+    colo.policy_updated()
+    assert colo.engine_version != colo.policy_version
+    colo.refit()
+    assert engine.calls == [("refit", 1), ("refit", 1)] and colo.engine_version == colo.policy_version
+    assert "sleep" not in engine.calls  # on CPU the engine never time-slices

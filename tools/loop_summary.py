@@ -1,0 +1,68 @@
+"""Steady-state numbers of a GRPO run from its metrics.jsonl (steps 3 onward by default).
+
+    python tools/loop_summary.py runs/X/metrics.jsonl [--from-step 3]
+
+Prints one JSON object: `loop_step_s` (mean step seconds), the mean of each perf/* phase,
+`mfu_llm`, `overhead_frac` (the share of a step that is neither generation nor the update),
+`sleep_wake_s`, `gen_tokens_per_s`, `untimed_frac` (what the phases do not cover), the first
+step's seconds and how much longer than a steady step it took, and the peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"{path}:{n}: skipped a line that is not JSON", file=sys.stderr)
+    return rows
+
+
+def summarize(rows: list[dict], from_step: int = 3) -> dict:
+    steady = [r for r in rows if r.get("step", 0) >= from_step]
+    if not steady:
+        raise SystemExit(f"no steps >= {from_step} in the metrics ({len(rows)} rows)")
+    mean = lambda k: statistics.mean(r.get(k, 0.0) for r in steady)  # noqa: E731
+    step = mean("perf/step_s")
+    out = {"steps": [r["step"] for r in steady], "loop_step_s": step,
+           "loop_step_s_min": min(r["perf/step_s"] for r in steady),
+           "loop_step_s_max": max(r["perf/step_s"] for r in steady)}
+    for k in ("gen_s", "logprob_s", "score_s", "train_s", "refit_s", "wake_s", "sleep_s", "offload_s", "other_s"):
+        out[k] = mean(f"perf/{k}")
+    out.update(
+        mfu_llm=mean("perf/mfu_llm"), gen_tokens_per_s=mean("perf/gen_tokens_per_s"),
+        train_tokens_per_s=mean("perf/tokens_per_s"), sleep_wake_s=out["wake_s"] + out["sleep_s"],
+        overhead_frac=(step - out["gen_s"] - out["train_s"]) / step, untimed_frac=out["other_s"] / step,
+        token_mult_prob_error=mean("fidelity/token_mult_prob_error"),
+        peak_gb=max(r.get("memory/peak_gb", 0.0) for r in rows),
+    )
+    first = next((r for r in rows if r.get("step") == 1), None)
+    if first:
+        out["first_step_s"] = first["perf/step_s"]
+        out["first_step_extra_s"] = first["perf/step_s"] - step
+        out["first_sleep_s"] = first.get("perf/sleep_s", 0.0)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("metrics", type=Path)
+    p.add_argument("--from-step", type=int, default=3)
+    args = p.parse_args(argv)
+    print(json.dumps(summarize(read_rows(args.metrics), args.from_step), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,7 @@
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
 #   scale     3B-shaped GRPO steps on one GPU, then on two (NPROCS="1 2"; policy sharded, one engine per GPU)
 #   loop      train.py with the 3B recipe on one GPU (STEPS=8; LOOP_ARGS for overrides); tools/loop_summary.py
+#   profile   bench.py's update at the loop's shape under torch.profiler, and in-process vs standalone vLLM
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
 #   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED (FAMS, default
 #             "idefics3 gemma3 llava"; then e.g. FAMS="qwen2_vl qwen3_vl qwen2_5_vl" in a second call;
@@ -101,6 +102,14 @@ loop)
   echo "3B GRPO loop rc=$?"
   cp $W/loop/metrics.jsonl "$OUT/loop_metrics.jsonl" 2>/dev/null
   $PY tools/loop_summary.py "$OUT/loop_metrics.jsonl" | tee "$OUT/loop_summary.json"
+  ;;
+profile)
+  # The update alone at the loop's shape, profiled (op tables), and the engine in-process against a
+  # standalone vLLM on the same requests (16 prompts x 8 responses x 256 new tokens).
+  timeout ${PROFILE_S:-540} $PY tools/bench.py --size 3b --phases ${PHASES:-train,engine} --train-seqs 128 --group 8 \
+    --response-len 256 --max-tokens 8192 --gen-prompts 16 --gen-tokens 256 --image-size 448 --train-steps 2 \
+    --profile "$OUT/profile.txt" --json-out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  echo "profile rc=$?"; grep -v "^INFO\|^WARNING\|^\[" "$OUT/bench.log" | tail -5
   ;;
 multi)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null

@@ -77,6 +77,7 @@ class RunLock:
 
     @classmethod
     def acquire(cls, run_dir: Path) -> RunLock:
+        run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_NAME
         me = cls.me()
         draft = run_dir / f"{LOCK_NAME}.{me['pid']}.tmp"

@@ -67,6 +67,66 @@ def test_data_and_engine_problems(tiny_model, clevr_parquet, tmp_path):
             preflight(cfg_for(tiny_model, clevr_parquet, "rollout.engine=vllm"))
 
 
+def _copy_model(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_model_folder_files_are_checked_by_name(tiny_model, clevr_parquet, tmp_path):
+    model = _copy_model(tiny_model, tmp_path / "m")
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(ConfigError, match=r"model.safetensors is truncated: its header describes \d+ bytes"):
+        preflight(cfg_for(model, clevr_parquet))
+    (model / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ConfigError, match="model.safetensors is not a safetensors file"):
+        preflight(cfg_for(model, clevr_parquet))
+    (model / "model.safetensors").write_bytes(weights)
+    preflight(cfg_for(model, clevr_parquet))
+    (model / "tokenizer.json").write_text('{"torn": ')
+    with pytest.raises(ConfigError, match="tokenizer.json is not valid JSON"):
+        preflight(cfg_for(model, clevr_parquet))
+    (model / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="no tokenizer .tokenizer.json, tokenizer.model, vocab.json"):
+        preflight(cfg_for(model, clevr_parquet))
+    (model / "config.json").write_text("{ not json")
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        preflight(cfg_for(model, clevr_parquet))
+
+
+def test_sharded_weights_name_the_missing_shard(tiny_model, clevr_parquet, tmp_path):
+    model = _copy_model(tiny_model, tmp_path / "m")
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="model-00002-of-00002.safetensors is missing"):
+        preflight(cfg_for(model, clevr_parquet))
+
+
+def test_train_and_eval_files_are_sampled_before_training(tiny_model, clevr_parquet, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"images": [f"gone_{i}.png"], "problem": "<image> how many?", "answer": "3"})
+                           + "\n" for i in range(20)))
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg_for(tiny_model, clevr_parquet, f"data.eval_path={bad}"))
+    message = str(info.value)
+    assert message.startswith(f"data.eval_path='{bad}': none of 8 rows sampled across its 20 rows is usable")
+    assert "missing_image: 8" in message
+    with pytest.raises(ConfigError, match="data.train_path=.*none of 8 rows"):
+        preflight(cfg_for(tiny_model, bad))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="data.eval_path=.*(no rows|empty)"):
+        preflight(cfg_for(tiny_model, clevr_parquet, f"data.eval_path={empty}"))
+    columns = tmp_path / "columns.jsonl"
+    columns.write_text(json.dumps({"picture": "x.png", "q": "?", "a": "1"}) + "\n")
+    with pytest.raises(ConfigError, match="data.eval_path=.*columns.jsonl"):
+        preflight(cfg_for(tiny_model, clevr_parquet, f"data.eval_path={columns}"))
+    preflight(cfg_for(tiny_model, clevr_parquet, f"data.eval_path={clevr_parquet}"))
+
+
 @pytest.mark.slow
 def test_nonfinite_steps_in_a_row_stop_with_checkpoint(tiny_model, clevr_parquet, tmp_path):
     run = tmp_path / "run"

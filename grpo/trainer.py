@@ -34,7 +34,9 @@ from models.flops import llm_flops, peak_tflops
 from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
 from rollout.base import Generation, PromptInput, SamplingParams
-from rollout.colocation import Colocation, MemoryNeeds, activation_bytes, kv_bytes_per_token, tensor_bytes
+from rollout.colocation import (
+    KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, kv_bytes_per_token, tensor_bytes,
+)
 from rollout.factory import build_engine
 from rollout.groups import EngineGroup
 
@@ -76,7 +78,7 @@ class Trainer:
         self.eval_feeder = self._feeder(cfg.data.eval_path, shuffle=False) if cfg.data.eval_path else None
         self.ref: Policy | None = None
         if cfg.trainer.mode == "grpo" and cfg.algorithm.kl_coef > 0:
-            self.ref = build_policy(cfg.model, self.dims)
+            self.ref = build_policy(cfg.model, self.dims, trainable=False)
         self.colocation = Colocation(
             self.policy, self.optimizer, reference=self.ref, needs=self._memory_needs,
             build_engine=lambda share: build_engine(cfg, self.policy, gpu_memory_utilization=share,
@@ -129,7 +131,9 @@ class Trainer:
         config = self.policy.model.config
         engine_dtype = 2 if self.policy.dtype != torch.float32 else 4
         tp = cfg.rollout.tensor_parallel_size
-        seq_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        seq_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens  # the engine's max_model_len
+        free, total = torch.cuda.mem_get_info(self.policy.device)
+        outside_torch = max(total - free - torch.cuda.memory_reserved(self.policy.device), 0)  # CUDA context, NCCL
         return MemoryNeeds(
             device=torch.cuda.get_device_properties(self.policy.device).total_memory,
             parameters=params, gradients=params, optimizer=2 * params,
@@ -137,8 +141,10 @@ class Trainer:
             compute_copy=count * engine_dtype if self.dims.world_size == 1 else 0,
             activations=activation_bytes(config, cfg.optim.max_tokens_per_microbatch, cfg.model.activation_checkpointing),
             engine_weights=count * engine_dtype // tp,
-            engine_kv_wanted=int(1.25 * self._rollout_sequences() * min(seq_tokens, 1024 + cfg.rollout.max_new_tokens)
+            # the most KV the engine's scheduler can ever hold: max_num_seqs full-length sequences
+            engine_kv_wanted=int(KV_HEADROOM * -(-self._rollout_sequences() // 8) * 8 * seq_tokens
                                  * kv_bytes_per_token(config, engine_dtype, tp)),
+            reserve=RESERVE_BYTES + outside_torch,
         )
 
     def _resume(self) -> None:

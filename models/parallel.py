@@ -160,6 +160,7 @@ def apply_parallelism(
     *,
     param_dtype: torch.dtype | None,
     activation_checkpointing: bool,
+    trainable: bool = True,
 ) -> nn.Module:
     """TP plan → activation checkpointing → FSDP2 units; returns the model (sharded in place).
 
@@ -176,7 +177,8 @@ def apply_parallelism(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     # With one data-parallel rank nothing is sharded: keeping each unit's low-precision copy from
     # forward to backward saves re-casting every parameter in backward, for one model-sized copy.
-    kwargs = {"mesh": dims.dp_mesh, "reshard_after_forward": dims.dp_mesh.size() > 1}
+    # A frozen model (the reference) has no backward to free that copy, so it reshards always.
+    kwargs = {"mesh": dims.dp_mesh, "reshard_after_forward": dims.dp_mesh.size() > 1 or not trainable}
     if mp is not None:
         kwargs["mp_policy"] = mp
     fully_shard(adapter.vision_tower(model), **kwargs)

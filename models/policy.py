@@ -282,6 +282,15 @@ class Policy:
         if optimizer is not None:
             move_optimizer_state(optimizer, self.device)
 
+    def reshard(self) -> None:
+        """Free any unsharded compute copy FSDP still holds (one data-parallel rank keeps it from
+        forward to backward; a forward without backward would leave it in place)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Move only the optimizer state to CPU (the parameters stay where they are)."""
         move_optimizer_state(optimizer, torch.device("cpu"))
@@ -378,8 +387,10 @@ def export_hf_folder(named_tensors, config, source_path: str, out: str | Path, i
     return out
 
 
-def build_policy(cfg_model, dims: ParallelDims) -> Policy:
-    """Config → sharded, loaded Policy. Builds on meta, shards, materializes, loads, checks nothing is left on meta."""
+def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Policy:
+    """Config → sharded, loaded Policy. Builds on meta, shards, materializes, loads, checks nothing is left on meta.
+
+    `trainable=False` builds a frozen copy (the reference model): no parameter keeps a gradient."""
     from transformers import AutoModelForImageTextToText
 
     config = load_model_config(cfg_model.path, cfg_model.trust_remote_code)
@@ -398,7 +409,7 @@ def build_policy(cfg_model, dims: ParallelDims) -> Policy:
     apply_parallelism(
         model, adapter, dims,
         param_dtype=dtype if dtype != torch.float32 else None,
-        activation_checkpointing=cfg_model.activation_checkpointing,
+        activation_checkpointing=cfg_model.activation_checkpointing and trainable, trainable=trainable,
     )
     model.to_empty(device=dims.device)
     _reinit_nonpersistent_buffers(model, dims.device, adapter)
@@ -406,6 +417,8 @@ def build_policy(cfg_model, dims: ParallelDims) -> Policy:
     left = _has_meta(model)
     if left:
         raise RuntimeError(f"{len(left)} tensors still on the meta device after loading, e.g. {left[:3]}")
+    if not trainable:
+        model.requires_grad_(False)
     policy = Policy(model, adapter, dims, cfg_model.path, dtype)
     model._vlrl_policy = policy
     return policy

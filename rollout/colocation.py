@@ -34,11 +34,12 @@ from rollout.base import Engine
 log = logging.getLogger("vlrl")
 _GIB = 2**30
 
-RESERVE_BYTES = 3 * _GIB  # CUDA context, NCCL buffers, allocator fragmentation
-ENGINE_OVERHEAD_BYTES = 4 * _GIB  # vLLM's activations, sampler and CUDA graphs beside weights and KV
+RESERVE_BYTES = 3 * _GIB  # allocator fragmentation and slack, beyond what the CUDA context already holds
+ENGINE_OVERHEAD_BYTES = 4 * _GIB  # vLLM's activations, sampler and CUDA graphs (measured 1.5 GiB, 3B on an H200)
 ENGINE_ASLEEP_BYTES = 1 * _GIB  # what a sleeping vLLM keeps (measured 0.79 GiB on an H200)
 MAX_ENGINE_SHARE = 0.9
-KV_HEADROOM = 1.25  # KV cache wanted beyond the longest step's tokens (block rounding, prefix sharing off)
+KV_HEADROOM = 1.1  # beyond max_num_seqs full-length sequences (block rounding)
+KV_MINIMUM_FRACTION = 4
 
 Offload = Literal["none", "optimizer", "optimizer+parameters"]
 
@@ -55,7 +56,7 @@ class MemoryNeeds:
     compute_copy: int = 0  # unsharded low-precision parameters held during forward/backward
     activations: int = 0  # peak activations of one micro-batch (training only)
     engine_weights: int = 0
-    engine_kv_wanted: int = 0  # KV cache for one step's sequences, with headroom
+    engine_kv_wanted: int = 0  # the most KV the engine can use: max_num_seqs full-length sequences
     reserve: int = RESERVE_BYTES
 
 
@@ -112,7 +113,8 @@ class MemoryPlan:
             f"  activations (peak)       {g(n.activations)}  training only (estimate for one micro-batch)",
             f"  reserve                  {g(n.reserve)}  CUDA context, communication buffers, fragmentation",
             f"  engine                   {g(self.engine_bytes)}  gpu_memory_utilization={self.gpu_memory_utilization:.3f}"
-            f" ({share}; weights {n.engine_weights / _GIB:.1f} GiB, KV wanted {n.engine_kv_wanted / _GIB:.1f} GiB)",
+            f" ({share}; weights {n.engine_weights / _GIB:.1f} GiB, KV for the widest batch "
+            f"{n.engine_kv_wanted / _GIB:.1f} GiB)",
             f"  training peak            {g(self.training_peak)}  of {(n.device - ENGINE_ASLEEP_BYTES - n.reserve) / _GIB:.1f}"
             " GiB while the engine sleeps",
         ]
@@ -120,7 +122,14 @@ class MemoryPlan:
 
 
 def _engine_floor(n: MemoryNeeds) -> int:
+    """All the engine can use: weights, overhead and the widest batch's KV cache."""
     return n.engine_weights + ENGINE_OVERHEAD_BYTES + n.engine_kv_wanted
+
+
+def _engine_minimum(n: MemoryNeeds) -> int:
+    """Less than this and offloading policy state is worth its copies: a quarter of the widest batch's KV
+    (max_model_len counts the longest prompt; a step's prompts are rarely all that long)."""
+    return n.engine_weights + ENGINE_OVERHEAD_BYTES + n.engine_kv_wanted // KV_MINIMUM_FRACTION
 
 
 def plan_memory(needs: MemoryNeeds, *, offload: Literal["auto", "on", "off"] = "auto",
@@ -130,7 +139,9 @@ def plan_memory(needs: MemoryNeeds, *, offload: Literal["auto", "on", "off"] = "
     `offload` is parallel.offload_during_generate: `on` moves optimizer state and parameters off
     the GPU for every generation, `off` never, `auto` moves only what does not fit (optimizer
     state first). `gpu_memory_utilization` > 0 fixes the engine's share (an explicit override);
-    0 gives the engine everything the resident state and the reserve leave, up to 90%.
+    0 gives the engine what the resident state and the reserve leave, up to what it can use (its
+    weights, overhead and the KV cache of max_num_seqs full-length sequences) and 90% of the device:
+    KV cache beyond what the scheduler can fill only lengthens wake-up and narrows the margin.
     """
     explicit = gpu_memory_utilization > 0
     choices: list[Offload] = {"on": ["optimizer+parameters"], "off": ["none"]}.get(
@@ -143,8 +154,9 @@ def plan_memory(needs: MemoryNeeds, *, offload: Literal["auto", "on", "off"] = "
             plan.gpu_memory_utilization = gpu_memory_utilization
             fits = plan.engine_bytes <= left
         else:
-            plan.gpu_memory_utilization = max(min(left / needs.device, MAX_ENGINE_SHARE), 0.0)
-            fits = left >= _engine_floor(needs)
+            usable = min(left, _engine_floor(needs))
+            plan.gpu_memory_utilization = max(min(usable / needs.device, MAX_ENGINE_SHARE), 0.0)
+            fits = left >= _engine_minimum(needs)
         if fits:
             break
     else:
@@ -153,10 +165,10 @@ def plan_memory(needs: MemoryNeeds, *, offload: Literal["auto", "on", "off"] = "
             f"({plan.resident_during_generation / _GIB:.1f} GiB) do not fit the device with "
             f"parallel.offload_during_generate={offload}; generation may run out of memory"
         )
-    if not explicit and plan.engine_bytes < _engine_floor(needs):
+    if not explicit and plan.engine_bytes < _engine_minimum(needs):
         plan.warnings.append(
-            f"the engine gets {plan.engine_bytes / _GIB:.1f} GiB, less than its weights, overhead and the KV cache "
-            f"for one step's sequences ({_engine_floor(needs) / _GIB:.1f} GiB): generation will queue requests"
+            f"the engine gets {plan.engine_bytes / _GIB:.1f} GiB, less than its weights, overhead and a quarter of "
+            f"the widest batch's KV cache ({_engine_minimum(needs) / _GIB:.1f} GiB): generation will queue requests"
         )
     room = needs.device - ENGINE_ASLEEP_BYTES - needs.reserve
     if plan.training_peak > room:
@@ -320,6 +332,9 @@ class Colocation:
         if plan is not None and plan.offload_optimizer:
             self.policy.offload_optimizer(self.optimizer)
         if time_slice:
+            self.policy.reshard()
+            if self.reference is not None:
+                self.reference.reshard()
             torch.cuda.empty_cache()  # what training cached goes back before the engine wakes
         offload_s = time.monotonic() - t
         t = time.monotonic()

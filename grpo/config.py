@@ -59,6 +59,8 @@ class ModelConfig:
     # varlen: FlashAttention's variable-length kernel over packed rows (CUDA; sdpa elsewhere)
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "varlen"] = "auto"
     activation_checkpointing: bool = False
+    # fused RMSNorm, rotary and SwiGLU kernels from the liger-kernel package (CUDA; Qwen-VL families)
+    liger_kernel: bool = False
     trust_remote_code: bool = False
 
 

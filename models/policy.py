@@ -395,6 +395,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
 
     config = load_model_config(cfg_model.path, cfg_model.trust_remote_code)
     adapter = build_adapter(config)
+    if getattr(cfg_model, "liger_kernel", False):
+        apply_liger_kernels(config.model_type, dims.device_type)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
     attn = resolve_attn_implementation(cfg_model.attn_implementation, dims.device_type, adapter.varlen_attention)
     with torch.device("meta"):
@@ -422,6 +424,21 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     policy = Policy(model, adapter, dims, cfg_model.path, dtype)
     model._vlrl_policy = policy
     return policy
+
+
+def apply_liger_kernels(model_type: str, device_type: str) -> None:
+    """Swap in liger-kernel's fused RMSNorm, rotary embedding and SwiGLU MLP for this family's
+    transformers modules (before the model is built). The lm_head keeps the chunked logprob path."""
+    if device_type != "cuda":
+        raise RuntimeError("model.liger_kernel=true needs CUDA (its kernels are Triton); set it to false on CPU")
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as err:
+        raise RuntimeError("model.liger_kernel=true needs the liger-kernel package: pip install liger-kernel") from err
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        raise RuntimeError(f"model.liger_kernel=true: liger-kernel has no kernels for model type '{model_type}'")
+    apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def _bind_forward(model: nn.Module):

@@ -231,6 +231,18 @@ def test_never_overwrite_and_auto_on_a_used_folder(tiny_model, clevr_parquet, tm
     proc = run_cmd(sft_cmd(tiny_model, clevr_parquet, run, 2))  # auto continues the new run, not the old one
     assert proc.returncode == 0 and f"resumed from {run / 'checkpoints' / 'step_1'} at step 1" in proc.stdout
     assert steps_logged(run) == [1, 2]
+    # a changed byte in a shard (hashed by either rank) stops the resume, naming the file and the way out
+    for shard in (run / "checkpoints" / "step_2").glob("__*_0.distcp"):
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 3] ^= 0x01
+        shard.write_bytes(bytes(data))
+    metrics = (run / "metrics.jsonl").read_bytes()
+    proc = run_cmd(sft_cmd(tiny_model, clevr_parquet, run, 3))
+    assert proc.returncode != 0
+    assert f"checkpoint {run / 'checkpoints' / 'step_2'} is damaged: __0_0.distcp does not match" in proc.stderr
+    assert "__1_0.distcp does not match" in proc.stderr
+    assert f"checkpoint.resume={run / 'checkpoints' / 'step_1'}" in proc.stderr
+    assert (run / "metrics.jsonl").read_bytes() == metrics
 
 
 @pytest.mark.slow
@@ -267,3 +279,28 @@ def test_second_trainer_is_refused_and_workers_die_with_their_launcher(tiny_mode
     assert "the launcher (PID" in err and f"preempted at step {stopped}" in out
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"
     assert not (run / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_and_the_launcher_exits_1(tiny_model, clevr_parquet, tmp_path):
+    """What the README's exit-code paragraph says: the workers stop with a checkpoint and exit 0, torchrun
+    itself exits 1 (its SignalException), so the `preempted` line is what tells a preemption went well."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(sft_cmd(tiny_model, clevr_parquet, run, 100000), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        end = time.monotonic() + 240
+        while not steps_logged(run) and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
+        assert steps_logged(run), "the trainer never logged a step"
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    stopped = steps_logged(run)[-1]
+    assert proc.returncode == 1, err[-3000:]
+    assert f"preempted at step {stopped}; checkpoint written: {run / 'checkpoints' / f'step_{stopped}'}" in out
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"

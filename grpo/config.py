@@ -127,7 +127,7 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end
-    resume: str = "auto"  # auto | never | PATH
+    resume: str = "auto"  # auto | never | overwrite (start over in a used run folder) | PATH
     keep: int = 2
 
 
@@ -502,7 +502,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
         yield (f"config key 'parallel.replicate' must be 0 (one replica per node) or positive, "
                f"got {cfg.parallel.replicate}")
     if cfg.checkpoint.resume not in ("auto", "never") and not cfg.checkpoint.resume:
-        yield "config key 'checkpoint.resume' must be auto, never or a checkpoint path"
+        yield "config key 'checkpoint.resume' must be auto, never, overwrite or a checkpoint path"
 
 
 def validate(cfg: Config) -> None:

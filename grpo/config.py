@@ -133,7 +133,9 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    # experiment trackers (grpo/trackers.py): tensorboard, jsonl, wandb, mlflow; rank 0 writes them
+    backends: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
+    tensorboard: bool = True  # false drops "tensorboard" from backends
     stdout: bool = True
 
 

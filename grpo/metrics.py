@@ -1,4 +1,5 @@
-"""One namespaced metrics dict per step, written by rank 0: stdout line, metrics.jsonl, TensorBoard.
+"""One namespaced metrics dict per step, written by rank 0: stdout line, metrics.jsonl and the
+trackers of `logging.backends` (TensorBoard by default; wandb, MLflow: grpo/trackers.py).
 
 Namespaces: loss/*, reward/*, rollout/*, fidelity/*, perf/*, memory/*, eval/*, data/*. Rank 0
 also draws a progress bar with ETA on stderr when stderr is a terminal; the stdout line carries
@@ -14,10 +15,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
+import yaml
+
+from grpo.trackers import TrackerSet, build_trackers, check_backends
 
 log = logging.getLogger("vlrl")
+
+DEFAULT_BACKENDS = ("tensorboard", "jsonl")
 
 # Keys shown on the compact stdout line, in order, when present.
 STDOUT_KEYS = (
@@ -46,23 +53,28 @@ class MetricsLogger:
     """Writes each step's metrics on rank 0; other ranks hold a disabled logger."""
 
     def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, stdout: bool = True, progress: bool = True):
+                 tensorboard: bool = True, stdout: bool = True, progress: bool = True,
+                 backends: Sequence[str] | None = None, config: dict | None = None):
         self.enabled = enabled
         self.total = total_steps
         self.start_step = start_step
         self.stdout = stdout
         self.progress = progress and sys.stderr.isatty()
         self.t0 = time.monotonic()
-        self.writer = None
+        self.trackers = TrackerSet([])
         self.path = Path(run_dir) / "metrics.jsonl"
         if not enabled:
             return
+        saved = _saved_config(Path(run_dir))
+        config = saved if config is None else config
+        if backends is None:
+            backends = config.get("logging", {}).get("backends", DEFAULT_BACKENDS)
+        backends = [b for b in check_backends(backends) if tensorboard or b != "tensorboard"]
+        self.jsonl = "jsonl" in backends
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _truncate_after(self.path, start_step)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        if self.jsonl:
+            _truncate_after(self.path, start_step)
+        self.trackers = TrackerSet(build_trackers(backends, run_dir, start_step=start_step, config=config))
 
     def eta(self, step: int) -> float:
         done = step - self.start_step
@@ -74,12 +86,10 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: float(v) for k, v in sorted(metrics.items())}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.writer is not None:
-            for k, v in metrics.items():
-                self.writer.add_scalar(k, float(v), step)
-            self.writer.flush()
+        if self.jsonl:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        self.trackers.log(step, {k: v for k, v in row.items() if k != "step"})
         if self.stdout:
             shown = " ".join(f"{k.split('/', 1)[1]}={_fmt(float(metrics[k]))}" for k in STDOUT_KEYS if k in metrics)
             print(f"step {step}/{self.total} {shown} eta={format_eta(self.eta(step))}", flush=True)
@@ -92,8 +102,16 @@ class MetricsLogger:
                 sys.stderr.write("\n")
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self.trackers.close()
+
+
+def _saved_config(run_dir: Path) -> dict:
+    """The run's resolved config.yaml (written by the trainer before the logger starts), or {}."""
+    try:
+        loaded = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def _truncate_after(path: Path, step: int) -> None:

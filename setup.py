@@ -18,10 +18,18 @@ setup(
         "omegaconf>=2.4",
         "numpy>=1.26",
         "sympy>=1.12",
+        # geo3k reward: mathruler's normalization rules (EasyR1's scorer); it imports pylatexenc
+        # and tqdm without declaring them. Its sympy step is replaced (data/mathparse.py).
+        "mathruler==0.1.0",
+        "pylatexenc>=2.10",
+        "tqdm>=4",
         "tensorboard>=2.15",
     ],
     extras_require={
         "vllm": ["vllm>=0.26.0"],
         "dev": ["pytest>=8"],
+        # experiment trackers for logging.backends (grpo/trackers.py); not needed by the tests
+        "wandb": ["wandb>=0.17"],
+        "mlflow": ["mlflow>=2.14"],
     },
 )

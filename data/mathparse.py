@@ -1,59 +1,71 @@
-"""Bounded evaluation of short LaTeX / ASCII math answers to floats.
+"""Math answer grading: mathruler's rules, with a bounded evaluator in place of sympy.
 
-Final answers come from model output, which is untrusted text. Nothing here hands a string to
-Python's expression machinery or to a computer-algebra string parser: a small recursive-descent
-parser reads the subset that final answers use and computes a float directly.
+`grade_answer(pred, gold)` decides as `mathruler.grader.grade_answer` does (the geo3k reward of
+EasyR1, from OpenAI's PRM800K grader), step by step:
 
-Grammar, loosest binding first::
+1. equal after mathruler's MATH-style normalization (``\\dfrac`` → ``\\frac``, ``\\left`` and
+   units after ``\\text{ `` dropped, ``k = 5`` → ``5``, ``0.5`` → ``\\frac{1}{2}``, ``a/b`` →
+   ``\\frac{a}{b}``) → correct;
+2. equal after mathruler's second normalization (LaTeX to text with pylatexenc, ``$``, ``%``,
+   ``^\\circ`` and unit words dropped, spaces and braces removed, lower case, ``1,000`` →
+   ``1000``) → correct;
+3. otherwise both are split into tuple elements (``(1, 2)``); the counts and brackets must match,
+   and element by element: two plain fractions must be written identically (``2/4`` ≠ ``1/2``),
+   an integer is only equal to an integer (``60`` ≠ ``59.99``), and anything else is equal when
+   mathruler would hand it to sympy (at most two distinct letters, no ``^{``/``^(``, no
+   multi-digit exponent) and its value is equal.
 
-    expr    := term (('+' | '-') term)*
-    term    := signed (('*' | '/' | \\cdot | \\times | \\div) signed | implicit-factor)*
-    signed  := ('+' | '-') signed | power              # -2^2 is -(2^2)
-    power   := postfix ('^' signed)?                    # right-associative: 2^3^2 = 2^9
-    postfix := atom '%'*                                # percent divides by 100
-    atom    := number | '(' expr ')' | '[' expr ']' | '{' expr '}'
-             | \\frac A B | \\sqrt A | \\sqrt[n] A | \\pi | pi | π | √ A
+Only step 3's last test differs in how it is done. mathruler parses the text with sympy's
+expression parser, which runs Python's ``eval`` on the model's text, and then calls
+``sympy.simplify``, which has no time bound. Here a small parser reads the normalized text
+(numbers, ``+ - * / ^ **``, parentheses, ``sqrt``, ``pi``, single-letter variables,
+implicit multiplication as sympy's ``implicit_multiplication_application`` reads it) into a tree
+and computes floats. Two expressions are equal when their values agree within a relative
+`REL_TOL` (1e-14, a few float roundings: exact forms such as ``2sqrt(3)`` and ``sqrt(12)`` agree, a rounded decimal such
+as ``3.4641`` does not, as under sympy); with variables, the values must agree at
+`_VARIABLE_POINTS` fixed random points (an identity test: ``2x`` = ``x+x``).
 
-Implicit multiplication joins a factor to a following atom that opens with '(', '{', a command,
-'π', '√' or 'pi' (``2\\sqrt{3}``, ``4\\pi``, ``3(2+1)``). Two bare numbers are never joined, so
-"2 3" is an error rather than 6. ``\\frac12`` and ``\\sqrt3`` take one-digit arguments as in LaTeX.
-
-`normalize_answer` first strips what is not part of the value: ``$`` and display delimiters,
-``\\left``/``\\right`` and spacing commands, degree marks (``60^\\circ`` and ``60°`` are 60),
-unit words in ``\\text{...}`` or at the end (``5\\text{ cm}^2`` is 5), a leading ``x =``,
-thousands separators (``1,000`` and ``1{,}000``); ``\\dfrac``/``\\tfrac``/``\\cfrac`` become
-``\\frac``.
-
-Guarantee: the work per call is bounded independently of the input. Text longer than
-`MAX_RAW_CHARS` is rejected before any processing beyond a length check; after normalization an
-expression longer than `MAX_EXPR_CHARS` is rejected; nesting deeper than `MAX_DEPTH` is rejected
-(so the recursion stays far from Python's limit); an exponent with absolute value above
-`MAX_EXPONENT`, or any intermediate value whose magnitude would exceed `MAX_MAGNITUDE`, is
-rejected before it is computed. All of these raise `MathLimitError` (`MathTooLong` for the
-lengths). Finally the parser counts its steps (at most `MAX_STEPS`) and every `_CLOCK_EVERY`
-steps compares `time.monotonic()` with an optional deadline, raising `MathTimeout`; this works in
-any thread because it uses no signals.
+Bounds: text longer than `MAX_ANSWER_CHARS` raises `MathTooLong` before any work; a normalized
+expression longer than `MAX_EXPR_CHARS`, nesting deeper than `MAX_DEPTH`, an exponent beyond
+`MAX_EXPONENT` or a value beyond `MAX_MAGNITUDE` raise `MathLimitError` from the evaluator, and
+the grader counts such an answer as not equal (sympy would keep a nonzero difference); the parser
+counts its steps and compares `time.monotonic()` with the caller's deadline, raising
+`MathTimeout`. The normalizations are mathruler's own string functions: regular expressions and
+pylatexenc's parser over at most `MAX_ANSWER_CHARS` characters (well under a second for the worst
+inputs measured, see tests/test_rewards.py). No signals are used, so any thread works.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 import re
 import time
 
-MAX_RAW_CHARS = 1000  # longest answer text accepted at all
-MAX_EXPR_CHARS = 200  # longest expression after normalization
+from mathruler import grader as _mathruler
+from mathruler.math_normalize import normalize_answer as _mathd_normalize
+
+MAX_ANSWER_CHARS = 1000  # longest answer text accepted at all
+MAX_EXPR_CHARS = 300  # longest normalized expression the evaluator reads
 MAX_DEPTH = 40  # nested groups / unary signs / exponents
 MAX_EXPONENT = 64  # |exponent| bound for '^'
 MAX_MAGNITUDE = 1e100  # bound on every intermediate value
-MAX_STEPS = 20_000  # parser steps; far above what MAX_EXPR_CHARS allows, a second line of defence
-REL_TOL = 1e-4  # relative tolerance of numeric equality
-ABS_TOL = 1e-9  # absolute tolerance, so that a gold answer of 0 can be matched
+MAX_STEPS = 20_000  # parser steps, a second line of defence behind MAX_EXPR_CHARS
+REL_TOL = 1e-14  # values agree within this relative difference (float rounding only)
+ABS_TOL = 1e-14  # and this absolute one, so that 0 can be matched
 _CLOCK_EVERY = 32
+_VARIABLE_POINTS = 3
+
+# mathruler's test of whether sympy may try an expression (letter count, exponent forms)
+_mathruler_would_try = _mathruler.should_allow_eval
+
+# pylatexenc logs a warning for every malformed macro it meets; model output has many.
+logging.getLogger("pylatexenc").setLevel(logging.ERROR)
 
 
 class MathParseError(ValueError):
-    """The text is not an expression of the supported subset (or has no real value)."""
+    """The text is not an expression the evaluator reads (or has no real value)."""
 
 
 class MathLimitError(MathParseError):
@@ -61,11 +73,11 @@ class MathLimitError(MathParseError):
 
 
 class MathTooLong(MathLimitError):
-    """The text is longer than `MAX_RAW_CHARS` (raw) or `MAX_EXPR_CHARS` (normalized)."""
+    """The text is longer than `MAX_ANSWER_CHARS` (raw) or `MAX_EXPR_CHARS` (normalized)."""
 
 
 class MathTimeout(MathLimitError):
-    """The deadline passed while the text was being evaluated."""
+    """The deadline passed while the text was being read."""
 
 
 def check_deadline(deadline: float | None) -> None:
@@ -75,92 +87,9 @@ def check_deadline(deadline: float | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# normalization
+# the evaluator: text -> tree -> float
 
-# Every pattern below is free of nested quantifiers, so matching is linear in the (capped) text.
-_DELIMITERS = re.compile(r"\\[()\[\]]|\\?\$")
-_SPACING = re.compile(
-    r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|displaystyle|textstyle)(?![A-Za-z])\.?"
-    r"|\\[,;:! ]|\\q?quad(?![A-Za-z])|~"
-)
-_DEGREE = re.compile(r"\^\s*\{\s*\\(?:circ|degree)\s*\}|\^?\s*\\(?:circ|degree)(?![A-Za-z])|°")
-_TEXT_CMD = re.compile(
-    r"\\(?:text|textrm|textnormal|mathrm|mbox|textbf|mathbf|operatorname)\s*\{([^{}]*)\}"
-    r"(\s*\^\s*\{?\s*[23]\s*\}?|[²³])?"
-)
-_UNIT_WORDS = (
-    r"(?:square\s+|sq\.?\s*)?(?:cm|mm|km|m|in|inch|inches|ft|feet|foot|yd|yard|yards|units?"
-    r"|degrees?|deg|radians?|rad)"
-)
-_UNIT_ONLY = re.compile(r"\s*" + _UNIT_WORDS + r"\s*\.?\s*")
-_TRAILING_UNIT = re.compile(
-    r"(?<=[\d}).\s])\s*" + _UNIT_WORDS + r"(?:\s*\^\s*\{?\s*[23]\s*\}?|[²³])?\s*\.?\s*$", re.ASCII
-)
-_RELATION = re.compile(r"=|\\approx(?![A-Za-z])|≈")
-_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])", re.ASCII)
-_FRAC_ALIASES = re.compile(r"\\[dtc]frac(?![A-Za-z])")
-_UNICODE = str.maketrans({"−": "-", "–": "-", "×": "*", "·": "*", "÷": "/", "∗": "*"})
-_PLAIN_DECIMAL = re.compile(r"[+-]?\d*\.(\d+)", re.ASCII)
-
-
-def _drop_unit_text(match: re.Match) -> str:
-    """Remove ``\\text{cm}^2``-style units; keep the content of any other ``\\text{...}``."""
-    content = match.group(1)
-    if _UNIT_ONLY.fullmatch(content) or not content.strip():
-        return ""
-    return content + (match.group(2) or "")
-
-
-def normalize_answer(text: str) -> str:
-    """Strip delimiters, spacing, degree marks, units, ``x =`` and thousands separators.
-
-    Raises `MathLimitError` when `text` is longer than `MAX_RAW_CHARS`.
-    """
-    if len(text) > MAX_RAW_CHARS:
-        raise MathTooLong(f"answer has {len(text)} characters, more than {MAX_RAW_CHARS}")
-    s = text.translate(_UNICODE)
-    s = _DELIMITERS.sub("", s)
-    s = _SPACING.sub("", s)  # "" not " ": "1\\,000" is a thousands separator
-    s = _DEGREE.sub("", s)
-    s = _TEXT_CMD.sub(_drop_unit_text, s)
-    s = _RELATION.split(s)[-1]  # "x = 5" and "AB \approx 3.2" keep the right-hand side
-    s = s.replace("\\%", "%").replace("{,}", "")
-    s = _THOUSANDS.sub(lambda m: m.group(0).replace(",", ""), s)
-    s = " ".join(s.split())
-    s = _TRAILING_UNIT.sub("", s)
-    s = _FRAC_ALIASES.sub(r"\\frac", s)
-    return s.strip().rstrip(".").strip()
-
-
-def normalize_text(text: str) -> str:
-    """Loose string form for non-numeric answers: no ``$``/``\\text``, lower case, single spaces."""
-    if len(text) > MAX_RAW_CHARS:
-        raise MathTooLong(f"answer has {len(text)} characters, more than {MAX_RAW_CHARS}")
-    s = _DELIMITERS.sub("", text)
-    s = _TEXT_CMD.sub(lambda m: m.group(1) + (m.group(2) or ""), s)
-    s = " ".join(s.lower().split())
-    return s.rstrip(".").strip()
-
-
-def decimal_places(text: str) -> int | None:
-    """Digits after the point when `text` normalizes to a plain decimal like "25.1", else None."""
-    match = _PLAIN_DECIMAL.fullmatch(normalize_answer(text))
-    return len(match.group(1)) if match else None
-
-
-# ---------------------------------------------------------------------------------------------
-# parser
-
-_NUMBER = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
-_COMMAND = re.compile(r"\\([A-Za-z]+|%)")
-_FRAC_NAMES = {"frac", "dfrac", "tfrac", "cfrac"}
-_MUL_COMMANDS = {"cdot": "*", "times": "*", "div": "/", "ast": "*"}
-_CLOSERS = {"(": ")", "[": "]", "{": "}"}
-
-
-def _is_digit(char: str) -> bool:
-    """ASCII digits only: str.isdigit also accepts '²', which float() rejects."""
-    return len(char) == 1 and "0" <= char <= "9"
+_NUMBER = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+(?![A-Za-z]))?")
 
 
 def _bounded(value: float) -> float:
@@ -184,27 +113,31 @@ def _power(base: float, exponent: float) -> float:
     return _bounded(base**exponent)
 
 
-def _root(value: float, degree: float) -> float:
-    if not float(degree).is_integer() or not 2 <= degree <= MAX_EXPONENT:
-        raise MathParseError(f"root degree must be a whole number in [2, {MAX_EXPONENT}]")
+def _sqrt(value: float) -> float:
     if value < 0:
-        if int(degree) % 2 == 0:
-            raise MathParseError("even root of a negative number has no real value")
-        return -(abs(value) ** (1.0 / degree))
-    return value ** (1.0 / degree)
+        raise MathParseError("square root of a negative number has no real value")
+    return math.sqrt(value)
+
+
+_BINARY = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a / b,
+}
 
 
 class _Parser:
-    """One pass over one expression; see the module docstring for the grammar."""
+    """Recursive descent over a normalized expression; nodes are tuples (see `_value`).
+
+    expr := term (('+'|'-') term)* ; term := signed (('*'|'/') signed | implicit)* ;
+    signed := ('+'|'-') signed | power ; power := atom (('^'|'**') signed)? ;
+    atom := number | '(' expr ')' | 'sqrt' atom | 'pi' | letter.
+    """
 
     def __init__(self, text: str, deadline: float | None):
-        self.text = text
-        self.pos = 0
-        self.steps = 0
-        self.depth = 0
-        self.deadline = deadline
+        self.text, self.pos, self.steps, self.depth, self.deadline = text, 0, 0, 0, deadline
 
-    # -- low level --------------------------------------------------------------------------
     def _tick(self) -> None:
         self.steps += 1
         if self.steps > MAX_STEPS:
@@ -212,262 +145,215 @@ class _Parser:
         if self.steps % _CLOCK_EVERY == 1:
             check_deadline(self.deadline)
 
-    def _peek(self) -> str:
-        """Next non-space character ('' at the end), without consuming it."""
+    def _peek(self, width: int = 1) -> str:
         self._tick()
-        while self.pos < len(self.text) and self.text[self.pos] == " ":
-            self.pos += 1
-        return self.text[self.pos] if self.pos < len(self.text) else ""
-
-    def _peek_command(self) -> str | None:
-        """Name of the command at the cursor (after spaces), without consuming it."""
-        if self._peek() != "\\":
-            return None
-        match = _COMMAND.match(self.text, self.pos)
-        return match.group(1) if match else None
-
-    def _take_command(self) -> str:
-        match = _COMMAND.match(self.text, self.pos)
-        if match is None:
-            raise MathParseError(f"stray backslash at position {self.pos}")
-        self.pos = match.end()
-        return match.group(1)
-
-    def _expect(self, char: str) -> None:
-        if self._peek() != char:
-            found = self._peek() or "end of text"
-            raise MathParseError(f"expected {char!r} at position {self.pos}, found {found!r}")
-        self.pos += 1
+        return self.text[self.pos : self.pos + width]
 
     def _enter(self) -> None:
         self.depth += 1
         if self.depth > MAX_DEPTH:
             raise MathLimitError(f"nesting deeper than {MAX_DEPTH}")
 
-    # -- grammar ----------------------------------------------------------------------------
-    def parse(self) -> float:
-        value = self.expr()
-        if self._peek():
-            raise MathParseError(f"unexpected {self._peek()!r} at position {self.pos}")
-        return value
+    def parse(self) -> tuple:
+        tree = self.expr()
+        if self.pos != len(self.text):
+            raise MathParseError(f"unexpected {self.text[self.pos]!r} at position {self.pos}")
+        return tree
 
-    def expr(self) -> float:
+    def expr(self) -> tuple:
         self._enter()
-        value = self.term()
-        while (char := self._peek()) in ("+", "-"):
+        tree = self.term()
+        while (op := self._peek()) in ("+", "-") and op:
             self.pos += 1
-            rhs = self.term()
-            value = _bounded(value + rhs if char == "+" else value - rhs)
+            tree = (op, tree, self.term())
         self.depth -= 1
-        return value
+        return tree
 
-    def term(self) -> float:
-        value = self.signed()
+    def term(self) -> tuple:
+        tree = self.signed()
         while True:
-            op = self._multiplicative_op()
-            if op is None and self._starts_implicit_factor():
-                op = "*"
-                rhs = self.power()  # no sign: "2 -3" stays a subtraction
-            elif op is not None:
-                rhs = self.signed()
+            if self._peek(2) != "**" and self._peek() in ("*", "/") and self._peek():
+                op = self._peek()
+                self.pos += 1
+                tree = (op, tree, self.signed())
+            elif self._starts_atom() and not self._starts_number():
+                tree = ("*", tree, self.power())  # 2x, 2sqrt(3), 2(3+1), (1)(2)
+            elif self._starts_number() and self.text[self.pos - 1] == ")":
+                tree = ("*", tree, self.power())  # (2)3
             else:
-                return value
-            if op == "/" and rhs == 0:
-                raise MathParseError("division by zero")
-            value = _bounded(value * rhs if op == "*" else value / rhs)
+                return tree
 
-    def _multiplicative_op(self) -> str | None:
-        """Consume and return '*' or '/' when an explicit operator is next."""
+    def _starts_number(self) -> bool:
         char = self._peek()
-        if char in ("*", "/"):
-            self.pos += 1
-            return char
-        name = self._peek_command()
-        if name in _MUL_COMMANDS:
-            self._take_command()
-            return _MUL_COMMANDS[name]
-        return None
+        return bool(char) and (char.isascii() and char.isdigit() or char == ".")
 
-    def _starts_implicit_factor(self) -> bool:
+    def _starts_atom(self) -> bool:
         char = self._peek()
-        if char in ("(", "{", "π", "√"):
-            return True
-        if char == "\\":
-            name = self._peek_command()
-            return name is not None and name not in _MUL_COMMANDS and name != "%"
-        return self.text.startswith("pi", self.pos)
+        return bool(char) and (char == "(" or char.isascii() and char.isalpha()) or self._starts_number()
 
-    def signed(self) -> float:
-        char = self._peek()
-        if char in ("+", "-"):
+    def signed(self) -> tuple:
+        op = self._peek()
+        if op in ("+", "-") and op:
             self.pos += 1
             self._enter()
-            value = self.signed()
+            tree = self.signed()
             self.depth -= 1
-            return -value if char == "-" else value
+            return ("neg", tree) if op == "-" else tree
         return self.power()
 
-    def power(self) -> float:
-        base = self.postfix()
-        if self._peek() != "^":
+    def power(self) -> tuple:
+        base = self.atom()
+        if self._peek(2) == "**":
+            self.pos += 2
+        elif self._peek() == "^":
+            self.pos += 1
+        else:
             return base
-        self.pos += 1
         self._enter()
         exponent = self.signed()
         self.depth -= 1
-        return _power(base, exponent)
+        return ("^", base, exponent)
 
-    def postfix(self) -> float:
-        value = self.atom()
-        while True:
-            if self._peek() == "%":
-                self.pos += 1
-            elif self._peek_command() == "%":
-                self._take_command()
-            else:
-                return value
-            value /= 100.0
-
-    def atom(self) -> float:
-        char = self._peek()
-        if _is_digit(char) or char == ".":
-            return self._number()
-        if char in _CLOSERS:
+    def atom(self) -> tuple:
+        if self._starts_number():
+            match = _NUMBER.match(self.text, self.pos)
+            if match is None:
+                raise MathParseError(f"malformed number at position {self.pos}")
+            self.pos = match.end()
+            return ("num", _bounded(float(match.group(0))))
+        if self._peek() == "(":
             self.pos += 1
-            value = self.expr()
-            self._expect(_CLOSERS[char])
-            return value
-        if char == "π":
+            tree = self.expr()
+            if self._peek() != ")":
+                raise MathParseError(f"expected ')' at position {self.pos}")
             self.pos += 1
-            return math.pi
-        if char == "√":
-            self.pos += 1
-            # Plain-text √ takes a whole number (√12), unlike \sqrt12 which takes one digit.
-            radicand = self._number() if _is_digit(self._peek()) else self._argument()
-            return _root(radicand, 2)
-        if char == "\\":
-            return self._command_atom()
-        if self.text.startswith("pi", self.pos):
+            return tree
+        if self._peek(4) == "sqrt":
+            self.pos += 4
+            self._enter()
+            tree = ("sqrt", self.atom())
+            self.depth -= 1
+            return tree
+        if self._peek(2) == "pi":
             self.pos += 2
-            return math.pi
+            return ("num", math.pi)
+        char = self._peek()
+        if char and char.isascii() and char.isalpha():
+            self.pos += 1
+            return ("var", char)
         raise MathParseError(f"unexpected {char or 'end of text'!r} at position {self.pos}")
 
-    def _number(self) -> float:
-        match = _NUMBER.match(self.text, self.pos)
-        if match is None:
-            raise MathParseError(f"malformed number at position {self.pos}")
-        self.pos = match.end()
-        return _bounded(float(match.group(0)))
 
-    def _command_atom(self) -> float:
-        start = self.pos
-        name = self._take_command()
-        if name == "pi":
-            return math.pi
-        if name in _FRAC_NAMES:
-            numerator = self._argument()
-            denominator = self._argument()
-            if denominator == 0:
-                raise MathParseError("\\frac with a zero denominator")
-            return _bounded(numerator / denominator)
-        if name == "sqrt":
-            degree = 2.0
-            if self._peek() == "[":
-                self.pos += 1
-                degree = self.expr()
-                self._expect("]")
-            return _root(self._argument(), degree)
-        raise MathParseError(f"unsupported command \\{name} at position {start}")
-
-    def _argument(self) -> float:
-        """A LaTeX argument: a {group}, a single digit (\\frac12), or one command atom (\\pi)."""
-        char = self._peek()
-        if char == "{":
-            self.pos += 1
-            value = self.expr()
-            self._expect("}")
-            return value
-        if _is_digit(char):
-            self.pos += 1
-            return float(char)
-        if char == "\\":  # \sqrt\pi, \frac\pi2: counted as nesting, they recurse
-            self._enter()
-            value = self._command_atom()
-            self.depth -= 1
-            return value
-        if char == "(":  # √(3) in plain text
-            return self.atom()
-        raise MathParseError(f"expected an argument at position {self.pos}")
-
-
-def evaluate_normalized(expression: str, *, deadline: float | None = None) -> float:
-    """Value of an already normalized expression; raises `MathParseError` / `MathLimitError`."""
-    if len(expression) > MAX_EXPR_CHARS:
-        raise MathTooLong(f"expression has {len(expression)} characters (limit {MAX_EXPR_CHARS})")
-    if not expression.strip():
+def parse(text: str, *, deadline: float | None = None) -> tuple:
+    """The expression tree of a normalized expression (see `_Parser`); raises `MathParseError`."""
+    if len(text) > MAX_EXPR_CHARS:
+        raise MathTooLong(f"expression has {len(text)} characters (limit {MAX_EXPR_CHARS})")
+    if not text:
         raise MathParseError("empty expression")
-    return _Parser(expression, deadline).parse()
+    return _Parser(text, deadline).parse()
+
+
+def variables(tree: tuple) -> set[str]:
+    """Names of the variables in `tree`."""
+    if tree[0] == "var":
+        return {tree[1]}
+    if tree[0] == "num":
+        return set()
+    return set().union(*(variables(child) for child in tree[1:]))
+
+
+def value(tree: tuple, env: dict[str, float] | None = None) -> float:
+    """The value of `tree` with variables from `env`; raises `MathParseError` / `MathLimitError`."""
+    kind = tree[0]
+    if kind == "num":
+        return tree[1]
+    if kind == "var":
+        if not env or tree[1] not in env:
+            raise MathParseError(f"variable {tree[1]!r} has no value")
+        return env[tree[1]]
+    if kind == "neg":
+        return -value(tree[1], env)
+    if kind == "sqrt":
+        return _sqrt(value(tree[1], env))
+    left, right = value(tree[1], env), value(tree[2], env)
+    if kind == "^":
+        return _power(left, right)
+    if kind == "/" and right == 0:
+        raise MathParseError("division by zero")
+    return _bounded(_BINARY[kind](left, right))
 
 
 def evaluate(text: str, *, deadline: float | None = None) -> float:
-    """Normalize an answer (see `normalize_answer`) and compute its value as a float.
+    """The value of a normalized expression without variables."""
+    return value(parse(text, deadline=deadline))
 
-    Raises `MathParseError` for text outside the supported subset, `MathLimitError` when a bound
-    is exceeded and `MathTimeout` when `deadline` (a `time.monotonic()` value) passes.
-    """
-    return evaluate_normalized(normalize_answer(text), deadline=deadline)
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=REL_TOL, abs_tol=ABS_TOL)
+
+
+def expressions_equal(a: str, b: str, *, deadline: float | None = None) -> bool:
+    """Whether two normalized expressions have the same value (at every test point, when they
+    have variables). Raises `MathParseError` when either cannot be read or has no value."""
+    tree_a, tree_b = parse(a, deadline=deadline), parse(b, deadline=deadline)
+    names = sorted(variables(tree_a) | variables(tree_b))
+    if not names:
+        return _close(value(tree_a), value(tree_b))
+    rng = random.Random(0)
+    for _ in range(_VARIABLE_POINTS):
+        env = {name: rng.uniform(1.1, 3.7) for name in names}
+        if not _close(value(tree_a, env), value(tree_b, env)):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
-# comparison
+# grading
 
 
-def numbers_match(pred: float, gold: float, *, gold_decimals: int | None = None) -> bool:
-    """Numeric equality: within `REL_TOL` relative (or `ABS_TOL` absolute) difference, or —
-    when the gold answer was written as a rounded decimal with `gold_decimals` >= 1 places —
-    when `pred` rounds to it, i.e. |pred - gold| <= 0.5 * 10**-gold_decimals.
-
-    So gold "25.1" accepts 25.13 and 25.05 but rejects 25.16; gold "25" (no decimals written)
-    gets only the relative tolerance.
-    """
-    if math.isclose(pred, gold, rel_tol=REL_TOL, abs_tol=ABS_TOL):
-        return True
-    if gold_decimals:
-        half_unit = 0.5 * 10.0 ** (-gold_decimals)
-        # The tiny slack absorbs binary rounding of the decimal literals themselves.
-        return abs(pred - gold) <= half_unit * (1 + 1e-9) + 1e-12 * abs(gold)
-    return False
-
-
-def _values(text: str, deadline: float | None) -> list[float]:
-    """The value of `text`; for "50%" both 0.5 and 50, since answers mix the two readings."""
-    normalized = normalize_answer(text)
-    values = [evaluate_normalized(normalized, deadline=deadline)]
-    if normalized.endswith("%"):
-        values.append(evaluate_normalized(normalized[:-1], deadline=deadline))
-    return values
-
-
-def answers_equivalent(pred: str, gold: str, *, deadline: float | None = None) -> bool:
-    """Whether a predicted answer equals the gold one, as strings or as numbers.
-
-    Equal loose strings (`normalize_text`) or equal normalized forms count at once. Otherwise
-    both sides are evaluated and compared with `numbers_match` (gold's written decimal places
-    enable the rounding rule). Returns False when the gold answer is not numeric and the strings
-    differ; raises `MathParseError` when the gold answer is numeric but `pred` cannot be read,
-    and `MathLimitError` / `MathTimeout` when a bound is hit on either side.
-    """
-    if normalize_text(pred) == normalize_text(gold):
-        return True
-    pred_norm, gold_norm = normalize_answer(pred), normalize_answer(gold)
-    if pred_norm.replace(" ", "") == gold_norm.replace(" ", "") and pred_norm:
-        return True
+def _elements_equal(gold: str, pred: str, deadline: float | None) -> bool:
+    """Step 3 of the module docstring for one tuple element."""
+    if _mathruler._is_frac(gold) and _mathruler._is_frac(pred):
+        return gold == pred  # unreduced fractions are not accepted for reduced ones
+    if _mathruler._str_is_int(gold) != _mathruler._str_is_int(pred):
+        return False
+    if not _mathruler_would_try(f"({gold})-({pred})"):
+        return False
     try:
-        gold_values = _values(gold, deadline)
-    except MathLimitError:
+        return expressions_equal(gold, pred, deadline=deadline)
+    except (MathTimeout, MathTooLong):
         raise
     except MathParseError:
+        # Unreadable, no real value, or beyond the depth/exponent/magnitude bounds: where sympy
+        # fails to parse or keeps a nonzero difference, the answer is not equal either.
         return False
-    pred_values = _values(pred, deadline)
-    places = decimal_places(gold)
-    return any(numbers_match(p, g, gold_decimals=places) for p in pred_values for g in gold_values)
+
+
+def _check_length(text: str, name: str) -> None:
+    if len(text) > MAX_ANSWER_CHARS:
+        raise MathTooLong(f"{name} has {len(text)} characters, more than {MAX_ANSWER_CHARS}")
+
+
+def grade_answer(pred: str, gold: str, *, deadline: float | None = None) -> bool:
+    """Whether `pred` is a correct answer for `gold`, by mathruler's rules (module docstring).
+
+    Raises `MathTooLong` for texts over `MAX_ANSWER_CHARS` and `MathTimeout` when `deadline`
+    passes; never evaluates either text as code.
+    """
+    _check_length(pred, "answer")
+    _check_length(gold, "gold answer")
+    if _mathd_normalize(gold) == _mathd_normalize(pred):
+        return True
+    check_deadline(deadline)
+    gold_norm, pred_norm = _mathruler._normalize(gold), _mathruler._normalize(pred)
+    check_deadline(deadline)
+    if gold_norm == pred_norm:
+        return True
+    if not pred_norm:
+        return False
+    gold_elems, pred_elems = _mathruler.split_tuple(gold_norm), _mathruler.split_tuple(pred_norm)
+    if len(gold_elems) > 1 and (gold_norm[0] != pred_norm[0] or gold_norm[-1] != pred_norm[-1]):
+        return False
+    if len(gold_elems) != len(pred_elems):
+        return False
+    return all(_elements_equal(g, p, deadline) for g, p in zip(gold_elems, pred_elems))

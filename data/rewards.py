@@ -2,38 +2,39 @@
 
 Tasks (`TASKS`), each scored as ``weights["accuracy"] * accuracy + weights["format"] * format``:
 
-- ``geo3k`` (default 0.9 / 0.1). Format is 1 when the response is ``<think>...</think>`` then a
-  final answer, either ``\\boxed{...}`` or ``<answer>...</answer>``, with only whitespace around
-  (exactly one think block). The final answer is looked for after the last ``</think>`` (the
-  whole response when there is none): the last ``\\boxed{...}`` (content up to its matching
-  brace), else the content of the last ``<answer>...</answer>``. Accuracy compares it with the
-  gold answer as math (`data.mathparse.answers_equivalent`): ``\\frac{7}{2}`` = ``3.5`` = ``7/2``,
-  ``2\\sqrt{3}`` = ``\\sqrt{12}`` ≈ ``3.4641`` (relative tolerance 1e-4), ``60^\\circ`` = ``60``,
-  units and ``x =`` stripped. Rounding rule: when the gold answer is a decimal written with d >= 1
-  places ("25.1"), a prediction within half a unit of the last place (|pred - 25.1| <= 0.05)
-  also counts, since such gold answers are rounded values.
+- ``geo3k`` (default 0.9 / 0.1): EasyR1's geo3k reward (``examples/reward_function/math.py``).
+  Spaces around ``<``, ``>`` and ``/`` are removed first (as EasyR1 does for Qwen2.5-VL-32B's
+  ``< think >``). Format is 1 when the response starts with ``<think>``, closes it, and has a
+  ``\\boxed{...}`` somewhere after (text between and after is allowed). The final answer is the
+  content of the last ``\\boxed{`` up to its matching brace (none when it never closes), and
+  accuracy is `data.mathparse.grade_answer`: mathruler's ``grade_answer`` rules with a bounded
+  evaluator in place of sympy (``\\frac{7}{2}`` = ``3.5`` = ``7/2``, ``2\\sqrt{3}`` =
+  ``\\sqrt{12}``, ``60^\\circ`` = ``60``, ``x = 5`` = ``5``; but ``3.4641`` ≠ ``2\\sqrt{3}`` and
+  ``2/4`` ≠ ``1/2``). tools/reward_agreement.py measures the agreement with EasyR1's scorer.
 - ``clevr`` (0.8 / 0.2). Format is 1 when the response ends with its one ``<answer>...</answer>``
   pair (optionally after a ``<think>...</think>`` block; nothing but whitespace after the answer),
   so a response that rambles past its answer, or is cut off, earns no format credit. Accuracy is an exact integer match of the last answer's stripped content: "3" and
   "3.0" both count as 3; words ("three") and non-integers do not.
 - ``generic`` (0.8 / 0.2). Format is 1 when an ``<answer>...</answer>`` pair exists. Accuracy: loose string equality (case, spaces,
-  ``$``, ``\\text{}`` ignored; a content that is exactly ``\\boxed{...}`` is unwrapped), falling
-  back to the numeric comparison of geo3k.
+  ``$``, ``\\text{}`` and a final period ignored; a content that is exactly ``\\boxed{...}`` is
+  unwrapped), falling back to geo3k's `grade_answer`.
 - ``grounding`` (0.8 / 0.2). Format as generic. The gold answer is a box "[x1, y1, x2, y2]"; the
   first box of four numbers in ``[...]`` or ``(...)`` inside the last answer is the prediction.
   Accuracy is their IoU, or — with ``iou_threshold`` — 1.0 when IoU >= threshold, else 0.0.
 
 Every result carries a ``reason``: "" on full success, otherwise one of "no_answer_found",
 "unparseable_answer", "wrong_answer", "invalid_box", "invalid_gold_answer", "bad_format",
-"answer_too_long", "limit_exceeded: ..." or "timeout".
+"answer_too_long" or "timeout".
 
-Guarantee: no text is ever run as code; math goes through the bounded parser in
+Guarantee: no text is ever run as code; math goes through the bounded evaluator in
 `data.mathparse`. Scanning a response uses only C-level string searches (``find``/``rfind``/
-``count``, linear in its length, a few milliseconds per megabyte); every Python-level loop runs
+``count``) and regular expressions that never backtrack over a span twice, linear in its length
+(a few milliseconds per megabyte); every Python-level loop runs
 over at most `MAX_ANSWER_CHARS` characters. Each `score` call carries a deadline of ``timeout_s``
 seconds, checked between phases and inside the parser's step loop (no signals, so any thread
-works). Hitting any bound — an answer longer than `MAX_ANSWER_CHARS`, an exponent or value too
-large, the deadline — gives score, accuracy and format all 0 with the reason set.
+works). An answer longer than `MAX_ANSWER_CHARS`, or the deadline, gives score, accuracy and
+format all 0 with the reason set; an answer whose value is beyond the evaluator's bounds (an
+exponent or magnitude too large, nesting too deep) is a wrong answer.
 
 CLI: ``python -m data.rewards --task T --response R --answer A`` prints one JSON object.
 """
@@ -50,14 +51,12 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from data.mathparse import (
-    MAX_RAW_CHARS,
+    MAX_ANSWER_CHARS,
     MathLimitError,
-    MathParseError,
     MathTimeout,
     MathTooLong,
-    answers_equivalent,
     check_deadline,
-    normalize_text,
+    grade_answer,
 )
 
 TASKS = ("geo3k", "clevr", "generic", "grounding")
@@ -67,13 +66,17 @@ DEFAULT_WEIGHTS = {
     "generic": {"accuracy": 0.8, "format": 0.2},
     "grounding": {"accuracy": 0.8, "format": 0.2},
 }
-MAX_ANSWER_CHARS = MAX_RAW_CHARS
 MAX_INTEGER_DIGITS = 100  # longer integers (sign included) are not read as a count
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 _ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
-_BOXED = "\\boxed"
-_BRACE_OPEN = re.compile(r"\s*\{")
+_BOXED = "\\boxed{"
+# EasyR1's re.sub(r"\s*(<|>|/)\s*", r"\1", ...) backtracks quadratically over long runs of spaces;
+# these two passes remove the same spaces in linear time (a run starts only where no space is).
+_SPACE_AFTER_TAG_CHAR = re.compile(r"(?<=[<>/])\s+")
+_SPACE_BEFORE_TAG_CHAR = re.compile(r"(?<!\s)\s++(?=[<>/])")
+_LOOSE_DROP = re.compile(r"\\[()\[\]]|\\?\$")
+_LOOSE_TEXT = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
 _INTEGER = re.compile(r"[+-]?[0-9]+(?:\.0*)?")
 _NUM = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _BOX = re.compile(rf"[\[(]\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*[\])]")
@@ -93,13 +96,15 @@ class RewardResult:
 # extraction
 
 
+def _collapse_tag_spaces(response: str) -> str:
+    """The response without spaces around ``<``, ``>`` and ``/`` (what EasyR1 scores)."""
+    return _SPACE_BEFORE_TAG_CHAR.sub("", _SPACE_AFTER_TAG_CHAR.sub("", response))
+
+
 def _boxed_span(text: str, start: int) -> tuple[str, int] | None:
     """Content of the ``\\boxed{...}`` at `start` and the index just past its matching brace;
     None if it never closes (a truncated response). Scans at most MAX_ANSWER_CHARS characters."""
-    opening = _BRACE_OPEN.match(text, start + len(_BOXED))
-    if opening is None:
-        return None
-    begin = opening.end()
+    begin = start + len(_BOXED)
     stop = min(len(text), begin + MAX_ANSWER_CHARS + 1)
     depth = 1
     for index in range(begin, stop):
@@ -136,25 +141,17 @@ def _last_answer_tag(text: str) -> str | None:
     return content
 
 
-def _after_think(response: str) -> str:
-    cut = response.rfind(_THINK_CLOSE)
-    return response if cut < 0 else response[cut + len(_THINK_CLOSE) :]
-
-
 def extract_final_answer(response: str, task: str) -> str | None:
     """The final answer text of `response` for `task` (stripped), or None when there is none.
 
-    geo3k: last ``\\boxed{}`` after the last ``</think>``, else the last ``<answer>`` there.
-    Other tasks: the last ``<answer>`` content; generic also unwraps a content that is exactly
+    geo3k: the last ``\\boxed{}`` (spaces around ``<``, ``>`` and ``/`` removed first, as in
+    EasyR1); an unclosed last box is no answer. Other tasks: the last ``<answer>`` content; generic also unwraps a content that is exactly
     ``\\boxed{...}``. Raises `MathLimitError` when the answer exceeds `MAX_ANSWER_CHARS` and
     ValueError for an unknown task.
     """
     _check_task(task)
     if task == "geo3k":
-        region = _after_think(response)
-        found = _last_boxed(region)
-        if found is None:
-            found = _last_answer_tag(region)
+        found = _last_boxed(_collapse_tag_spaces(response))
         return None if found is None else found.strip()
     found = _last_answer_tag(response)
     if found is None:
@@ -171,21 +168,17 @@ def extract_final_answer(response: str, task: str) -> str | None:
 # format
 
 
-def _think_then_answer(response: str) -> float:
-    """geo3k format: ``<think>...</think>`` then one final answer, whitespace around only."""
-    text = response.strip()
+def _think_then_box(response: str) -> float:
+    """geo3k format, EasyR1's ``<think>.*</think>.*\\\\boxed\\{.*\\}.*`` (DOTALL, full match) done
+    with string searches: the earliest ``</think>`` and the earliest box after it are the ones
+    that leave the most room for the rest."""
+    text = _collapse_tag_spaces(response)
     if not text.startswith(_THINK_OPEN):
         return 0.0
-    if text.count(_THINK_OPEN) != 1 or text.count(_THINK_CLOSE) != 1:
-        return 0.0
-    tail = text[text.index(_THINK_CLOSE) + len(_THINK_CLOSE) :].strip()
-    if tail.startswith(_ANSWER_OPEN) and tail.endswith(_ANSWER_CLOSE):
-        single = tail.count(_ANSWER_OPEN) == 1 and tail.count(_ANSWER_CLOSE) == 1
-        return 1.0 if single else 0.0
-    if tail.startswith(_BOXED):
-        span = _boxed_span(tail, 0)
-        return 1.0 if span is not None and span[1] == len(tail) else 0.0  # nothing after the box
-    return 0.0
+    close = text.find(_THINK_CLOSE, len(_THINK_OPEN))
+    box = -1 if close < 0 else text.find(_BOXED, close + len(_THINK_CLOSE))
+    found = box >= 0 and text.find("}", box + len(_BOXED)) >= 0
+    return 1.0 if found else 0.0
 
 
 def _has_answer_tag(response: str) -> float:
@@ -202,7 +195,7 @@ def _ends_with_single_answer(response: str) -> float:
 
 
 _FORMAT: dict[str, Callable[[str], float]] = {
-    "geo3k": _think_then_answer,
+    "geo3k": _think_then_box,
     "clevr": _ends_with_single_answer,
     "generic": _has_answer_tag,
     "grounding": _has_answer_tag,
@@ -214,12 +207,7 @@ _FORMAT: dict[str, Callable[[str], float]] = {
 
 
 def _math_accuracy(pred: str, gold: str, deadline: float) -> tuple[float, str]:
-    try:
-        equal = answers_equivalent(pred, gold, deadline=deadline)
-    except MathLimitError:
-        raise
-    except MathParseError:
-        return 0.0, "unparseable_answer"
+    equal = grade_answer(pred, gold, deadline=deadline)
     return (1.0, "") if equal else (0.0, "wrong_answer")
 
 
@@ -262,11 +250,18 @@ def _generic_accuracy(
     pred = extract_final_answer(response, "generic")
     if pred is None or not pred:
         return 0.0, "no_answer_found"
-    if normalize_text(pred) == normalize_text(gold):
+    if _loose_text(pred) == _loose_text(gold):
         return 1.0, ""
-    accuracy, reason = _math_accuracy(pred, gold, deadline)
-    # A free-text answer that is not a number is simply a different answer here.
-    return accuracy, "wrong_answer" if reason == "unparseable_answer" else reason
+    return _math_accuracy(pred, gold, deadline)
+
+
+def _loose_text(text: str) -> str:
+    """Free-text form: no ``$``/``\\(``, ``\\text{}`` unwrapped, lower case, single spaces, no
+    final period."""
+    if len(text) > MAX_ANSWER_CHARS:
+        raise MathTooLong(f"answer has {len(text)} characters, more than {MAX_ANSWER_CHARS}")
+    text = _LOOSE_TEXT.sub(lambda match: match.group(1), _LOOSE_DROP.sub("", text))
+    return " ".join(text.lower().split()).rstrip(".").strip()
 
 
 def parse_box(text: str) -> tuple[float, float, float, float] | None:
@@ -419,8 +414,6 @@ def score(
         return RewardResult(0.0, 0.0, 0.0, "timeout")
     except MathTooLong:
         return RewardResult(0.0, 0.0, 0.0, "answer_too_long")
-    except MathLimitError as error:
-        return RewardResult(0.0, 0.0, 0.0, f"limit_exceeded: {error}")
     if not reason and fmt < 1.0:
         reason = "bad_format"
     total = resolved["accuracy"] * accuracy + resolved["format"] * fmt

@@ -1,4 +1,4 @@
-"""Rewards and the bounded math parser: equivalences, formats, boxes, bounds, CLI."""
+"""Rewards and the math grader: mathruler's rules, bounded evaluator, formats, boxes, bounds, CLI."""
 
 import ast
 import json
@@ -17,10 +17,9 @@ from data.mathparse import (
     MathLimitError,
     MathParseError,
     MathTimeout,
-    answers_equivalent,
     evaluate,
-    normalize_answer,
-    numbers_match,
+    expressions_equal,
+    grade_answer,
 )
 from data.rewards import (
     DEFAULT_WEIGHTS,
@@ -43,7 +42,7 @@ def geo(answer_text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# the parser
+# the evaluator (reads mathruler's normalized text: no LaTeX, no spaces)
 
 
 @pytest.mark.parametrize(
@@ -52,36 +51,22 @@ def geo(answer_text: str) -> str:
         ("1+2*3", 7.0),
         ("(1+2)*3", 9.0),
         ("2^3^2", 512.0),  # right-associative
+        ("2**3", 8.0),
         ("-2^2", -4.0),  # unary minus binds looser than ^
-        ("2^{-1}", 0.5),
+        ("2^-1", 0.5),
         ("7/2", 3.5),
-        (r"\frac{7}{2}", 3.5),
-        (r"\dfrac{7}{2}", 3.5),
-        (r"\tfrac12", 0.5),
-        (r"\frac{\sqrt{3}}{2}", math.sqrt(3) / 2),
-        (r"2\sqrt{3}", 2 * math.sqrt(3)),
-        (r"\sqrt[3]{-8}", -2.0),
-        (r"\sqrt3", math.sqrt(3)),
-        ("√12", math.sqrt(12)),
-        (r"4\pi", 4 * math.pi),
-        (r"3\sqrt{2}\pi", 3 * math.sqrt(2) * math.pi),
+        ("sqrt(3)/2", math.sqrt(3) / 2),
+        ("2sqrt(3)", 2 * math.sqrt(3)),
+        ("sqrt3", math.sqrt(3)),
+        ("4pi", 4 * math.pi),
+        ("3sqrt(2)pi", 3 * math.sqrt(2) * math.pi),
         ("pi/2", math.pi / 2),
-        (r"\left( 3+4 \right)\cdot 2", 14.0),
-        (r"3 \times 4", 12.0),
         ("2(3+1)", 8.0),
-        ("50\\%", 0.5),
-        ("1,000", 1000.0),
-        ("1{,}000.5", 1000.5),
-        (r"1\,000", 1000.0),
-        (r"60^\circ", 60.0),
-        (r"60^{\circ}", 60.0),
-        ("60°", 60.0),
-        ("x = 5", 5.0),
-        (r"m \angle ABC = 60", 60.0),
-        (r"12\text{ cm}^2", 12.0),
-        (r"12 \mathrm{cm}", 12.0),
-        ("5 cm", 5.0),
-        ("$-3.25$", -3.25),
+        ("(1+1)(2)", 4.0),
+        ("(2)3", 6.0),
+        ("1/2*4", 2.0),
+        ("-3.25", -3.25),
+        (".5", 0.5),
         ("2.5e3", 2500.0),
     ],
 )
@@ -90,9 +75,7 @@ def test_evaluate_values(text, value):
 
 
 @pytest.mark.parametrize(
-    "text",
-    ["", "abc", "2 3", "(1+2", r"\frac{1}{0}", r"\sqrt{-4}", "1/0", r"\infty", "(-8)^{0.5}",
-     "3, 4"],
+    "text", ["", "abc", "2 3", "(1+2", "1/0", "sqrt(-4)", "(-8)^0.5", "3,4", "[1]", "5!", "x", "√3"]
 )
 def test_evaluate_rejects(text):
     with pytest.raises(MathParseError):
@@ -100,9 +83,7 @@ def test_evaluate_rejects(text):
 
 
 @pytest.mark.parametrize(
-    "text",
-    ["9^9^9^9^9", "10^{65}", "(10^{60})^{2}", "(" * 60 + "1" + ")" * 60, "-" * 100 + "1",
-     "1" * 150, "1" * 300],
+    "text", ["9^9^9^9^9", "10^65", "(10^60)^2", "(" * 60 + "1" + ")" * 60, "-" * 100 + "1", "1" * 400]
 )
 def test_evaluate_limits(text):
     start = time.perf_counter()
@@ -111,29 +92,57 @@ def test_evaluate_limits(text):
     assert time.perf_counter() - start < 0.1
 
 
-def test_parser_checks_the_deadline():
+def test_evaluator_checks_the_deadline():
     with pytest.raises(MathTimeout):
         evaluate("1+1", deadline=time.monotonic() - 1.0)
 
 
-def test_normalize_keeps_non_unit_text():
-    assert normalize_answer(r"\text{5}") == "5"
-    assert normalize_answer(r"5\text{ units}") == "5"
+def test_expressions_with_variables_are_compared_as_identities():
+    assert expressions_equal("2x", "x+x")
+    assert expressions_equal("(x+1)^2", "x^2+2x+1")
+    assert expressions_equal("xy/2", "y*x*0.5")
+    assert not expressions_equal("2x", "3x")
+    assert not expressions_equal("x", "y")
+    assert expressions_equal("sqrt(12)", "2sqrt(3)")
+    assert not expressions_equal("3.4641", "2sqrt(3)")  # a rounded value is not the exact one
 
 
-def test_numbers_match_rounding_rule():
-    assert numbers_match(25.13, 25.1, gold_decimals=1)
-    assert numbers_match(25.05, 25.1, gold_decimals=1)
-    assert not numbers_match(25.16, 25.1, gold_decimals=1)
-    assert not numbers_match(25.13, 25.0, gold_decimals=None)  # gold "25": no rounding rule
-    assert numbers_match(3.46410, 2 * math.sqrt(3))  # relative tolerance 1e-4
-    assert not numbers_match(3.46, 2 * math.sqrt(3))
+@pytest.mark.parametrize(
+    "pred, gold, equal",
+    [
+        ("1/2", "0.5", True),
+        ("2/4", "1/2", False),  # unreduced fractions are not accepted (mathruler)
+        ("60.0", "60", True),
+        ("59.99", "60", False),  # an integer gold answer needs an integer
+        (r"\frac{120}{2}", "60", False),  # ... written as one
+        ("(1, 2)", "(1,2)", True),
+        ("[1, 2]", "(1,2)", False),  # brackets must match
+        ("(1, 2, 3)", "(1,2)", False),
+        (r"\text{The Answer}", "the answer", True),
+        ("xyz", "zyx", False),  # three letters: never evaluated
+    ],
+)
+def test_grade_answer_follows_mathruler(pred, gold, equal):
+    assert grade_answer(pred, gold) is equal
 
 
-def test_answers_equivalent_percent_both_readings():
-    assert answers_equivalent("50\\%", "0.5")
-    assert answers_equivalent("50%", "50")
-    assert not answers_equivalent("50%", "5")
+def test_grader_never_reaches_sympy(monkeypatch):
+    """mathruler's own last step parses with sympy (eval of the text); ours must not run it."""
+    import sympy
+    from mathruler import grader
+    from sympy.parsing import sympy_parser
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sympy was asked to parse or simplify an answer")
+
+    for module, name in [(grader, "are_equal_under_sympy"), (grader, "_sympy_parse"),
+                         (sympy_parser, "parse_expr"), (sympy, "sympify"), (sympy, "simplify"),
+                         (grader.sympy, "simplify")]:
+        monkeypatch.setattr(module, name, refuse)
+    for pred, gold in [("2x+1", "1+x+x"), (r"2\sqrt{3}", r"\sqrt{12}"), ("3.5", r"\frac{7}{2}"),
+                       ("__import__('os')", "1.5"), ("(1, 2)", "(1,2)"), (r"4\pi", "12.566")]:
+        score("geo3k", geo(pred), gold)
+        score("generic", f"<answer>{pred}</answer>", gold)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,16 +157,10 @@ def test_answers_equivalent_percent_both_readings():
         ("7/2", r"\frac{7}{2}"),
         (r"\dfrac{7}{2}", "7/2"),
         (r"2\sqrt{3}", r"\sqrt{12}"),
-        ("3.4641", r"2\sqrt{3}"),
         (r"60^\circ", "60"),
-        ("60°", "60"),
-        (r"4\pi", "12.566"),
-        ("12.566", r"4\pi"),
         ("x = 5", "5"),
         (r"5\text{ cm}", "5"),
         ("1,200", "1200"),
-        ("25.13", "25.1"),  # gold is a rounded decimal: 25.13 rounds to 25.1
-        (r"8\sqrt{10}", "25.3"),  # 25.298 rounds to 25.3
     ],
 )
 def test_geo3k_equivalent_answers_score_full(pred, gold):
@@ -168,7 +171,12 @@ def test_geo3k_equivalent_answers_score_full(pred, gold):
 @pytest.mark.parametrize(
     "pred, gold",
     [("4", "3.5"), (r"\sqrt{13}", r"2\sqrt{3}"), ("25.16", "25.1"), ("25.1", "25.13"),
-     ("25.4", "25"), ("61", "60")],
+     ("25.4", "25"), ("61", "60"),
+     # EasyR1 (mathruler) wants the exact value: a rounded decimal for an exact answer, or an
+     # exact answer for a rounded gold decimal, is wrong.
+     ("3.4641", r"2\sqrt{3}"), (r"4\pi", "12.566"), ("12.566", r"4\pi"), ("25.13", "25.1"),
+     (r"8\sqrt{10}", "25.3"), ("abc", "5"),
+     ("60°", "60")],  # mathruler drops ^\circ but not the degree sign
 )
 def test_geo3k_wrong_answers_score_low(pred, gold):
     result = score("geo3k", geo(pred), gold)
@@ -177,10 +185,13 @@ def test_geo3k_wrong_answers_score_low(pred, gold):
     assert result.reason == "wrong_answer"
 
 
-def test_geo3k_unparseable_and_missing_answers():
-    assert score("geo3k", geo("abc"), "5").reason == "unparseable_answer"
+def test_geo3k_missing_answers():
     missing = score("geo3k", "<think>so it is 5</think> five", "5")
     assert (missing.score, missing.reason) == (0.0, "no_answer_found")
+    tags = score("geo3k", "<think>r</think> <answer>5</answer>", "5")  # EasyR1 reads \boxed only
+    assert (tags.score, tags.format, tags.reason) == (0.0, 0.0, "no_answer_found")
+    empty = score("geo3k", "<think>r</think> \\boxed{}", "5")
+    assert (empty.format, empty.reason) == (1.0, "no_answer_found")
 
 
 @pytest.mark.parametrize(
@@ -188,8 +199,11 @@ def test_geo3k_unparseable_and_missing_answers():
     [
         "<think>r</think>\\boxed{5}",
         "  <think>\nr\n</think>\n\n\\boxed{5}\n",
-        "<think>r</think> <answer>5</answer>",
         "<think>r</think><answer>\\boxed{5}</answer>",
+        "< think >r< /think > \\boxed{5}",  # spaces inside tags are removed first
+        "<think>r</think> The answer is \\boxed{5}",  # text before the answer
+        "<think>r</think> \\boxed{5}.",  # text after the answer
+        "<think>a</think><think>b</think>\\boxed{5}",
     ],
 )
 def test_geo3k_format_accepted(response):
@@ -200,11 +214,9 @@ def test_geo3k_format_accepted(response):
     "response",
     [
         "\\boxed{5}",  # no think block
-        "<think>r</think> The answer is \\boxed{5}",  # text before the answer
-        "<think>r</think> \\boxed{5}.",  # text after the answer
-        "<think>a</think><think>b</think>\\boxed{5}",  # two think blocks
         "intro <think>r</think>\\boxed{5}",  # text before think
-        "<think>r</think><answer>5</answer><answer>5</answer>",  # two answers
+        "<think>r \\boxed{5}",  # think never closed
+        "<think>\\boxed{5}</think>",  # the box is inside the think block
     ],
 )
 def test_geo3k_format_rejected(response):
@@ -215,11 +227,13 @@ def test_geo3k_format_rejected(response):
     assert result.reason == "bad_format"
 
 
-def test_geo3k_uses_answer_after_think_and_last_box():
+def test_geo3k_uses_the_last_box_anywhere():
     assert extract_final_answer("<think>maybe \\boxed{3}</think> \\boxed{4}", "geo3k") == "4"
     assert extract_final_answer("\\boxed{1} then \\boxed{\\frac{1}{2}}", "geo3k") == "\\frac{1}{2}"
-    assert extract_final_answer("<think>\\boxed{3}</think> nothing", "geo3k") is None
-    assert extract_final_answer("<think>t</think><answer> 7 </answer>", "geo3k") == "7"
+    assert extract_final_answer("<think>\\boxed{3}</think> nothing", "geo3k") == "3"
+    assert extract_final_answer("<think>t</think><answer> 7 </answer>", "geo3k") is None
+    assert extract_final_answer("\\boxed{1} and \\boxed{2", "geo3k") is None  # last one unclosed
+    assert extract_final_answer("\\boxed{ 7 / 2 }", "geo3k") == "7/2"
 
 
 def test_weights_are_configurable_and_checked():
@@ -317,6 +331,9 @@ def test_grounding_scores():
         "\\boxed{" * 200_000,
         "<answer>" * 200_000 + "</answer>",
         "<think>" + "a" * 1_000_000 + "</think>" + "\\boxed{1+" * 50_000,
+        " " * 1_000_000 + "x",  # the space removal around tags must stay linear
+        "a " * 500_000 + "/",
+        "<think>" + "</think>" * 100_000 + "\\boxed{" * 100_000,
     ],
 )
 @pytest.mark.parametrize("task", ["geo3k", "clevr", "generic"])
@@ -348,11 +365,10 @@ def test_random_text_never_raises_and_stays_in_range():
                 assert result.reason or result.score == pytest.approx(1.0) or task == "grounding"
 
 
-def test_limit_hits_zero_everything():
-    result = score("geo3k", geo("9^9^9^9^9"), "5")
-    assert result == RewardResult(0.0, 0.0, 0.0, result.reason)
-    assert result.reason.startswith("limit_exceeded")
-    assert score("geo3k", geo("1" * 5000), "5").reason == "answer_too_long"
+def test_size_limit_zeroes_everything_value_limit_is_wrong():
+    assert score("geo3k", geo("1" * 5000), "5") == RewardResult(0.0, 0.0, 0.0, "answer_too_long")
+    huge = score("geo3k", geo("((9^9)^9)^9"), "2.5")  # beyond MAX_MAGNITUDE: not equal
+    assert (huge.accuracy, huge.format, huge.reason) == (0.0, 1.0, "wrong_answer")
 
 
 def test_timeout_works_off_the_main_thread():
@@ -442,7 +458,7 @@ def test_cli_bad_task_exits_2():
 
 def test_module_constants_are_consistent():
     assert set(DEFAULT_WEIGHTS) == set(TASKS)
-    assert mathparse.MAX_EXPR_CHARS <= mathparse.MAX_RAW_CHARS
+    assert mathparse.MAX_EXPR_CHARS <= mathparse.MAX_ANSWER_CHARS
 
 
 def test_clevr_format_needs_the_answer_last():
@@ -454,3 +470,13 @@ def test_clevr_format_needs_the_answer_last():
     assert rambling.format == 0.0 and rambling.accuracy == 1.0
     assert _score("clevr", "<answer>2</answer><answer>3</answer>", "3").format == 0.0
     assert _score("clevr", "<answer>3</answer><ans", "3").format == 0.0  # cut off
+
+
+def test_agreement_corpus_is_fixed_and_large_enough():
+    """tools/reward_agreement.py compares with EasyR1 on these pairs (README has the numbers)."""
+    from tools.reward_agreement import generated_pairs, pairs_from_tests
+
+    ours = pairs_from_tests()
+    assert len(ours) >= 100 and all(origin.startswith("tests:") for origin, _, _ in ours)
+    assert generated_pairs(300, 0) == generated_pairs(300, 0) != generated_pairs(300, 1)
+    assert len(ours) + len(generated_pairs(300, 0)) >= 200

@@ -27,7 +27,10 @@ CLEVR = dict(size=(112, 112), min_objects=1, max_objects=3, question_kinds=("all
 def _run(cmd: list[str]) -> str:
     """Run a stage, streaming its output, and return stdout (rank 0 prints the final eval line)."""
     print("$ " + " ".join(cmd), flush=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # Prepend, not replace: packages reachable only through the caller's PYTHONPATH (a vLLM build,
+    # for instance) must stay importable in every stage.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     for line in proc.stdout:

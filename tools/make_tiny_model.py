@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description="Build a tiny offline VLM checkpoint of a registered family.")
     parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
-    parser.add_argument("--size", choices=sorted(SIZES), required=True)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--out", required=True, help="folder to create")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")

@@ -497,3 +497,348 @@ def mismatch_sequence_mask(per_seq_max: torch.Tensor, threshold: float) -> torch
     if threshold <= 0:
         return torch.ones_like(per_seq_max, dtype=torch.bool)
     return per_seq_max <= threshold
+
+
+# --------------------------------------------------------------------------------------------
+# objectives beyond PPO-clip: GSPO, CISPO, SAPO
+
+PolicyLossName = Literal["ppo", "gspo", "cispo", "sapo"]
+_POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
+
+
+def _per_sequence_mean(values: torch.Tensor, valid: torch.Tensor, segments: torch.Tensor | None,
+                       num_segments: int | None) -> torch.Tensor:
+    """(S,) mean of `values` over each sequence's valid tokens; 0 for a sequence with none."""
+    total = _per_sequence_sum(values.masked_fill(~valid, 0.0), segments, num_segments)
+    return total / _per_sequence_sum(valid.to(values.dtype), segments, num_segments).clamp_min(1)
+
+
+def _per_token(per_seq: torch.Tensor, like: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    """A (S,) per-sequence value spread over that sequence's tokens, in `like`'s form."""
+    return per_seq[segments] if segments is not None else per_seq.unsqueeze(-1).expand_as(like)
+
+
+def _check_objective_inputs(where: str, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                            weights: torch.Tensor | None, segments: torch.Tensor | None) -> None:
+    _check_tokens(where, "logp", logp, segments)
+    _check_same_shape(where, logp=logp, old_logp=old_logp, mask=mask)
+    if weights is not None:
+        _check_same_shape(where, logp=logp, weights=weights)
+
+
+def _clip_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, clip_low: torch.Tensor, clip_high: torch.Tensor,
+                  valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics `policy_loss` reports, for an objective whose clipped tokens are `clip_low | clip_high`
+    (bool, per token); ratio and log_ratio are the per-token r = pi / pi_old and log r."""
+    clip_active = clip_low | clip_high
+    ratio_min = torch.where(valid, ratio, torch.inf).amin()
+    return {
+        "clip_fraction": masked_mean(clip_active.float(), valid),
+        "clip_fraction_low": masked_mean(clip_low.float(), valid),
+        "clip_fraction_high": masked_mean(clip_high.float(), valid),
+        "dual_clip_fraction": torch.zeros((), device=ratio.device),
+        "approx_kl": masked_mean(ratio - 1.0 - log_ratio, valid),
+        "ratio_mean": masked_mean(ratio, valid),
+        "ratio_max": torch.where(valid, ratio, 0.0).amax(),
+        "ratio_min": torch.where(torch.isinf(ratio_min), 0.0, ratio_min),
+        "tokens": valid.sum().to(torch.float32),
+    }
+
+
+def _token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log r, r) per token, 0 and 1 outside the mask, log r clamped to [-20, 20]; the gradient reaches
+    `logp` at valid positions only (masked_fill, so a NaN in a masked slot stays out of it)."""
+    log_ratio = (logp.float() - old_logp.detach().float()).masked_fill(~valid, 0.0)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_ratio, torch.exp(log_ratio)
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    loss_agg: LossAgg = "seq-mean-token-mean",
+    weights: torch.Tensor | None = None,
+    global_tokens: Count | None = None,
+    global_seqs: Count | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071).
+
+    The ratio is the sequence's, normalised by its length: s_i = exp(mean_t (logp - old_logp)) over
+    the valid tokens of sequence i (the mean clamped to [-20, 20]), and every token of i carries
+
+        per_token = max(-A s_i, -A clip(s_i, 1 - clip_low, 1 + clip_high))
+
+    (times `weights` when given), then `aggregate_loss(per_token, mask, loss_agg, ...)`. The gradient
+    flows through s_i, so a token's gradient is s_i / |y_i| times its own score function; with
+    ``seq-mean-token-mean`` (the paper's normalisation) this is the paper's objective exactly, and the
+    sum over a sequence's tokens of any aggregation equals its |y_i| copies of the sequence term.
+    Advantages must be constant within a sequence (GRPO's are). The clip range is the paper's
+    (3e-4, 4e-4): a length-normalised ratio moves about 1000 times less than a token's.
+
+    Shapes and the packed form as in `policy_loss`; a whole sequence must sit in one call. Metrics as
+    `policy_loss`'s (ratios per token; a token counts as clipped when its sequence is), plus
+    ``seq_clip_fraction`` (of sequences with a valid token) and ``seq_ratio_mean``.
+    """
+    where = "gspo_loss"
+    _check_objective_inputs(where, logp, old_logp, mask, weights, segments)
+    valid = _as_bool(mask)
+    adv = _expand_advantages(advantages.detach().float(), logp).masked_fill(~valid, 0.0)
+    log_ratio, ratio = _token_ratio(logp, old_logp, valid)
+    seq_log_ratio = _per_sequence_mean(log_ratio, valid, segments, num_segments).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_ratio = _per_token(torch.exp(seq_log_ratio), logp, segments)
+    unclipped = -adv * seq_ratio
+    clipped = -adv * seq_ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights.detach().float()
+    loss = aggregate_loss(per_token, valid, loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                          segments=segments, num_segments=num_segments)
+    active = (clipped > unclipped).detach() & valid
+    s = seq_ratio.detach()
+    metrics = _clip_metrics(ratio.detach(), log_ratio.detach(), active & (s < 1.0 - clip_low),
+                            active & (s > 1.0 + clip_high), valid)
+    has_tokens = _per_sequence_sum(valid.float(), segments, num_segments) > 0
+    seq_clipped = _per_sequence_sum(active.float(), segments, num_segments) > 0
+    seqs = has_tokens.sum().clamp_min(1)
+    metrics["seq_clip_fraction"] = seq_clipped.sum() / seqs
+    metrics["seq_ratio_mean"] = torch.where(has_tokens, torch.exp(seq_log_ratio.detach()), 0.0).sum() / seqs
+    return loss, metrics
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 4.0,
+    loss_agg: LossAgg = "token-mean",
+    weights: torch.Tensor | None = None,
+    global_tokens: Count | None = None,
+    global_seqs: Count | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1 technical report, Chen et al. 2025, arXiv:2506.13585, eq. 4-5).
+
+    With r = exp(logp - old_logp) per token (log-ratio clamped to [-20, 20]):
+
+        per_token = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp
+
+    (times `weights` when given), then `aggregate_loss`. The clipped weight is a constant, so every
+    token keeps a gradient -w A grad(logp), clipped or not: unlike PPO, a clipped token is not dropped
+    from the update, it is only given a bounded weight. MiniMax-M1 sets no lower bound (the default
+    clip_low = 1 makes it 0) and uses the token-mean normalisation. The loss value is the surrogate's
+    (it contains logp, so it is not 0 on-policy).
+
+    Shapes and the packed form as in `policy_loss`. Metrics as `policy_loss`'s; ``clip_fraction``
+    counts tokens whose weight was clipped (r outside [1 - clip_low, 1 + clip_high]).
+    """
+    where = "cispo_loss"
+    _check_objective_inputs(where, logp, old_logp, mask, weights, segments)
+    valid = _as_bool(mask)
+    adv = _expand_advantages(advantages.detach().float(), logp).masked_fill(~valid, 0.0)
+    log_ratio, ratio = _token_ratio(logp, old_logp, valid)
+    r = ratio.detach()
+    weight = r.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = -weight * adv * logp.float().masked_fill(~valid, 0.0)
+    if weights is not None:
+        per_token = per_token * weights.detach().float()
+    loss = aggregate_loss(per_token, valid, loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                          segments=segments, num_segments=num_segments)
+    metrics = _clip_metrics(r, log_ratio.detach(), valid & (r < 1.0 - clip_low), valid & (r > 1.0 + clip_high), valid)
+    return loss, metrics
+
+
+SAPO_HALVED = 0.5  # a token counts as soft-clipped when the gate leaves less than this share of its gradient
+
+
+def sapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    loss_agg: LossAgg = "token-mean",
+    weights: torch.Tensor | None = None,
+    global_tokens: Count | None = None,
+    global_seqs: Count | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347).
+
+    A smooth gate replaces the hard clip. With r = exp(logp - old_logp) per token (log-ratio clamped
+    to [-20, 20]) and tau = tau_pos where A > 0, tau_neg otherwise:
+
+        per_token = -A * (4 / tau) * sigmoid(tau * (r - 1))
+
+    (times `weights` when given), then `aggregate_loss`. Its gradient is the plain importance-sampled
+    one, -A r grad(logp), times the gate weight g = 4 sigmoid(x) (1 - sigmoid(x)), x = tau (r - 1):
+    g = 1 on-policy (r = 1) and decays smoothly as r leaves 1, faster for larger tau. The paper's
+    defaults are tau_pos = 1.0 and tau_neg = 1.05 (negative advantages decay faster).
+
+    Shapes and the packed form as in `policy_loss`. Metrics as `policy_loss`'s, where a token counts
+    as clipped when its gate weight g < 0.5 (the gate removed more than half of its gradient; low for
+    r < 1, high for r > 1), plus ``gate_mean``, the mean of g over the valid tokens.
+    """
+    where = "sapo_loss"
+    _check_objective_inputs(where, logp, old_logp, mask, weights, segments)
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"{where}: tau_pos={tau_pos} and tau_neg={tau_neg} must be > 0")
+    valid = _as_bool(mask)
+    adv = _expand_advantages(advantages.detach().float(), logp).masked_fill(~valid, 0.0)
+    log_ratio, ratio = _token_ratio(logp, old_logp, valid)
+    tau = torch.where(adv > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    per_token = -adv * (4.0 / tau) * gate
+    if weights is not None:
+        per_token = per_token * weights.detach().float()
+    loss = aggregate_loss(per_token, valid, loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                          segments=segments, num_segments=num_segments)
+    g = gate.detach()
+    soft_weight = 4.0 * g * (1.0 - g)
+    r = ratio.detach()
+    halved = valid & (soft_weight < SAPO_HALVED)
+    metrics = _clip_metrics(r, log_ratio.detach(), halved & (r < 1.0), halved & (r > 1.0), valid)
+    metrics["gate_mean"] = masked_mean(soft_weight, valid)
+    return loss, metrics
+
+
+def objective_loss(
+    objective: PolicyLossName,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float = 0.0,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    loss_agg: LossAgg = "token-mean",
+    weights: torch.Tensor | None = None,
+    global_tokens: Count | None = None,
+    global_seqs: Count | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss `objective` names: ``ppo`` (`policy_loss`, `weights` as its tis_weights),
+    ``gspo``, ``cispo`` or ``sapo``. `clip_low`/`clip_high` are that objective's own clip range (unused
+    by sapo); `dual_clip` applies to ppo only, `tau_pos`/`tau_neg` to sapo only."""
+    _check_choice("objective_loss", "objective", objective, _POLICY_LOSSES)
+    common = dict(loss_agg=loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, segments=segments,
+                  num_segments=num_segments)
+    if objective == "ppo":
+        return policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                           dual_clip=dual_clip, tis_weights=weights, **common)
+    if objective == "gspo":
+        return gspo_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high, weights=weights,
+                         **common)
+    if objective == "cispo":
+        return cispo_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high, weights=weights,
+                          **common)
+    return sapo_loss(logp, old_logp, advantages, mask, tau_pos=tau_pos, tau_neg=tau_neg, weights=weights, **common)
+
+
+# --------------------------------------------------------------------------------------------
+# rollout / training mismatch corrections
+
+RolloutCorrection = Literal["none", "tis", "icepop", "mis", "seq_mask_tis"]
+_ROLLOUT_CORRECTIONS = ("none", "tis", "icepop", "mis", "seq_mask_tis")
+CORRECTION_COUNTS = ("tokens", "seqs", "masked_tokens", "masked_seqs", "clipped_tokens", "clipped_seqs", "weight_sum")
+
+
+@torch.no_grad()
+def rollout_correction(
+    old_logp_train: torch.Tensor,
+    engine_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: RolloutCorrection,
+    *,
+    tis_cap: float = 2.0,
+    icepop_low: float = 0.5,
+    icepop_high: float = 5.0,
+    mis_cap: float = 2.0,
+    seq_mask_low: float = 0.999,
+    seq_mask_high: float = 1.002,
+    segments: torch.Tensor | None = None,
+    num_segments: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss weights that correct for tokens sampled by the engine but trained by the trainer.
+
+    With w_t = exp(old_logp_train - engine_logp) per valid token (log clamped to [-20, 20]):
+
+    - ``none``: 1.
+    - ``tis`` (truncated IS): min(w_t, tis_cap); a token is clipped when w_t > tis_cap.
+    - ``icepop`` (IcePop, Ling team, Ring-1T): w_t where icepop_low <= w_t <= icepop_high, else 0
+      (the token is masked).
+    - ``mis`` (sequence-level masked IS, Liu, Li et al. 2025, "When Speed Kills Stability"): the
+      sequence's product rho_i = exp(sum_t log w_t) on each of its tokens where rho_i <= mis_cap; the
+      whole sequence is masked (0) above it.
+    - ``seq_mask_tis`` (NeMo-RL's seq-mask-tis): w_t, with the whole sequence masked when its geometric
+      mean exp(mean_t log w_t) leaves [seq_mask_low, seq_mask_high].
+
+    Returns (weights, counts): weights detached float32 in the inputs' shape, 0 outside the mask; counts
+    float32 scalars over the valid tokens (sum them over micro-batches and ranks, then divide):
+    ``tokens``, ``seqs`` (sequences with a valid token), ``masked_tokens`` and ``masked_seqs`` (weight
+    0; for icepop a sequence counts when any of its tokens is masked), ``clipped_tokens`` and
+    ``clipped_seqs`` (tis: weight truncated), ``weight_sum`` (sum of the weights). Shapes: (B, T), or
+    packed (K,) with `segments`; a sequence-level mode needs whole sequences in one call.
+    """
+    where = "rollout_correction"
+    _check_choice(where, "mode", mode, _ROLLOUT_CORRECTIONS)
+    _check_tokens(where, "old_logp_train", old_logp_train, segments)
+    _check_same_shape(where, old_logp_train=old_logp_train, engine_logp=engine_logp, mask=mask)
+    valid = _as_bool(mask)
+    log_w = (old_logp_train.float() - engine_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_w = torch.where(valid, log_w, torch.zeros((), device=log_w.device))
+    w = torch.exp(log_w)
+    masked = torch.zeros_like(valid)
+    clipped = torch.zeros_like(valid)
+    if mode == "none":
+        weights = torch.ones_like(w)
+    elif mode == "tis":
+        clipped = valid & (w > tis_cap)
+        weights = w.clamp(max=tis_cap)
+    elif mode == "icepop":
+        masked = valid & ((w < icepop_low) | (w > icepop_high))
+        weights = torch.where(masked, 0.0, w)
+    elif mode == "mis":
+        seq_log = _per_sequence_sum(log_w, segments, num_segments).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        rho = _per_token(torch.exp(seq_log), w, segments)
+        masked = valid & (rho > mis_cap)
+        weights = torch.where(masked, 0.0, rho)
+    else:
+        geo = _per_token(torch.exp(_per_sequence_mean(log_w, valid, segments, num_segments)), w, segments)
+        masked = valid & ((geo < seq_mask_low) | (geo > seq_mask_high))
+        weights = torch.where(masked, 0.0, w)
+    weights = weights.masked_fill(~valid, 0.0)
+    return weights, _correction_counts(weights, valid, masked, clipped, segments, num_segments)
+
+
+def _correction_counts(weights: torch.Tensor, valid: torch.Tensor, masked: torch.Tensor, clipped: torch.Tensor,
+                       segments: torch.Tensor | None, num_segments: int | None) -> dict[str, torch.Tensor]:
+    def seqs_with(flags: torch.Tensor) -> torch.Tensor:
+        return (_per_sequence_sum(flags.float(), segments, num_segments) > 0).sum().to(torch.float32)
+
+    return {
+        "tokens": valid.sum().to(torch.float32),
+        "seqs": seqs_with(valid),
+        "masked_tokens": masked.sum().to(torch.float32),
+        "masked_seqs": seqs_with(masked),
+        "clipped_tokens": clipped.sum().to(torch.float32),
+        "clipped_seqs": seqs_with(clipped),
+        "weight_sum": weights.sum().to(torch.float32),
+    }

@@ -101,13 +101,36 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    tis_cap: float = 0.0  # truncated importance sampling cap against engine logprobs; 0 disables
+    # policy objective (README "Algorithm"): ppo-clip, or gspo / cispo / sapo with their own keys below
+    policy_loss: Literal["ppo", "gspo", "cispo", "sapo"] = "ppo"
+    gspo_clip_low: float = 3e-4  # clip range of GSPO's length-normalised sequence ratio (the paper's values)
+    gspo_clip_high: float = 4e-4
+    cispo_clip_low: float = 1.0  # CISPO weight bounds [1 - low, 1 + high]; low = 1: no lower bound (MiniMax-M1)
+    cispo_clip_high: float = 4.0
+    sapo_tau_pos: float = 1.0  # SAPO gate temperatures for A > 0 and A <= 0 (the paper's values)
+    sapo_tau_neg: float = 1.05
+    # engine/trainer mismatch correction of the loss (README "Algorithm"); none: measured mismatch ~1.0001
+    rollout_correction: Literal["none", "tis", "icepop", "mis", "seq_mask_tis"] = "none"
+    # tis cap; with rollout_correction=none, tis_cap > 0 alone selects tis (kept from before the key existed)
+    tis_cap: float = 0.0
+    icepop_low: float = 0.5  # icepop keeps tokens with w = pi_train / pi_engine in [low, high]
+    icepop_high: float = 5.0
+    mis_cap: float = 2.0  # mis masks sequences whose product of w exceeds this
+    seq_mask_low: float = 0.999  # seq_mask_tis keeps sequences whose geometric-mean w is in [low, high]
+    seq_mask_high: float = 1.002
     dynamic_sampling: bool = False
     max_refill_rounds: int = 2
     overlong_buffer: int = 0  # tokens before max_new_tokens where the overlong penalty ramps; 0 disables
     overlong_penalty: float = 1.0
     ppo_epochs: int = 1
-    mismatch_mask_threshold: float = 0.0  # mask sequences whose per-seq max exp|dlogp| exceeds this; 0 disables
+    # veto, with any rollout_correction: drop sequences whose per-token max exp|dlogp| exceeds this; 0 disables
+    mismatch_mask_threshold: float = 0.0
+
+    def correction(self) -> str:
+        """The rollout correction in force: `rollout_correction`, or tis when only `tis_cap` > 0 is set."""
+        if self.rollout_correction == "none" and self.tis_cap > 0:
+            return "tis"
+        return self.rollout_correction
 
 
 @dataclass
@@ -437,7 +460,8 @@ AT_LEAST_ZERO = (
     "rollout.temperature",
     "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef", "algorithm.tis_cap",
     "algorithm.max_refill_rounds", "algorithm.overlong_buffer", "algorithm.overlong_penalty",
-    "algorithm.mismatch_mask_threshold",
+    "algorithm.mismatch_mask_threshold", "algorithm.gspo_clip_low", "algorithm.gspo_clip_high",
+    "algorithm.cispo_clip_low", "algorithm.cispo_clip_high", "algorithm.icepop_low", "algorithm.seq_mask_low",
     "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
     "checkpoint.every_steps", "checkpoint.keep",
 )
@@ -491,6 +515,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
                f"({cfg.data.max_pixels})")
     if cfg.algorithm.dual_clip and not cfg.algorithm.dual_clip > 1.0:
         yield f"config key 'algorithm.dual_clip' must be 0 (off) or > 1, got {cfg.algorithm.dual_clip}"
+    yield from _algorithm_errors(cfg.algorithm)
     if not cfg.optim.lr > 0:
         yield f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}"
     for key in ("optim.beta1", "optim.beta2"):
@@ -505,6 +530,20 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
                f"got {cfg.parallel.replicate}")
     if cfg.checkpoint.resume not in ("auto", "never") and not cfg.checkpoint.resume:
         yield "config key 'checkpoint.resume' must be auto, never, overwrite or a checkpoint path"
+
+
+def _algorithm_errors(a: AlgorithmConfig) -> Iterator[str]:
+    """Objective and rollout-correction keys that need more than a sign check."""
+    for key in ("sapo_tau_pos", "sapo_tau_neg", "mis_cap"):
+        if not getattr(a, key) > 0:
+            yield f"config key 'algorithm.{key}' must be > 0, got {getattr(a, key)}"
+    if a.rollout_correction == "tis" and not a.tis_cap > 0:
+        yield ("config key 'algorithm.tis_cap' must be > 0 with algorithm.rollout_correction=tis, got "
+               f"{a.tis_cap}: it caps the importance weight (2.0 in the recipes)")
+    for low, high in (("icepop_low", "icepop_high"), ("seq_mask_low", "seq_mask_high")):
+        if not getattr(a, low) <= 1.0 <= getattr(a, high):
+            yield (f"config keys 'algorithm.{low}' ({getattr(a, low)}) and 'algorithm.{high}' "
+                   f"({getattr(a, high)}) must bracket 1: a token with no mismatch (weight 1) must be kept")
 
 
 def validate(cfg: Config) -> None:

@@ -194,7 +194,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if cfg.trainer.mode == "sft":
-                metrics = self.sft_step(per_rank)
+                with self.colocation.peak.training():
+                    metrics = self.sft_step(per_rank)
             else:
                 metrics = self.grpo_step(per_rank)
             metrics["optim/lr"] = lr
@@ -304,22 +305,24 @@ class Trainer:
         timings["perf/gen_s"] = time.monotonic() - t
         gen_detail = dict(self.colocation.timings)
 
-        t = time.monotonic()
-        step = self._experience(prompts, gens)
-        timings["perf/logprob_s"] = time.monotonic() - t
+        with self.colocation.peak.training():
+            t = time.monotonic()
+            step = self._experience(prompts, gens)
+            timings["perf/logprob_s"] = time.monotonic() - t
 
-        t = time.monotonic()
-        rewards = self._advantages(step, gens, rewards_info)
-        fidelity = {} if self._old_logprobs_from_update() else self._fidelity(step)
-        timings["perf/score_s"] = time.monotonic() - t
+            t = time.monotonic()
+            rewards = self._advantages(step, gens, rewards_info)
+            fidelity = {} if self._old_logprobs_from_update() else self._fidelity(step)
+            timings["perf/score_s"] = time.monotonic() - t
 
-        t = time.monotonic()
-        train = self._ppo_update(step, old_from_update=self._old_logprobs_from_update())
-        timings["perf/train_s"] = time.monotonic() - t
-        if not fidelity:  # the update's own forward gave the old logprobs; compare them with the engine's now
-            fidelity = self._fidelity(step)
+            t = time.monotonic()
+            train = self._ppo_update(step, old_from_update=self._old_logprobs_from_update())
+            timings["perf/train_s"] = time.monotonic() - t
+            if not fidelity:  # the update's own forward gave the old logprobs; compare them with the engine's now
+                fidelity = self._fidelity(step)
 
         timings["perf/refit_s"] = self.refit()
+        self.colocation.peak.sample()  # the engine's weights are back on the device
         return {**self._rollout_metrics(gens, rewards_info, rewards), **fidelity, **train, **timings, **gen_detail,
                 **self._throughput(step, timings)}
 

@@ -221,36 +221,46 @@ def tensor_bytes(tensors) -> int:
 
 # --- the device's peak ---------------------------------------------------------------------------
 class DevicePeak:
-    """This process's peak device memory over a step, in bytes, never above the device's size.
+    """This process's peak device memory over a step, in GiB.
 
-    torch's allocator statistics alone overstate it: a sleeping vLLM engine's tensors stay
-    allocated in torch's books while their memory is unmapped, so `max_memory_allocated` read
-    160-190 GiB on a 140 GiB H200. The peak is instead the device's used memory at the step's
-    start plus what torch's caching allocator reserved beyond that during the step, and the
-    device's used memory sampled while the engine is awake (`sample`).
+    torch's allocator statistics alone overstate it: a sleeping vLLM engine's tensors stay in
+    torch's books while their memory is unmapped, and its memory pool comes and goes with sleep
+    and wake, so `max_memory_allocated` read 160-190 GiB on a 140 GiB H200. The peak here is the
+    device's used memory sampled at the step's start and while the engine is awake (`sample`),
+    and, around the policy's passes (`training`, while the engine sleeps), the device's used
+    memory at their start plus what torch allocated beyond that during them.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._cuda = device.type == "cuda"
         self._peak = 0
-        self._start_used = self._start_reserved = 0
 
     def _used(self) -> int:
+        torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
 
     def begin(self) -> None:
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-            self._start_used, self._start_reserved = self._used(), torch.cuda.memory_reserved(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._peak = self._start_used
+        self._peak = self._used() if self._cuda else 0
 
     def sample(self) -> None:
         if self._cuda:
-            torch.cuda.synchronize(self.device)
             self._peak = max(self._peak, self._used())
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """Around passes that allocate only through torch's caching allocator (the engine asleep)."""
+        if not self._cuda:
+            yield
+            return
+        used, allocated = self._used(), torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            grown = torch.cuda.max_memory_allocated(self.device) - allocated
+            self._peak = max(self._peak, used + grown)
 
     def end(self) -> float:
         """The step's peak in GiB (on CPU: the process's peak resident memory)."""
@@ -258,10 +268,8 @@ class DevicePeak:
             import resource
 
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        grown = torch.cuda.max_memory_reserved(self.device) - self._start_reserved
         self.sample()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return min(max(self._peak, self._start_used + grown), total) / _GIB
+        return self._peak / _GIB
 
 
 # --- the colocation object ----------------------------------------------------------------------

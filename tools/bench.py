@@ -71,6 +71,8 @@ def _parse(argv):
     p.add_argument("--json-out", default=None, help="also write the JSON object to this file")
     p.add_argument("--profile", default=None,
                    help="profile one extra training step with torch.profiler and write its op table to this file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the trainer the benchmark builds (repeatable)")
     p.add_argument("--append", action="store_true", help="append to docs/benchmarks.jsonl and docs/benchmarks.md")
     p.add_argument("--append-from", default=None,
                    help="append a JSON object a run wrote (e.g. on another machine) and exit")
@@ -135,6 +137,7 @@ def _config(args, model: Path, data: Path):
         f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"model.attn_implementation={args.attn}", "optim.lr=1e-6", "trainer.run_dir=/tmp/vlrl_bench/run",
         "checkpoint.resume=never", "logging.tensorboard=false", "logging.stdout=false", "trainer.progress=false",
+        *args.set,
     ])
 
 

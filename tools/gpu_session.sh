@@ -111,6 +111,21 @@ profile)
     --profile "$OUT/profile.txt" --json-out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "profile rc=$?"; grep -v "^INFO\|^WARNING\|^\[" "$OUT/bench.log" | tail -5
   ;;
+update)
+  # The update alone at the loop's shape, each variant of UPDATE_SETS (";"-separated config overrides,
+  # "-" for none) in turn, the first one profiled.
+  IFS=';' read -ra sets <<< "${UPDATE_SETS:--;model.liger_kernel=true}"
+  n=0
+  for v in "${sets[@]}"; do
+    args=""; [ "$v" != "-" ] && for kv in $v; do args="$args --set $kv"; done
+    prof=""; [ $n = 0 ] && prof="--profile $OUT/profile.txt"
+    timeout 240 $PY tools/bench.py --size 3b --phases train --train-seqs 128 --group 8 --response-len 256 \
+      --max-tokens 8192 --image-size 448 --train-steps 3 $args $prof --json-out "$OUT/update_$n.json" \
+      > "$OUT/update_$n.log" 2>&1
+    echo "update [$v] rc=$? $(python3 -c "import json;d=json.load(open('$OUT/update_$n.json'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train']))" 2>&1 | tail -1)"
+    n=$((n+1))
+  done
+  ;;
 multi)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
   $PY tools/make_dataset.py --kind clevr --n 96 --seed 0 --out $W/c56.parquet --size 56x56 > /dev/null

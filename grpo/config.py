@@ -91,6 +91,9 @@ class RolloutConfig:
     refit_bucket_mb: int = 512
 
 
+DEFAULT_TIS_CAP = 2.0  # veRL's default; TRL uses 3
+
+
 @dataclass
 class AlgorithmConfig:
     adv_estimator: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
@@ -111,7 +114,8 @@ class AlgorithmConfig:
     sapo_tau_neg: float = 1.05
     # engine/trainer mismatch correction of the loss (README "Algorithm"); none: measured mismatch ~1.0001
     rollout_correction: Literal["none", "tis", "icepop", "mis", "seq_mask_tis"] = "none"
-    # tis cap; with rollout_correction=none, tis_cap > 0 alone selects tis (kept from before the key existed)
+    # the tis cap (0: 2.0); with rollout_correction=none, tis_cap > 0 alone selects tis (an alias kept from
+    # before rollout_correction existed)
     tis_cap: float = 0.0
     icepop_low: float = 0.5  # icepop keeps tokens with w = pi_train / pi_engine in [low, high]
     icepop_high: float = 5.0
@@ -126,11 +130,13 @@ class AlgorithmConfig:
     # veto, with any rollout_correction: drop sequences whose per-token max exp|dlogp| exceeds this; 0 disables
     mismatch_mask_threshold: float = 0.0
 
-    def correction(self) -> str:
-        """The rollout correction in force: `rollout_correction`, or tis when only `tis_cap` > 0 is set."""
-        if self.rollout_correction == "none" and self.tis_cap > 0:
-            return "tis"
-        return self.rollout_correction
+    def correction(self) -> dict:
+        """The rollout correction in force, as `grpo.algorithm.rollout_correction`'s mode and thresholds:
+        `rollout_correction`, or tis when only `tis_cap` > 0 is set; tis caps at 2.0 unless `tis_cap` says."""
+        mode = "tis" if self.rollout_correction == "none" and self.tis_cap > 0 else self.rollout_correction
+        return {"mode": mode, "tis_cap": self.tis_cap if self.tis_cap > 0 else DEFAULT_TIS_CAP,
+                "icepop_low": self.icepop_low, "icepop_high": self.icepop_high, "mis_cap": self.mis_cap,
+                "seq_mask_low": self.seq_mask_low, "seq_mask_high": self.seq_mask_high}
 
 
 @dataclass
@@ -537,9 +543,6 @@ def _algorithm_errors(a: AlgorithmConfig) -> Iterator[str]:
     for key in ("sapo_tau_pos", "sapo_tau_neg", "mis_cap"):
         if not getattr(a, key) > 0:
             yield f"config key 'algorithm.{key}' must be > 0, got {getattr(a, key)}"
-    if a.rollout_correction == "tis" and not a.tis_cap > 0:
-        yield ("config key 'algorithm.tis_cap' must be > 0 with algorithm.rollout_correction=tis, got "
-               f"{a.tis_cap}: it caps the importance weight (2.0 in the recipes)")
     for low, high in (("icepop_low", "icepop_high"), ("seq_mask_low", "seq_mask_high")):
         if not getattr(a, low) <= 1.0 <= getattr(a, high):
             yield (f"config keys 'algorithm.{low}' ({getattr(a, low)}) and 'algorithm.{high}' "

@@ -393,11 +393,14 @@ class Trainer:
 
     def _fidelity(self, step: PackedStep) -> dict:
         """token_mult_prob_error between the engine's and the trainer's logprobs of the sampled tokens,
-        from the packed fields; sequences past algorithm.mismatch_mask_threshold get token weight 0."""
+        from the packed fields; sequences past algorithm.mismatch_mask_threshold get token weight 0; what
+        algorithm.rollout_correction masks and clips of the remaining tokens."""
         dev = self.policy.device
         sums = torch.zeros(3, dtype=torch.float64, device=dev)
         seq_max = torch.ones(1, dtype=torch.float64, device=dev)
         masked = torch.zeros(1, dtype=torch.float64, device=dev)
+        correction = self.cfg.algorithm.correction()
+        corrected = torch.zeros(len(alg.CORRECTION_COUNTS), dtype=torch.float64, device=dev)
         for mb, f in step:
             if not mb.sample_indices:
                 continue
@@ -409,9 +412,14 @@ class Trainer:
             keep = alg.mismatch_sequence_mask(m["seq_max_mult_prob_error"], self.cfg.algorithm.mismatch_mask_threshold)
             f["token_weight"] = keep.float()[seg]
             masked += (~keep).sum()
+            if correction["mode"] != "none":
+                _, c = alg.rollout_correction(f["old_logprobs"], f["engine_logprobs"], keep[seg], **correction,
+                                              segments=seg, num_segments=len(mb.sample_indices))
+                corrected += torch.stack([c[k] for k in alg.CORRECTION_COUNTS]).double()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
             dist.all_reduce(masked)
+            dist.all_reduce(corrected)
             dist.all_reduce(seq_max, op=dist.ReduceOp.MAX)
         total, count, kl = sums.tolist()
         masked_all = float(masked.item())
@@ -419,8 +427,17 @@ class Trainer:
         value = total / max(count, 1)
         if value > MISMATCH_ALARM and self.dims.is_main:
             log.warning("fidelity alarm: token_mult_prob_error=%.4f > %.2f at step %d", value, MISMATCH_ALARM, self.step)
-        return {"fidelity/token_mult_prob_error": value, "fidelity/token_mult_prob_error_seq_max": float(seq_max.item()),
-                "fidelity/gen_kl": kl / max(count, 1), "fidelity/masked_seqs": masked_all}
+        out = {"fidelity/token_mult_prob_error": value, "fidelity/token_mult_prob_error_seq_max": float(seq_max.item()),
+               "fidelity/gen_kl": kl / max(count, 1), "fidelity/masked_seqs": masked_all}
+        if correction["mode"] != "none":
+            c = dict(zip(alg.CORRECTION_COUNTS, corrected.tolist()))
+            tokens, seqs = max(c["tokens"], 1), max(c["seqs"], 1)
+            out.update({"fidelity/correction_masked_token_frac": c["masked_tokens"] / tokens,
+                        "fidelity/correction_masked_seq_frac": c["masked_seqs"] / seqs,
+                        "fidelity/correction_clipped_token_frac": c["clipped_tokens"] / tokens,
+                        "fidelity/correction_clipped_seq_frac": c["clipped_seqs"] / seqs,
+                        "fidelity/correction_weight_mean": c["weight_sum"] / tokens})
+        return out
 
     def _old_logprobs_from_update(self) -> bool:
         """Whether the single PPO epoch's own forward can supply the old logprobs.
@@ -451,17 +468,24 @@ class Trainer:
 
         def loss_fn(lp, mb, den):
             f = mb.fields
+            correction = a.correction()
+            clip = {"gspo": (a.gspo_clip_low, a.gspo_clip_high),
+                    "cispo": (a.cispo_clip_low, a.cispo_clip_high)}.get(a.policy_loss, (a.clip_low, a.clip_high))
             logp = lp.float()
             if old_from_update:
                 f["old_logprobs"] = logp.detach()
             old = f["old_logprobs"]
             mask = f["token_weight"] > 0
-            tis = alg.tis_weights(old, f["engine_logprobs"], a.tis_cap) if a.tis_cap > 0 else None
             seg, nseg = mb.target_seq, len(mb.sample_indices)
-            loss, m = alg.policy_loss(logp, old, f["advantages"], mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                                      dual_clip=a.dual_clip, loss_agg=a.loss_agg, tis_weights=tis,
-                                      global_tokens=den["tokens"], global_seqs=den["seqs"], segments=seg,
-                                      num_segments=nseg)
+            weights = None  # the rollout correction's per-token weights (old vs engine logprobs, fixed per step)
+            if correction["mode"] != "none":
+                weights, _ = alg.rollout_correction(old, f["engine_logprobs"], mask, **correction, segments=seg,
+                                                    num_segments=nseg)
+            loss, m = alg.objective_loss(a.policy_loss, logp, old, f["advantages"], mask, clip_low=clip[0],
+                                         clip_high=clip[1], dual_clip=a.dual_clip, tau_pos=a.sapo_tau_pos,
+                                         tau_neg=a.sapo_tau_neg, loss_agg=a.loss_agg, weights=weights,
+                                         global_tokens=den["tokens"], global_seqs=den["seqs"], segments=seg,
+                                         num_segments=nseg)
             n = mask.sum()
             sums = {"loss/clip_fraction_sum": m["clip_fraction"] * n, "loss/tokens": n}
             if self.ref is not None and not a.kl_in_reward:

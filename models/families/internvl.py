@@ -209,7 +209,6 @@ register(Family(
             (r"^multi_modal_projector\.", "multi_modal_projector."),
         ),
         stacking_scopes=("language_model.model.layers.",),
-        unverified="vLLM path written from vLLM 0.26's interns1.py; not yet run on a GPU",
     ),
     tiny=TinySpec(
         model_class="InternVLForConditionalGeneration", processor_class="InternVLProcessor", config=_tiny_config,

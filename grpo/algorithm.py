@@ -591,7 +591,8 @@ def gspo_loss(
     valid = _as_bool(mask)
     adv = _expand_advantages(advantages.detach().float(), logp).masked_fill(~valid, 0.0)
     log_ratio, ratio = _token_ratio(logp, old_logp, valid)
-    seq_log_ratio = _per_sequence_mean(log_ratio, valid, segments, num_segments).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_log_ratio = _per_sequence_mean(log_ratio, valid, segments, num_segments)
+    seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     seq_ratio = _per_token(torch.exp(seq_log_ratio), logp, segments)
     unclipped = -adv * seq_ratio
     clipped = -adv * seq_ratio.clamp(1.0 - clip_low, 1.0 + clip_high)

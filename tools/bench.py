@@ -391,10 +391,70 @@ def _fmt(v, digits=3):
     return str(v)
 
 
+# The "Current numbers" table at the top of docs/benchmarks.md: per target, the newest row of
+# benchmarks.jsonl that carries its key. (label, key, comparison, goal, how to print the value)
+CURRENT = [
+    ("GRPO step through train.py, 3B recipe, 1 GPU (s, steps 3+)", "loop_step_s", "<=", 6.0, "{:.2f}"),
+    ("training MFU, LLM FLOPs / 989 TFLOP/s", "mfu_llm", ">=", 0.45, "{:.1%}"),
+    ("in-loop generation / standalone vLLM, same requests", "loop_gen_vs_standalone", ">=", 0.90, "{:.2f}"),
+    ("everything but generation, logprobs + update and refit, share of a step", "overhead_frac", "<=", 0.05,
+     "{:.1%}"),
+    ("sleep + wake, steady state (s)", "sleep_wake_s", "<=", 1.0, "{:.2f}"),
+    ("first step beyond a steady step (s)", "first_step_extra_s", "<=", 30.0, "{:.1f}"),
+    ("token_mult_prob_error in the loop (3B shape, random weights)", "token_mult_prob_error", "<=", 1.02, "{:.4f}"),
+]
+CURRENT_START, CURRENT_END = "<!-- current numbers: tools/bench.py regenerates this table -->", "<!-- end of current numbers -->"
+
+
+def current_table(rows: list[dict]) -> str:
+    """Markdown: target, value, met, command, date and machine, from the newest `train.py` loop row
+    (one with loop_step_s) that carries each key: the user's path is the number that counts."""
+    lines = [CURRENT_START, "## Current numbers", "",
+             "| target | goal | value | met | command | date | machine |", "|---|---|---|---|---|---|---|"]
+    for label, key, op, goal, fmt in CURRENT:
+        row = next((r for r in reversed(rows) if "loop_step_s" in r and isinstance(r.get(key), (int, float))), None)
+        if row is None:
+            lines.append(f"| {label} | {op} {goal} | not measured | | | | |")
+            continue
+        value = row[key]
+        met = value >= goal if op == ">=" else value <= goal
+        cmd = str(row.get("command", "")).replace("|", "\\|")
+        lines.append(f"| {label} | {op} {goal} | {fmt.format(value)} | {'yes' if met else 'no'} | `{cmd}` | "
+                     f"{row.get('date', '')} | {row.get('device', '')} |")
+    return "\n".join(lines + ["", CURRENT_END])
+
+
+def write_current(md: Path, rows: list[dict]) -> None:
+    """Put the current table right under the page's title (replacing the previous one)."""
+    text = md.read_text(encoding="utf-8")
+    if CURRENT_START in text:
+        head, _, rest = text.partition(CURRENT_START)
+        _, _, tail = rest.partition(CURRENT_END)
+        text = head + current_table(rows) + tail
+    else:
+        title, _, body = text.partition("\n")
+        text = f"{title}\n\n{current_table(rows)}\n{body}"
+    md.write_text(text, encoding="utf-8")
+
+
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def append(result: dict) -> None:
-    with open(ROOT / "docs" / "benchmarks.jsonl", "a", encoding="utf-8") as f:
+    jsonl = ROOT / "docs" / "benchmarks.jsonl"
+    with open(jsonl, "a", encoding="utf-8") as f:
         f.write(json.dumps(result) + "\n")
     md = ROOT / "docs" / "benchmarks.md"
+    write_current(md, read_rows(jsonl))
+    if "mfu_total" not in result and "train_step_s" not in result:
+        return  # a loop row: the current table is its place
     text = md.read_text(encoding="utf-8")
     header = "## Benchmark suite (`tools/bench.py`)"
     cols = ["date", "device", "model", "attn_implementation", "activation_checkpointing", "mfu_llm", "mfu_total", "train_tokens_per_s", "gen_tokens_per_s",

@@ -3,7 +3,8 @@
     python tools/loop_summary.py runs/X/metrics.jsonl [--from-step 3]
 
 Prints one JSON object: `loop_step_s` (mean step seconds), the mean of each perf/* phase,
-`mfu_llm`, `overhead_frac` (the share of a step that is neither generation nor the update),
+`mfu_llm`, `overhead_frac` (the share of a step that is not generation, the policy's passes or
+refit), `non_gen_train_frac` (neither generation nor the update: what tools/bench.py calls overhead),
 `sleep_wake_s`, `gen_tokens_per_s`, `untimed_frac` (what the phases do not cover), the first
 step's seconds and how much longer than a steady step it took, and the peak memory.
 """
@@ -43,7 +44,9 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
     out.update(
         mfu_llm=mean("perf/mfu_llm"), gen_tokens_per_s=mean("perf/gen_tokens_per_s"),
         train_tokens_per_s=mean("perf/tokens_per_s"), sleep_wake_s=out["wake_s"] + out["sleep_s"],
-        overhead_frac=(step - out["gen_s"] - out["train_s"]) / step, untimed_frac=out["other_s"] / step,
+        # everything but generation, the policy's passes (reference/old logprobs and the update) and refit
+        overhead_frac=(step - out["gen_s"] - out["logprob_s"] - out["train_s"] - out["refit_s"]) / step,
+        non_gen_train_frac=(step - out["gen_s"] - out["train_s"]) / step, untimed_frac=out["other_s"] / step,
         token_mult_prob_error=mean("fidelity/token_mult_prob_error"),
         peak_gb=max(r.get("memory/peak_gb", 0.0) for r in rows),
     )

@@ -22,7 +22,7 @@ from data.processing import EncodedPrompt, encode_response, load_processor, sft_
 from data.rewards import score
 from grpo import algorithm as alg
 from grpo.checkpoint import checkpoint_dir, load_checkpoint, resolve_resume, save_checkpoint
-from grpo.config import Config
+from grpo.config import Config, config_to_dict
 from grpo.metrics import MetricsLogger
 from grpo.preemption import PreemptionGuard
 from grpo.preflight import preflight
@@ -43,7 +43,11 @@ from rollout.groups import EngineGroup
 log = logging.getLogger("vlrl")
 MISMATCH_ALARM = 1.05
 # Reward reasons that mean the scorer could not judge (counted), as opposed to a wrong answer.
-REWARD_FAILURES = ("timeout", "limit_exceeded", "answer_too_long", "invalid_gold_answer")
+REWARD_FAILURES = ("timeout", "answer_too_long", "invalid_gold_answer")
+# The policy objective's statistics reported per step (those the chosen objective computes), each a
+# token-weighted mean over micro-batches and ranks.
+OBJECTIVE_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction", "approx_kl",
+                     "ratio_mean", "seq_clip_fraction", "seq_ratio_mean", "gate_mean")
 # The phases a GRPO step's time splits into (perf/other_s is what none of them covers). Generation
 # includes waking and putting the engine to sleep (perf/wake_s, perf/sleep_s, perf/offload_s).
 STEP_PHASES = ("perf/gen_s", "perf/logprob_s", "perf/score_s", "perf/train_s", "perf/refit_s")
@@ -95,6 +99,7 @@ class Trainer:
         self.logger = MetricsLogger(
             self.run_dir, enabled=self.dims.is_main, total_steps=cfg.trainer.max_steps, start_step=self.step,
             tensorboard=cfg.logging.tensorboard, stdout=cfg.logging.stdout, progress=cfg.trainer.progress,
+            backends=cfg.logging.backends, config=config_to_dict(cfg),
         )
 
     # --- construction ------------------------------------------------------------------------
@@ -487,7 +492,10 @@ class Trainer:
                                          global_tokens=den["tokens"], global_seqs=den["seqs"], segments=seg,
                                          num_segments=nseg)
             n = mask.sum()
-            sums = {"loss/clip_fraction_sum": m["clip_fraction"] * n, "loss/tokens": n}
+            sums = {"loss/tokens": n}
+            for k in OBJECTIVE_METRICS:  # token-weighted over micro-batches and ranks
+                if k in m:
+                    sums[f"loss/{k}_sum"] = m[k] * n
             if self.ref is not None and not a.kl_in_reward:
                 kl = alg.kl_penalty(logp, f["ref_logprobs"], a.kl_estimator)
                 kl_loss = alg.aggregate_loss(kl, mask, a.loss_agg, global_tokens=den["tokens"], global_seqs=den["seqs"],
@@ -503,12 +511,13 @@ class Trainer:
                                  denominators={"tokens": g_tokens, "seqs": g_seqs})
             self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
             self.colocation.policy_updated()
-        keys = ["loss/clip_fraction_sum", "loss/tokens", "loss/kl_sum", "loss/entropy_sum"]
-        clip, n, kl, ent = all_reduce_sum([out.get(k, 0.0) for k in keys], dev)
+        present = [k for k in OBJECTIVE_METRICS if f"loss/{k}_sum" in out]
+        keys = ["loss/tokens", "loss/kl_sum", "loss/entropy_sum"] + [f"loss/{k}_sum" for k in present]
+        n, kl, ent, *objective = all_reduce_sum([out.get(k, 0.0) for k in keys], dev)
         metrics = {"loss/total": out["loss/total"], "loss/grad_norm": out["loss/grad_norm"],
-                   "loss/skipped_nonfinite": out["loss/skipped_nonfinite"],
-                   "loss/clip_fraction": clip / max(n, 1), "loss/entropy": ent / max(n, 1),
-                   "loss/skipped_nonfinite_total": float(self.counters["skipped_nonfinite"])}
+                   "loss/skipped_nonfinite": out["loss/skipped_nonfinite"], "loss/entropy": ent / max(n, 1),
+                   "loss/skipped_nonfinite_total": float(self.counters["skipped_nonfinite"]),
+                   **{f"loss/{k}": v / max(n, 1) for k, v in zip(present, objective)}}
         if self.ref is not None:
             metrics["loss/kl"] = kl / max(n, 1)
         return metrics

@@ -46,7 +46,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
     if name == "torch":
         from rollout.torch_engine import TorchEngine
 
-        return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype)
+        return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype, adapter=policy.adapter)
     from rollout.vllm_engine import VLLMEngine
 
     r, d = cfg.rollout, cfg.data

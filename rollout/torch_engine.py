@@ -44,13 +44,14 @@ class TorchEngine(Engine):
         dtype: torch.dtype = torch.float32,
         attn_implementation: str = "sdpa",
         max_batch_size: int = 64,
+        adapter: FamilyAdapter | None = None,
     ):
         from transformers import AutoModelForImageTextToText
 
         if max_batch_size < 1:
             raise ValueError(f"TorchEngine: max_batch_size must be >= 1, got {max_batch_size}")
         config = load_model_config(model_path)
-        self.adapter: FamilyAdapter = build_adapter(config)
+        self.adapter: FamilyAdapter = adapter if adapter is not None else build_adapter(config)  # the policy's, once
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_batch_size = max_batch_size

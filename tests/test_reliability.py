@@ -276,7 +276,8 @@ def test_second_trainer_is_refused_and_workers_die_with_their_launcher(tiny_mode
         except ProcessLookupError:
             pass
     stopped = steps_logged(run)[-1]
-    assert "the launcher (PID" in err and f"preempted at step {stopped}" in out
+    # prctl's SIGTERM can stop a worker before its watcher thread (polling each second) prints its line
+    assert ("the launcher (PID" in err or "received SIGTERM" in err) and f"preempted at step {stopped}" in out
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"
     assert not (run / LOCK_NAME).exists()
 

@@ -330,15 +330,9 @@ class Colocation:
     def generating(self) -> Iterator[Engine]:
         """The engine awake and current for the block; afterwards asleep, the policy state back."""
         engine = self.ensure_engine()
-        plan = self.plan
         time_slice = self._gpu
         t = time.monotonic()
-        if plan is not None and plan.offload_parameters:
-            self.policy.offload(None)
-            if self.reference is not None:
-                self.reference.offload(None)
-        if plan is not None and plan.offload_optimizer:
-            self.policy.offload_optimizer(self.optimizer)
+        self._move_policy_state(to_cpu=True)
         if time_slice:
             self.policy.reshard()
             if self.reference is not None:
@@ -359,14 +353,24 @@ class Colocation:
                 engine.sleep()
             sleep_s = time.monotonic() - t
             t = time.monotonic()
-            if plan is not None and plan.offload_parameters:
-                self.policy.reload(None)
-                if self.reference is not None:
-                    self.reference.reload(None)
-            if plan is not None and plan.offload_optimizer:
-                self.policy.reload_optimizer(self.optimizer)
+            self._move_policy_state(to_cpu=False)
             reload_s = time.monotonic() - t
             self.timings = {"perf/wake_s": wake_s, "perf/sleep_s": sleep_s, "perf/offload_s": offload_s + reload_s}
+
+    def _move_policy_state(self, to_cpu: bool) -> None:
+        """Offload (or bring back) what the plan says leaves the GPU while the engine generates."""
+        plan = self.plan
+        if plan is None:
+            return
+        if plan.offload_parameters:
+            for p in (self.policy, self.reference):
+                if p is not None:
+                    p.offload(None) if to_cpu else p.reload(None)
+        if plan.offload_optimizer:
+            if to_cpu:
+                self.policy.offload_optimizer(self.optimizer)
+            else:
+                self.policy.reload_optimizer(self.optimizer)
 
     def policy_updated(self, steps: int = 1) -> None:
         """The policy took `steps` optimizer steps: the engine's weights are stale until `refit`."""

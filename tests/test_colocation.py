@@ -139,3 +139,35 @@ def test_engine_is_built_once_and_refit_only_when_stale():
     colo.refit()
     assert engine.calls == [("refit", 1), ("refit", 1)] and colo.engine_version == colo.policy_version
     assert "sleep" not in engine.calls  # on CPU the engine never time-slices
+
+
+class _RecordingPolicy(_FakePolicy):
+    def __init__(self):
+        self.moves = []
+
+    def offload(self, optimizer):
+        self.moves.append("params->cpu")
+
+    def reload(self, optimizer):
+        self.moves.append("params->gpu")
+
+    def offload_optimizer(self, optimizer):
+        self.moves.append("optimizer->cpu")
+
+    def reload_optimizer(self, optimizer):
+        self.moves.append("optimizer->gpu")
+
+
+@pytest.mark.parametrize("offload,moves", [
+    ("none", []),
+    ("optimizer", ["optimizer->cpu", "optimizer->gpu"]),
+    ("optimizer+parameters", ["params->cpu", "optimizer->cpu", "params->gpu", "optimizer->gpu"]),
+])
+def test_generation_moves_only_what_the_plan_offloads(offload, moves):
+    policy = _RecordingPolicy()
+    colo = Colocation(policy, object(), build_engine=lambda share: _FakeEngine(), needs=None)
+    colo.plan = plan_memory(needs_3b_h200())
+    colo.plan.offload = offload
+    with colo.generating():
+        assert policy.moves == moves[:len(moves) // 2]  # out while the engine generates
+    assert policy.moves == moves  # and back after

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
 import yaml
 
 from grpo.trackers import TrackerSet, build_trackers, check_backends
@@ -144,14 +143,3 @@ def _truncate_after(path: Path, step: int) -> None:
     draft = path.with_name(path.name + ".tmp")
     draft.write_bytes(b"".join(raw + b"\n" for raw in keep))
     os.replace(draft, path)
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    except ImportError:  # pragma: no cover
-        return 0.0

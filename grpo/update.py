@@ -127,25 +127,6 @@ def as_packed(batch: "Batch | PackedStep", max_tokens: int, device) -> PackedSte
     return batch if isinstance(batch, PackedStep) else PackedStep(batch, max_tokens, device)
 
 
-def per_target(batch: Batch, mb: PackedMicrobatch, name: str) -> torch.Tensor:
-    """A per-sample field aligned to scored tokens, concatenated in the micro-batch's target order."""
-    return torch.cat([batch[name][i].reshape(-1) for i in mb.sample_indices])
-
-
-def padded(values: torch.Tensor, mb: PackedMicrobatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K,) per-target values → (S, T) per-sequence rows and their mask."""
-    s = max(len(mb.sample_indices), 1)
-    counts = torch.bincount(mb.target_seq.to(values.device), minlength=s)
-    width = max(int(counts.max()) if counts.numel() else 0, 1)
-    starts = torch.cumsum(counts, 0) - counts
-    col = torch.arange(values.shape[0], device=values.device) - starts[mb.target_seq.to(values.device)]
-    out = values.new_zeros(s, width)
-    mask = torch.zeros(s, width, dtype=torch.bool, device=values.device)
-    out = out.index_put((mb.target_seq.to(values.device), col), values)
-    mask[mb.target_seq.to(values.device), col] = True
-    return out, mask
-
-
 @torch.no_grad()
 def packed_logprobs(policy: Policy, step: PackedStep, name: str, temperature: float = 1.0) -> None:
     """Scored-token logprobs of every micro-batch into the packed field `name`, on the device

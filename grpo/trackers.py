@@ -85,13 +85,10 @@ def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _import(backend: str):
-    try:
-        return __import__(backend)
-    except ImportError:
-        raise RuntimeError(f"config key 'logging.backends' names {backend!r} but the {backend} package "
-                           f"is not installed: pip install -e '.[{_EXTRAS[backend]}]', or drop it from "
-                           f"logging.backends") from None
+def _missing(backend: str) -> RuntimeError:
+    return RuntimeError(f"config key 'logging.backends' names {backend!r} but the {backend} package "
+                        f"is not installed: pip install -e '.[{_EXTRAS[backend]}]', or drop it from "
+                        f"logging.backends")
 
 
 class TensorBoardTracker:
@@ -117,7 +114,10 @@ class WandbTracker:
     name = "wandb"
 
     def __init__(self, run_dir: Path, start_step: int, config: dict | None):
-        wandb = _import("wandb")
+        try:
+            import wandb
+        except ImportError:
+            raise _missing("wandb") from None
         offline = not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE")
         run_id = _load_ids(run_dir).get(self.name) or uuid.uuid4().hex[:12]
         self.run = wandb.init(
@@ -138,8 +138,10 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, run_dir: Path, start_step: int, config: dict | None):
-        _import("mlflow")
-        from mlflow.tracking import MlflowClient
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise _missing("mlflow") from None
 
         store = run_dir / "mlflow"
         store.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,18 @@ class TrainerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy's linear layers (models/lora.py); rank 0 trains every weight."""
+
+    rank: int = 0  # 0: off (full fine-tuning)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    # suffixes of linear-layer names in the decoder blocks; the default covers the supported families
+    targets: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"])
+    vision_targets: list[str] = field(default_factory=list)  # the same in the vision tower (e.g. qkv, proj)
+
+
+@dataclass
 class ModelConfig:
     path: str = ""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 compute on CUDA, fp32 on CPU
@@ -62,6 +74,7 @@ class ModelConfig:
     # fused RMSNorm, rotary and SwiGLU kernels from the liger-kernel package (CUDA; Qwen-VL families)
     liger_kernel: bool = False
     trust_remote_code: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -88,7 +101,6 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.0
     tensor_parallel_size: int = 1  # ranks per engine (node-local groups of consecutive ranks; rollout/groups.py)
     enforce_eager: bool = False
-    refit_bucket_mb: int = 512
 
 
 DEFAULT_TIS_CAP = 2.0  # veRL's default; TRL uses 3
@@ -458,11 +470,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 AT_LEAST_ONE = (
     "trainer.max_steps", "trainer.eval_samples", "trainer.eval_max_new_tokens",
     "data.prompts_per_step", "data.max_prompt_tokens", "data.min_pixels", "data.max_pixels",
-    "rollout.n", "rollout.max_new_tokens", "rollout.tensor_parallel_size", "rollout.refit_bucket_mb",
+    "rollout.n", "rollout.max_new_tokens", "rollout.tensor_parallel_size",
     "algorithm.ppo_epochs", "optim.max_tokens_per_microbatch", "parallel.tp",
 )
 AT_LEAST_ZERO = (
-    "trainer.seed", "trainer.eval_every", "trainer.max_nonfinite_in_row",
+    "trainer.seed", "trainer.eval_every", "model.lora.rank", "trainer.max_nonfinite_in_row",
     "rollout.temperature",
     "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef", "algorithm.tis_cap",
     "algorithm.max_refill_rounds", "algorithm.overlong_buffer", "algorithm.overlong_penalty",
@@ -522,6 +534,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
     if cfg.algorithm.dual_clip and not cfg.algorithm.dual_clip > 1.0:
         yield f"config key 'algorithm.dual_clip' must be 0 (off) or > 1, got {cfg.algorithm.dual_clip}"
     yield from _algorithm_errors(cfg.algorithm)
+    yield from _lora_errors(cfg)
     if not cfg.optim.lr > 0:
         yield f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}"
     for key in ("optim.beta1", "optim.beta2"):
@@ -547,6 +560,26 @@ def _algorithm_errors(a: AlgorithmConfig) -> Iterator[str]:
         if not getattr(a, low) <= 1.0 <= getattr(a, high):
             yield (f"config keys 'algorithm.{low}' ({getattr(a, low)}) and 'algorithm.{high}' "
                    f"({getattr(a, high)}) must bracket 1: a token with no mismatch (weight 1) must be kept")
+
+
+def _lora_errors(cfg: Config) -> Iterator[str]:
+    """model.lora keys: a positive alpha, some targets, and no tensor parallelism (its plan shards nn.Linear
+    layers, which LoRA replaces)."""
+    lora = cfg.model.lora
+    if not lora.rank:
+        return
+    if not lora.alpha > 0:
+        yield f"config key 'model.lora.alpha' must be > 0, got {lora.alpha}"
+    if not lora.targets and not lora.vision_targets:
+        yield "config keys 'model.lora.targets' and 'model.lora.vision_targets' are both empty: LoRA would train nothing"
+    for key in ("targets", "vision_targets"):
+        bad = [t for t in getattr(lora, key) if not t or t != t.strip() or t.startswith(".") or t.endswith(".")]
+        if bad:
+            yield (f"config key 'model.lora.{key}' holds {bad!r}: each entry is the end of a linear layer's "
+                   "name, such as q_proj or mlp.down_proj")
+    if cfg.parallel.tp > 1:
+        yield (f"config key 'model.lora.rank' ({lora.rank}) needs parallel.tp=1, got {cfg.parallel.tp}: LoRA "
+               "layers are sharded by FSDP only")
 
 
 def validate(cfg: Config) -> None:

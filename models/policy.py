@@ -308,21 +308,6 @@ class Policy:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, (full.to(dtype) if dtype is not None else full).detach()
 
-    def full_state_dict_buckets(
-        self, bucket_bytes: int, dtype: torch.dtype | None = None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full tensors grouped into buckets of at most `bucket_bytes` (a tensor larger than that alone)."""
-        bucket, size = [], 0
-        for name, t in self.full_state_dict(dtype):
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += nbytes
-        if bucket:
-            yield bucket
-
     def export_hf(self, out: str | Path, dtype: torch.dtype | None = None) -> Path | None:
         """Write a Hugging Face folder (rank 0): config, model.safetensors, processor and tokenizer files."""
         return export_hf_folder(self.full_state_dict(dtype), self.model.config, self.path, out, self.dims.is_main)

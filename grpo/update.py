@@ -212,8 +212,10 @@ def lr_at(step: int, cfg_optim, max_steps: int) -> float:
 
 
 def build_optimizer(policy: Policy, cfg_optim) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train: all of them, or only the adapters with LoRA (frozen
+    weights get no optimizer state)."""
     kwargs = dict(lr=cfg_optim.lr, betas=(cfg_optim.beta1, cfg_optim.beta2), eps=cfg_optim.eps,
                   weight_decay=cfg_optim.weight_decay)
     if policy.device.type == "cuda":
         kwargs["fused"] = True
-    return torch.optim.AdamW(policy.model.parameters(), **kwargs)
+    return torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], **kwargs)

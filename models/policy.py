@@ -22,6 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 from models.attention import packed_row
 from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
+from models.lora import (
+    adapters_detached, apply_lora, init_lora_weights, is_adapter_name, lora_module_names, lora_modules, merged_weight,
+)
 from models.packing import PackedMicrobatch
 from models.parallel import ParallelDims, apply_parallelism
 
@@ -303,9 +306,20 @@ class Policy:
 
     # --- full weights ----------------------------------------------------------------------
     def full_state_dict(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) for every weight, in transformers' current names; a collective on all ranks."""
+        """(name, full tensor) for every weight, in transformers' current names; a collective on all ranks.
+
+        With LoRA, each adapted layer's weight is yielded merged, W + (alpha / rank)·B·A computed in
+        fp32 and then cast, and the adapters themselves are not yielded: consumers see base names only.
+        """
+        adapted = lora_modules(self.model)
         for name, tensor in self.model.state_dict().items():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if is_adapter_name(name):
+                continue
+            owner = name[: -len(".weight")] if name.endswith(".weight") else None
+            if owner in adapted:
+                full = merged_weight(adapted[owner]).to(tensor.dtype)
+            else:
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, (full.to(dtype) if dtype is not None else full).detach()
 
     def export_hf(self, out: str | Path, dtype: torch.dtype | None = None) -> Path | None:
@@ -375,7 +389,9 @@ def export_hf_folder(named_tensors, config, source_path: str, out: str | Path, i
 def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Policy:
     """Config → sharded, loaded Policy. Builds on meta, shards, materializes, loads, checks nothing is left on meta.
 
-    `trainable=False` builds a frozen copy (the reference model): no parameter keeps a gradient."""
+    `trainable=False` builds a frozen copy (the reference model): no parameter keeps a gradient, and
+    no LoRA adapters (the reference is the base model). With `model.lora.rank` > 0 the targeted linear
+    layers get adapters before sharding and only those train (models/lora.py)."""
     from transformers import AutoModelForImageTextToText
 
     config = load_model_config(cfg_model.path, cfg_model.trust_remote_code)
@@ -393,6 +409,10 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
 
         adapter.vision_tower(model).config._attn_implementation = VISION_NAME
     model.forward = _bind_forward(model)
+    lora = getattr(cfg_model, "lora", None)
+    if trainable and lora is not None and lora.rank > 0:  # before sharding: adapters live in their layer's unit
+        names = lora_module_names(model, adapter, lora.targets, lora.vision_targets)
+        apply_lora(model, names, lora.rank, lora.alpha)
     apply_parallelism(
         model, adapter, dims,
         param_dtype=dtype if dtype != torch.float32 else None,
@@ -400,7 +420,9 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     )
     model.to_empty(device=dims.device)
     _reinit_nonpersistent_buffers(model, dims.device, adapter)
-    load_safetensors_into(model, cfg_model.path, adapter)
+    with adapters_detached(model):  # the model folder holds base weights only
+        load_safetensors_into(model, cfg_model.path, adapter)
+    init_lora_weights(model)
     left = _has_meta(model)
     if left:
         raise RuntimeError(f"{len(left)} tensors still on the meta device after loading, e.g. {left[:3]}")

@@ -49,11 +49,13 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from models.lora import lora_description
 from models.policy import _SIDE_FILES
 
 log = logging.getLogger("vlrl")
 MANIFEST = "manifest.json"
 _RANK_MANIFEST = "manifest_rank{rank}.json"
+LORA_FILE = "lora.json"  # rank, alpha and adapted layers of a LoRA policy: what the merge tool rebuilds
 _HASH_CHUNK = 8 << 20
 
 
@@ -182,7 +184,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, m
             error = exc
     if _agree(error is None) and rank == 0:
         try:
-            _finish(root, tmp, final, step, trainer_state, model_path, keep)
+            _finish(root, tmp, final, step, trainer_state, model_path, keep, lora_description(model))
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
             error = exc
     if not _agree(error is None):
@@ -190,10 +192,13 @@ def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, m
     return final
 
 
-def _finish(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict, model_path: str, keep: int) -> None:
-    """Rank 0: trainer state and side files, then make the checkpoint visible (rename, pointer)."""
+def _finish(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict, model_path: str, keep: int,
+            lora: dict | None = None) -> None:
+    """Rank 0: trainer state, LoRA description and side files, then make the checkpoint visible (rename, pointer)."""
     _fault_point("after_dcp", step)
     _write_durable(tmp / "trainer_state.json", json.dumps({**trainer_state, "step": step}, indent=1))
+    if lora is not None:
+        _write_durable(tmp / LORA_FILE, json.dumps(lora, indent=1))
     for name in ("config.json", *_SIDE_FILES):
         src = Path(model_path) / name
         if src.is_file():
@@ -527,6 +532,7 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Verify the checkpoint (collective), then restore model, optimizer and this rank's RNG; returns
     the trainer state dict."""
     checked = verify_checkpoint(path)
+    _check_lora_matches(path, lora_description(model))
     if checked["files"] and dist.get_rank() == 0:
         log.info("verified %s: %d files, %.1f MB, %.2f s", path, checked["files"], checked["bytes"] / 1e6,
                  checked["seconds"])
@@ -540,6 +546,24 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return json.loads((path / "trainer_state.json").read_text())
 
 
+def read_lora(path: str | Path) -> dict | None:
+    """The checkpoint's LoRA description (rank, alpha, adapted layer names), or None without adapters."""
+    file = Path(path) / LORA_FILE
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def _check_lora_matches(path: Path, mine: dict | None) -> None:
+    """Refuse to resume adapters into a model without the same ones (DCP would load the frozen base
+    weights and silently leave the adapters behind, or start them from scratch)."""
+    theirs = read_lora(path)
+    if theirs == mine:
+        return
+    def words(d):
+        return "no LoRA" if d is None else f"LoRA rank {d['rank']}, alpha {d['alpha']} on {len(d['modules'])} layers"
+    raise CheckpointError(f"checkpoint {path} holds {words(theirs)} but this run's policy has {words(mine)}; set "
+                          "model.lora to match the checkpoint, or start over with checkpoint.resume=overwrite")
+
+
 def load_full_model_state(path: str | Path, model) -> None:
     """Fill an unsharded model (single process, no process group) from a checkpoint's model shards,
     after verifying every file of the checkpoint against its manifest."""
@@ -549,6 +573,6 @@ def load_full_model_state(path: str | Path, model) -> None:
     model.load_state_dict(state["model"], strict=False)
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_dcp", "find_latest", "scan_checkpoints", "resolve_resume",
+__all__ = ["save_checkpoint", "load_checkpoint", "load_dcp", "read_lora", "LORA_FILE", "find_latest", "scan_checkpoints", "resolve_resume",
            "load_full_model_state", "verify_checkpoint", "is_complete", "CheckpointError", "MANIFEST", "FAULT_ENV",
            "FAULT_PHASES", "StateDictOptions"]

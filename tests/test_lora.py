@@ -174,3 +174,37 @@ def test_refit_gives_the_engine_merged_weights_and_equal_logprobs(tiny_model, lo
         assert len(gen.logprobs) == len(mine) > 0
         assert max(abs(x - float(y)) for x, y in zip(gen.logprobs, mine)) < 1e-5
     assert all(math.isfinite(x) for g in gens for x in g.logprobs)
+
+
+def test_checkpoint_resumes_adapters_and_merge_folds_them_in(tiny_model, lora, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from grpo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from tools.checkpoint_merge import merge_checkpoint
+
+    randomize_adapters(lora, seed=2)
+    opt = build_optimizer(lora, OptimConfig(lr=1e-2))
+    lp, _ = lora.logprobs(sequences(lora.adapter))
+    (-lp.mean()).backward()
+    opt.step()  # A moves too now, and AdamW has state to save
+    folder = save_checkpoint(tmp_path / "run", 1, lora.model, opt, {"data": {}}, str(tiny_model))
+    merged = {n: t.clone() for n, t in lora.full_state_dict()}
+
+    fresh = build_policy(model_cfg(tiny_model), build_parallel_dims())
+    fresh_opt = build_optimizer(fresh, OptimConfig(lr=1e-2))
+    load_checkpoint(folder, fresh.model, fresh_opt)
+    for (n, a), b in zip(lora.model.state_dict().items(), fresh.model.state_dict().values()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), n
+    assert len(fresh_opt.state) == 2 * len(lora_modules(fresh.model))
+    other = build_policy(model_cfg(tiny_model, rank=2), build_parallel_dims())
+    with pytest.raises(CheckpointError, match="rank 4.*rank 2"):
+        load_checkpoint(folder, other.model, build_optimizer(other, OptimConfig()))
+
+    out = merge_checkpoint(folder, tmp_path / "hf")
+    on_disk = load_file(str(out / "model.safetensors"))
+    assert not any("lora" in n for n in on_disk)
+    hf = AutoModelForImageTextToText.from_pretrained(str(out), local_files_only=True, dtype=torch.float32)
+    loaded = hf.state_dict()
+    for name, tensor in merged.items():
+        assert torch.equal(loaded[name], tensor), name

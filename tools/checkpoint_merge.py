@@ -5,7 +5,8 @@
 The output (config.json, model.safetensors, tokenizer, processor and chat template files) loads
 with `AutoModelForImageTextToText.from_pretrained` and vLLM as is. Runs in one process with no
 process group: the checkpoint is verified against its manifest (sizes and sha256), then its DCP
-shards are read straight into an unsharded model.
+shards are read straight into an unsharded model. A LoRA run's checkpoint (it holds `lora.json`) has
+its adapters folded in, W + (alpha / rank)·B·A: the output has only the base model's names.
 
 `--out` must be a new or empty folder; a folder with files in it is replaced only with
 `--overwrite`, and never when it is or holds the checkpoint. The folder is written under a
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from grpo.checkpoint import CheckpointError, is_complete, load_full_model_state  # noqa: E402
+from grpo.checkpoint import CheckpointError, is_complete, load_full_model_state, read_lora  # noqa: E402
+from models.lora import apply_lora, merge_lora  # noqa: E402
 from models.policy import export_hf_folder, load_model_config  # noqa: E402
 
 
@@ -66,7 +68,12 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, dtype: torch.dtype
     check_out(ckpt, out, overwrite)
     config = load_model_config(str(ckpt))
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    lora = read_lora(ckpt)
+    if lora is not None:  # a LoRA run: load base weights and adapters, then fold W + (alpha/rank)·B·A
+        apply_lora(model, lora["modules"], lora["rank"], lora["alpha"])
     load_full_model_state(ckpt, model)  # verifies the checkpoint first
+    if lora is not None:
+        merge_lora(model)
     tensors = ((n, t.to(dtype) if dtype else t) for n, t in model.state_dict().items())
     out.parent.mkdir(parents=True, exist_ok=True)
     draft = out.with_name(f".{out.name}.merging-{os.getpid()}")

@@ -208,3 +208,34 @@ def test_checkpoint_resumes_adapters_and_merge_folds_them_in(tiny_model, lora, t
     loaded = hf.state_dict()
     for name, tensor in merged.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_activation_checkpointing_gives_the_same_adapter_gradients(tiny_model, lora):
+    """Frozen embeddings feed the first checkpointed block an input without grad; the adapters inside
+    must still get the gradients they get without checkpointing."""
+    recomputed = build_policy(ModelConfig(path=str(tiny_model), dtype="float32", attn_implementation="sdpa",
+                                          activation_checkpointing=True, lora=LoraConfig(rank=RANK, alpha=ALPHA)),
+                              build_parallel_dims())
+    for p in (lora, recomputed):
+        randomize_adapters(p)
+        lp, _ = p.logprobs(sequences(p.adapter))
+        (-lp.mean()).backward()
+    plain = {n: q.grad.full_tensor() for n, q in lora.model.named_parameters() if q.grad is not None}
+    again = {n: q.grad.full_tensor() for n, q in recomputed.model.named_parameters() if q.grad is not None}
+    assert plain.keys() == again.keys() and len(plain) == 2 * len(lora_modules(lora.model))
+    for n in plain:
+        assert torch.allclose(plain[n], again[n], atol=1e-6), n
+    assert any(float(g.abs().sum()) > 0 for n, g in again.items() if n.endswith("lora_A"))
+
+
+def test_vision_tower_adapters_train_through_the_image_features(tiny_model, base):
+    policy = build_policy(model_cfg(tiny_model, targets=["q_proj"], vision_targets=["qkv"]), build_parallel_dims())
+    names = list(lora_modules(policy.model))
+    assert any(".visual." in n for n in names) and all(n.endswith(("q_proj", "qkv")) for n in names)
+    mb = sequences(policy.adapter)
+    with torch.no_grad():
+        assert torch.equal(policy.logprobs(mb)[0], base.logprobs(mb)[0])
+    lp, _ = policy.logprobs(mb)
+    (-lp.mean()).backward()
+    vision_b = [m.lora_B.grad for n, m in lora_modules(policy.model).items() if ".visual." in n]
+    assert all(g is not None for g in vision_b) and any(float(g.abs().sum()) > 0 for g in vision_b)

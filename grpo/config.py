@@ -73,6 +73,9 @@ class ModelConfig:
     activation_checkpointing: bool = False
     # fused RMSNorm, rotary and SwiGLU kernels from the liger-kernel package (CUDA; Qwen-VL families)
     liger_kernel: bool = False
+    # torch.compile each decoder block's forward (fuses norms, rotary, SwiGLU and residual adds; the
+    # attention call stays eager); the first micro-batches pay the compile time
+    compile: bool = False
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 

@@ -132,6 +132,7 @@ class Trainer:
         """What the colocated step needs on this rank's GPU (the memory plan's inputs)."""
         cfg = self.cfg
         params = tensor_bytes(self.policy.model.parameters())
+        trainable = tensor_bytes(p for p in self.policy.model.parameters() if p.requires_grad)  # LoRA: adapters
         count = sum(p.numel() for p in self.policy.model.parameters())  # full (unsharded) sizes
         config = self.policy.model.config
         engine_dtype = 2 if self.policy.dtype != torch.float32 else 4
@@ -141,7 +142,7 @@ class Trainer:
         outside_torch = max(total - free - torch.cuda.memory_reserved(self.policy.device), 0)  # CUDA context, NCCL
         return MemoryNeeds(
             device=torch.cuda.get_device_properties(self.policy.device).total_memory,
-            parameters=params, gradients=params, optimizer=2 * params,
+            parameters=params, gradients=trainable, optimizer=2 * trainable,
             reference=0 if self.ref is None else tensor_bytes(self.ref.model.parameters()),
             compute_copy=count * engine_dtype if self.dims.world_size == 1 else 0,
             activations=activation_bytes(config, cfg.optim.max_tokens_per_microbatch, cfg.model.activation_checkpointing),

@@ -153,6 +153,18 @@ def _apply_tp(model: nn.Module, adapter, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
+def apply_compile(layers) -> None:
+    """torch.compile each decoder block's `forward` in place (names, hooks and FSDP units unchanged).
+
+    Only `forward` is compiled, so FSDP's and activation checkpointing's hooks around it run as
+    they do without compiling. Packed rows change length every micro-batch: shapes are dynamic.
+    The attention call reads the packed row's boundaries from a context variable and runs between
+    the compiled regions.
+    """
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
 def apply_parallelism(
     model: nn.Module,
     adapter,
@@ -161,6 +173,7 @@ def apply_parallelism(
     param_dtype: torch.dtype | None,
     activation_checkpointing: bool,
     trainable: bool = True,
+    compile_blocks: bool = False,
 ) -> nn.Module:
     """TP plan → activation checkpointing → FSDP2 units; returns the model (sharded in place).
 
@@ -174,6 +187,8 @@ def apply_parallelism(
 
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
+    if compile_blocks:
+        apply_compile(adapter.decoder_layers(model))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     # With one data-parallel rank nothing is sharded: keeping each unit's low-precision copy from
     # forward to backward saves re-casting every parameter in backward, for one model-sized copy.

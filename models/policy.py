@@ -417,6 +417,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         model, adapter, dims,
         param_dtype=dtype if dtype != torch.float32 else None,
         activation_checkpointing=cfg_model.activation_checkpointing and trainable, trainable=trainable,
+        compile_blocks=getattr(cfg_model, "compile", False),
     )
     model.to_empty(device=dims.device)
     _reinit_nonpersistent_buffers(model, dims.device, adapter)

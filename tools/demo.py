@@ -81,15 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     data = [f"data.train_path={train}", f"data.eval_path={held_out}"]
 
     print("\n== stage 1: SFT warm start ==", flush=True)
+    # The demo owns its run folders: each run starts them over (checkpoint.resume=overwrite).
     out = _run(torchrun(args.nproc, "configs/demo_sft.yaml", f"model.path={model}", f"trainer.run_dir={sft_run}",
-                        "checkpoint.resume=never", *data))
+                        "checkpoint.resume=overwrite", *data))
     sft_eval = _final_eval(out)
     last = sorted((sft_run / "checkpoints").glob("step_*"), key=lambda q: int(q.name.split("_")[1]))[-1]
-    _run([sys.executable, "tools/checkpoint_merge.py", "--checkpoint", str(last), "--out", str(merged)])
+    _run([sys.executable, "tools/checkpoint_merge.py", "--checkpoint", str(last), "--out", str(merged), "--overwrite"])
 
     print("\n== stage 2: GRPO ==", flush=True)
     out = _run(torchrun(args.nproc, "configs/demo.yaml", f"model.path={merged}", f"trainer.run_dir={grpo_run}",
-                        "checkpoint.resume=never", *data, *extra))
+                        "checkpoint.resume=overwrite", *data, *extra))
     grpo_eval = _final_eval(out)
     _run([sys.executable, "tools/plot_metrics.py", str(grpo_run), "--keys", "reward/mean", "reward/accuracy",
           "eval/accuracy"])

@@ -1,0 +1,493 @@
+"""Run the engine's and the policy's forwards module by module on the same sequences; report the first that differs.
+
+    python tools/op_diff.py --model DIR --data FILE --task clevr --num-prompts 2 --dtype float32
+    python tools/op_diff.py ... --random-responses --tol 1e-5 --out op_diff.json
+    python tools/op_diff.py ... --perturb-engine model.language_model.layers.1.mlp.down_proj.weight=1e-2
+
+It builds the trainer (grpo.trainer.Trainer), so the policy is the real sharded policy, takes a few
+prompts, and gets responses from the configured engine (or random tokens, `--random-responses`).
+Then the same sequences run twice, with forward hooks on each side:
+
+  policy  all sequences as one packed micro-batch through `Policy.logprobs`, the path the old and
+          reference logprobs take (grpo/update.py's PackedStep);
+  engine  each sequence on its own through the engine's model, one full forward without a KV cache
+          (what prefill does). The built-in torch engine: its transformers model (`_TorchSide`).
+          vLLM: its own modules, hooked through `LLM.apply_model`, each sequence run as a one-token
+          generation with the prefix and encoder caches cleared (`_VLLMSide`). The vLLM side is
+          written against vLLM 0.26's Qwen2.5-VL modules and has NOT been run: no GPU was at hand.
+
+Captured, in forward order: the vision tower (patch embed, each block, merger), the token
+embeddings, each decoder layer (input norm, q/k/v projections, the attention's output as it
+enters o_proj, o_proj, post-attention norm, MLP, the layer's output), the final norm, the logits at
+the scored positions (`lm_head`) and their logprobs. The packed row is cut back into sequences by
+the packer's cu_seqlens, and the vision tower's rows into images, so every module is compared on
+the same tokens: max |engine − policy|, relative L2 ‖engine − policy‖ / ‖policy‖, and whether the
+two are bitwise equal. The first module whose max |diff| passes `--tol` (default 0: any bit) is
+flagged. With generated responses, the engine's own sampled-token logprobs (KV-cache decoding) are
+compared with the policy's as well (`generation_logprobs`).
+
+Hooks on a compiled block see nothing inside it: the tool builds the policy with
+`model.compile=false` (a `--set` override wins). Tensor-parallel policies (`parallel.tp` > 1) are
+refused: their projections' outputs are shards. Several data-parallel ranks (torchrun) each compare
+their own sequences; rank 0 prints its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from grpo.config import load_config  # noqa: E402
+
+# Inside each decoder layer, in the order they finish: (path under the layer, capture its input).
+# o_proj's input is the attention kernel's output.
+_LAYER_PARTS = (
+    ("input_layernorm", False), ("self_attn.q_proj", False), ("self_attn.k_proj", False),
+    ("self_attn.v_proj", False), ("self_attn.o_proj", True), ("self_attn.o_proj", False),
+    ("post_attention_layernorm", False), ("mlp", False),
+)
+# Wrappers that activation checkpointing and torch.compile put into module paths.
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+INPUT_SUFFIX = "[input]"
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--task", default="clevr")
+    p.add_argument("--engine", default="auto", choices=["auto", "torch", "vllm"])
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--n", "--responses-per-prompt", dest="n", type=int, default=2,
+                   help="responses per prompt (use the long name under torchrun, which claims --n)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--min-pixels", type=int, default=3136)
+    p.add_argument("--max-pixels", type=int, default=12544)
+    p.add_argument("--random-responses", action="store_true",
+                   help="random response tokens (never a vision token) instead of the engine's generations")
+    p.add_argument("--tol", type=float, default=0.0,
+                   help="flag the first module whose max |engine - policy| exceeds this (0: any difference)")
+    p.add_argument("--perturb-engine", default=None, metavar="WEIGHT=EPS",
+                   help="add EPS to one engine weight (transformers name) before comparing: checks the tool "
+                        "points at the op that was changed")
+    p.add_argument("--out", default=None, help="also write the JSON report here")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further config override, e.g. rollout.enforce_eager=true (repeatable)")
+    return p.parse_args(argv)
+
+
+# --- probes and hooks --------------------------------------------------------------------------
+@dataclass
+class Probe:
+    """One captured module output: `name` is its transformers path (plus `[input]` for an input)."""
+
+    name: str
+    module: nn.Module
+    # vision: rows are patches or image tokens, per image; head: rows are scored tokens; layer: a decoder
+    # layer's output; else (batch, tokens, ...) activations of the decoder
+    role: str
+    take_input: bool = False
+
+    @property
+    def vision(self) -> bool:
+        return self.role == "vision"
+
+
+def _clean(name: str) -> str:
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def build_probes(model: nn.Module, adapter) -> list[Probe]:
+    """The modules to capture, found through the family adapter's accessors; parts a family lacks are skipped."""
+    names = {id(m): _clean(n) for n, m in model.named_modules()}
+    probes: list[Probe] = []
+    tower = adapter.vision_tower(model)
+    for attr in ("patch_embed", "blocks", "merger"):
+        part = getattr(tower, attr, None)
+        for m in (list(part) if isinstance(part, nn.ModuleList) else [part] if part is not None else []):
+            probes.append(Probe(names[id(m)], m, "vision"))
+    embed = adapter.embed_tokens(model)
+    probes.append(Probe(names[id(embed)], embed, "token"))
+    for layer in adapter.decoder_layers(model):
+        for path, take_input in _LAYER_PARTS:
+            try:
+                m = layer.get_submodule(path)
+            except AttributeError:
+                continue
+            probes.append(Probe(names[id(m)] + (INPUT_SUFFIX if take_input else ""), m, "token", take_input))
+        probes.append(Probe(names[id(layer)], layer, "layer"))
+    norm, head = adapter.final_norm(model), adapter.lm_head(model)
+    probes += [Probe(names[id(norm)], norm, "token"), Probe(names[id(head)], head, "head")]
+    return probes
+
+
+def _first_tensor(output) -> torch.Tensor:
+    while isinstance(output, (tuple, list)):
+        output = output[0]
+    if hasattr(output, "last_hidden_state"):
+        output = output.last_hidden_state
+    if hasattr(output, "full_tensor"):
+        output = output.full_tensor()
+    return output
+
+
+class Recorder:
+    """Forward hooks on the probes while inside the block; `values[name]` lists each call's output on the CPU,
+    `order` the names in the order they first finished. `extract(probe, output)` picks the tensor."""
+
+    def __init__(self, probes: list[Probe], extract=lambda probe, output: _first_tensor(output)):
+        self.probes = probes
+        self.extract = extract
+        self.values: dict[str, list[torch.Tensor]] = {}
+        self.order: list[str] = []
+        self._handles = []
+
+    def store(self, name: str, value: torch.Tensor) -> None:
+        if name not in self.values:
+            self.order.append(name)
+        self.values.setdefault(name, []).append(value.detach().to("cpu", copy=True))
+
+    def __enter__(self) -> "Recorder":
+        for p in self.probes:
+            if p.take_input:
+                hook = (lambda p: lambda m, args: self.store(p.name, _first_tensor(args)))(p)
+                self._handles.append(p.module.register_forward_pre_hook(hook))
+            else:
+                hook = (lambda p: lambda m, args, out: self.store(p.name, self.extract(p, out)))(p)
+                self._handles.append(p.module.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+# --- the two forwards --------------------------------------------------------------------------
+@dataclass
+class Sequence:
+    """One sequence of the packed micro-batch, as the engine gets it."""
+
+    ids: torch.Tensor  # (L,)
+    positions: torch.Tensor  # (R, L)
+    pixels: torch.Tensor | None
+    grid: torch.Tensor | None
+    targets: torch.Tensor  # positions within the sequence whose logits are scored
+    target_ids: torch.Tensor
+    images: list  # the canonical images (vLLM runs its own processor on them)
+
+
+def split_microbatch(batch, mb, images: list[list]) -> list[Sequence]:
+    """The micro-batch's sequences in packed order, with their scored positions relative to each start.
+    `images[i]` are sample i's canonical images."""
+    bounds = mb.cu_seqlens.tolist()
+    target_seq, target_pos, target_ids = mb.target_seq.cpu(), mb.target_positions.cpu(), mb.target_ids.cpu()
+    out = []
+    for s, i in enumerate(mb.sample_indices):
+        where = target_seq == s
+        out.append(Sequence(batch["input_ids"].items[i], batch["position_ids"].items[i],
+                            batch["pixel_values"].items[i], batch["image_grid_thw"].items[i],
+                            target_pos[where] - bounds[s], target_ids[where], images[i]))
+    return out
+
+
+def _roles(probes: list[Probe]) -> dict[str, str]:
+    return {**{p.name: p.role for p in probes}, "logprobs": "head"}
+
+
+def _join(parts: list[torch.Tensor], role: str) -> torch.Tensor:
+    """Calls of one module joined: rows (vision, scored tokens) on dim 0, decoder activations on the token dim."""
+    return torch.cat(parts, dim=0 if role in ("vision", "head") else 1)
+
+
+def policy_forward(policy, mb, temperature: float) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
+    """Captures of one packed micro-batch through `Policy.logprobs`: name → tensor, forward order, name → role."""
+    probes = build_probes(policy.model, policy.adapter)
+    roles = _roles(probes)
+    with torch.no_grad(), Recorder(probes) as rec:
+        lp, _ = policy.logprobs(mb, temperature=temperature)
+    values = {n: _join(v, roles[n]) for n, v in rec.values.items()}
+    values["logprobs"] = lp.detach().float().cpu()
+    return values, rec.order + ["logprobs"], roles
+
+
+class _TorchSide:
+    """The built-in engine's transformers model, one sequence at a time, no cache."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.probes = build_probes(engine.model, engine.adapter)
+
+    def forward(self, seq: Sequence, temperature: float) -> dict[str, list[torch.Tensor]]:
+        e, a = self.engine, self.engine.adapter
+        dev = e.device
+        ids = seq.ids.view(1, -1).to(dev)
+        positions = a.rope_rows(seq.positions).unsqueeze(1).to(dev)
+        pixels = None if seq.pixels is None else seq.pixels.to(dev, e.dtype)  # as the engine's prefill casts them
+        grid = None if seq.grid is None else seq.grid.reshape(-1, 3).long().to(dev)
+        kwargs = a.engine_inputs(ids, positions, torch.ones_like(ids), pixels, grid)
+        with torch.no_grad(), Recorder(self.probes) as rec:
+            hidden = e.model.model(use_cache=False, **kwargs).last_hidden_state[0]
+            logits = a.lm_head(e.model)(hidden[seq.targets.to(dev)]).float()  # as the engine's `_logits`
+        rec.values["logprobs"] = [_logprobs(logits, seq.target_ids.to(dev), temperature).cpu()]
+        return rec.values
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The engine's reported logprob (rollout/torch_engine.py `sample_tokens`): log_softmax(logits / T)."""
+    scaled = logits if temperature in (0.0, 1.0) else logits / temperature
+    return torch.log_softmax(scaled.float(), dim=-1).gather(-1, targets.view(-1, 1)).view(-1)
+
+
+class _VLLMSide:
+    """vLLM's own model modules, hooked through `LLM.apply_model`. NOT YET RUN (written without a GPU).
+
+    Each sequence is one request generating one token, after the prefix and encoder caches are
+    cleared, so its whole prompt is prefilled and every hooked module sees it (a prefill split in
+    chunks is joined back). It needs `rollout.enforce_eager=true` (the tool sets it): module hooks
+    do not fire inside CUDA graphs or compiled regions. Module paths are the policy's mapped by the
+    family's vLLM name table (rollout/weight_names.py). vLLM's layers return (hidden, residual)
+    pairs: a decoder layer's output is their sum, a norm's its first element; q/k/v are cut from
+    the fused qkv_proj by size. The logits are vLLM's `compute_logits` on its own final-norm output
+    at the scored positions. One rank and vLLM tensor parallel 1 only (a shard of qkv_proj is not
+    the policy's q).
+    """
+
+    def __init__(self, engine, policy):
+        from rollout.weight_names import hf_to_vllm_name
+
+        if dist.get_world_size() > 1 or getattr(engine, "_tp", 1) > 1:
+            raise RuntimeError("op_diff with vLLM: run on one rank with rollout.tensor_parallel_size=1")
+        self.engine = engine
+        self.probes = build_probes(policy.model, policy.adapter)
+        self.roles = _roles(self.probes)
+
+        def vllm_path(name: str) -> str:
+            path = hf_to_vllm_name(engine.family, name.removesuffix(INPUT_SUFFIX) + ".weight")[: -len(".weight")]
+            for member in ("q_proj", "k_proj", "v_proj"):
+                path = path.replace(f"self_attn.{member}", "self_attn.qkv_proj")
+            return path
+
+        self.paths = {p.name: vllm_path(p.name) for p in self.probes if p.role != "head"}
+        text = engine._llm.llm_engine.model_config.hf_text_config
+        self.heads, self.kv_heads = text.num_attention_heads, text.num_key_value_heads
+
+    def forward(self, seq: Sequence, temperature: float) -> dict[str, list[torch.Tensor]]:
+        from vllm import SamplingParams as VLLMSampling
+
+        from rollout.base import PromptInput
+
+        e = self.engine
+        captured: dict[str, list[torch.Tensor]] = {}
+        handles = e._llm.apply_model(lambda model: self._hook(model, captured))[0]
+        try:
+            e._drop_caches()
+            request = e._vllm_prompt(0, PromptInput(seq.ids.tolist(), seq.images, seq.pixels, seq.grid))
+            e._llm.generate([request], VLLMSampling(max_tokens=1), use_tqdm=False)
+        finally:
+            e._llm.apply_model(lambda model: [h.remove() for h in handles])
+        values = {n: [_join(v, self.roles[n])] for n, v in captured.items()}
+        norm, head = self.probes[-2].name, self.probes[-1].name
+        picked = values[norm][0][0, seq.targets].to(f"cuda:{e._device}")
+        logits = e._llm.apply_model(lambda model: model.compute_logits(picked))[0]
+        values[head] = [logits.cpu()]
+        values["logprobs"] = [_logprobs(logits, seq.target_ids.to(logits.device), temperature).cpu()]
+        return values
+
+    def _hook(self, model: nn.Module, captured: dict) -> list:
+        def hook(p):
+            return lambda m, args, out: captured.setdefault(p.name, []).append(self._value(p, args, out).detach().cpu())
+
+        return [model.get_submodule(self.paths[p.name]).register_forward_hook(hook(p))
+                for p in self.probes if p.role != "head"]
+
+    def _value(self, p: Probe, args, out) -> torch.Tensor:
+        """A vLLM module's output in the policy's layout: rows for vision, (1, tokens, ...) for the decoder."""
+        if p.take_input:
+            value = args[0]
+        elif p.role == "layer" and isinstance(out, tuple) and out[1] is not None:
+            value = out[0] + out[1]  # (hidden, residual): the residual add is fused into the next norm
+        else:
+            value = out[0] if isinstance(out, tuple) else out
+        member = p.name.rsplit(".", 1)[-1]
+        if member in ("q_proj", "k_proj", "v_proj"):
+            dim = value.shape[-1] // (self.heads + 2 * self.kv_heads)
+            q, k, v = value.split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], dim=-1)
+            value = {"q_proj": q, "k_proj": k, "v_proj": v}[member]
+        return value.reshape(-1, value.shape[-1]) if p.vision else value.reshape(1, -1, value.shape[-1])
+
+
+def engine_forward(side, seqs: list[Sequence], image_group: list[int] | None, order: list[str],
+                   roles: dict[str, str], temperature: float) -> dict[str, torch.Tensor]:
+    """Each sequence through the engine's model, reassembled in the packed row's layout: decoder activations
+    and scored rows concatenated over sequences, vision rows once per distinct image group, in group
+    order (as the policy runs the tower)."""
+    per_seq = [side.forward(s, temperature) for s in seqs]
+    groups = image_group or [-1] * len(seqs)
+    first_of = {g: s for s, g in reversed(list(enumerate(groups))) if g >= 0}  # a sequence showing each group
+    out: dict[str, torch.Tensor] = {}
+    for name in order:
+        role = roles.get(name, "token")
+        if role == "vision":
+            parts = [_join(per_seq[first_of[g]][name], role) for g in sorted(first_of) if name in per_seq[first_of[g]]]
+        else:
+            parts = [_join(v[name], role) for v in per_seq if name in v]
+            parts = parts if len(parts) == len(per_seq) else []
+        if parts:
+            out[name] = _join(parts, role)
+    return out
+
+
+# --- comparison --------------------------------------------------------------------------------
+def compare(engine: dict[str, torch.Tensor], policy: dict[str, torch.Tensor], order: list[str]) -> list[dict]:
+    """One row per module in forward order: max |engine − policy|, ‖engine − policy‖ / ‖policy‖, bitwise equal."""
+    rows = []
+    for name in order:
+        a, b = engine.get(name), policy.get(name)
+        if a is None or b is None:
+            rows.append({"name": name, "missing_in": "engine" if a is None else "policy"})
+            continue
+        if a.shape != b.shape:
+            rows.append({"name": name, "shape_engine": list(a.shape), "shape_policy": list(b.shape)})
+            continue
+        d = a.double() - b.double()
+        rows.append({
+            "name": name, "shape": list(a.shape), "dtype": str(a.dtype).replace("torch.", ""),
+            "max_abs": float(d.abs().max()) if d.numel() else 0.0,
+            "rel_l2": float(d.norm() / b.double().norm().clamp_min(1e-30)),
+            "bitwise": a.dtype == b.dtype and torch.equal(a, b),
+        })
+    return rows
+
+
+def first_over(rows: list[dict], tol: float) -> str | None:
+    """The first module whose max |diff| exceeds `tol`, or whose shapes disagree; None when all are within it."""
+    for r in rows:
+        if "shape_engine" in r or r.get("max_abs", 0.0) > tol:
+            return r["name"]
+    return None
+
+
+def format_table(rows: list[dict], first: str | None) -> str:
+    lines = [f"{'module':<62} {'max |diff|':>11} {'rel L2':>10} bitwise"]
+    for r in rows:
+        mark = "  <-- first over tol" if r["name"] == first else ""
+        if "missing_in" in r:
+            lines.append(f"{r['name']:<62} (not captured in the {r['missing_in']})")
+        elif "shape_engine" in r:
+            lines.append(f"{r['name']:<62} shapes differ: engine {r['shape_engine']} policy {r['shape_policy']}{mark}")
+        else:
+            lines.append(f"{r['name']:<62} {r['max_abs']:>11.3e} {r['rel_l2']:>10.3e} "
+                         f"{'yes' if r['bitwise'] else 'no':>7}{mark}")
+    return "\n".join(lines)
+
+
+# --- the run -----------------------------------------------------------------------------------
+def _config(args):
+    return load_config(None, [
+        f"model.path={args.model}", f"model.dtype={args.dtype}", f"data.train_path={args.data}",
+        f"data.task={args.task}", f"rollout.engine={args.engine}", f"rollout.n={args.n}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={args.temperature}",
+        f"data.min_pixels={args.min_pixels}", f"data.max_pixels={args.max_pixels}",
+        "trainer.run_dir=/tmp/vlrl_op_diff", "checkpoint.resume=never", "logging.tensorboard=false",
+        f"data.prompts_per_step={args.num_prompts}", "model.compile=false", "rollout.enforce_eager=true",
+        *args.overrides,
+    ])
+
+
+def _responses(trainer, prompts, args):
+    """(responses, the prompt of each, the engine's generations or None)."""
+    if not args.random_responses:
+        gens = trainer.generate(prompts, trainer.sampling_params())
+        return [torch.tensor(g.token_ids, dtype=torch.long) for g in gens], [g.prompt_index for g in gens], gens
+    vocab = min(len(trainer.tokenizer), trainer.adapter.lm_head(trainer.policy.model).weight.shape[0])
+    allowed = torch.tensor(sorted(set(range(vocab)) - set(trainer.adapter.banned_token_ids)))
+    g = torch.Generator().manual_seed(trainer.cfg.trainer.seed + trainer.dims.rank)
+    prompt_of = [i for i in range(len(prompts)) for _ in range(args.n)]
+    picks = [allowed[torch.randint(len(allowed), (args.max_new_tokens,), generator=g)] for _ in prompt_of]
+    return picks, prompt_of, None
+
+
+def _perturb(engine, spec: str) -> None:
+    name, eps = spec.rsplit("=", 1)
+    params = dict(engine.model.named_parameters())
+    if name not in params:
+        raise KeyError(f"--perturb-engine: no engine weight {name!r} (the built-in engine's names, e.g. "
+                       "model.language_model.layers.0.mlp.down_proj.weight)")
+    with torch.no_grad():
+        params[name].add_(float(eps))
+
+
+def op_diff(args) -> dict:
+    """Build the trainer, run both forwards with hooks and compare; returns the report (this rank's)."""
+    from grpo.trainer import Trainer
+    from grpo.update import PackedStep
+
+    trainer = Trainer(_config(args))
+    if trainer.dims.tp > 1:
+        raise RuntimeError("op_diff compares whole activations: run it with parallel.tp=1")
+    per_rank = max(args.num_prompts // trainer.dims.dp, 1)
+    prompts = trainer.feeder.next(per_rank)
+    responses, prompt_of, gens = _responses(trainer, prompts, args)
+    batch = trainer._sequence_batch(prompts, responses, prompt_of)
+    step = PackedStep(batch, 1 << 30, trainer.policy.device)  # one micro-batch holding every sequence
+    mb = step.microbatches[0]
+    policy_vals, order, roles = policy_forward(trainer.policy, mb, args.temperature)
+    seqs = split_microbatch(batch, mb, [prompts[i].images for i in prompt_of])
+    with trainer.colocation.generating() as engine:
+        if args.perturb_engine:
+            _perturb(engine, args.perturb_engine)
+        side = _TorchSide(engine) if hasattr(engine, "model") else _VLLMSide(engine, trainer.policy)
+        engine_vals = engine_forward(side, seqs, mb.image_group, order, roles, args.temperature)
+    rows = compare(engine_vals, policy_vals, order)
+    first = first_over(rows, args.tol)
+    report = {
+        "engine": type(engine).__name__, "dtype": str(trainer.policy.dtype).replace("torch.", ""),
+        "sequences": len(seqs), "tokens": int(mb.input_ids.numel()), "scored_tokens": int(mb.target_ids.numel()),
+        "random_responses": args.random_responses, "tol": args.tol, "first_over_tol": first, "modules": rows,
+    }
+    if gens is not None:
+        ours = torch.cat([torch.tensor(gens[i].logprobs, dtype=torch.float64) for i in mb.sample_indices])
+        d = ours - policy_vals["logprobs"].double()
+        report["generation_logprobs"] = {"max_abs": float(d.abs().max()) if d.numel() else 0.0,
+                                         "mean_abs": float(d.abs().mean()) if d.numel() else 0.0}
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from models.parallel import init_distributed, shutdown_distributed
+
+    init_distributed()
+    clean = False
+    try:
+        report = op_diff(args)
+        if dist.get_rank() == 0:
+            print(format_table(report["modules"], report["first_over_tol"]), flush=True)
+            gen = report.get("generation_logprobs")
+            if gen:
+                print(f"engine generation logprobs (KV cache) vs policy: max |diff| {gen['max_abs']:.3e}", flush=True)
+            print(f"first module over tol={args.tol:g}: {report['first_over_tol']}", flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(report) + "\n")
+        clean = True
+    finally:
+        shutdown_distributed(clean)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

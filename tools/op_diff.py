@@ -135,22 +135,18 @@ def build_probes(model: nn.Module, adapter) -> list[Probe]:
 
 
 def _first_tensor(output) -> torch.Tensor:
+    """A module's output tensor (transformers' attention returns (output, weights))."""
     while isinstance(output, (tuple, list)):
         output = output[0]
-    if hasattr(output, "last_hidden_state"):
-        output = output.last_hidden_state
-    if hasattr(output, "full_tensor"):
-        output = output.full_tensor()
     return output
 
 
 class Recorder:
     """Forward hooks on the probes while inside the block; `values[name]` lists each call's output on the CPU,
-    `order` the names in the order they first finished. `extract(probe, output)` picks the tensor."""
+    `order` the names in the order they first finished (a captured input: when its module starts)."""
 
-    def __init__(self, probes: list[Probe], extract=lambda probe, output: _first_tensor(output)):
+    def __init__(self, probes: list[Probe]):
         self.probes = probes
-        self.extract = extract
         self.values: dict[str, list[torch.Tensor]] = {}
         self.order: list[str] = []
         self._handles = []
@@ -166,7 +162,7 @@ class Recorder:
                 hook = (lambda p: lambda m, args: self.store(p.name, _first_tensor(args)))(p)
                 self._handles.append(p.module.register_forward_pre_hook(hook))
             else:
-                hook = (lambda p: lambda m, args, out: self.store(p.name, self.extract(p, out)))(p)
+                hook = (lambda p: lambda m, args, out: self.store(p.name, _first_tensor(out)))(p)
                 self._handles.append(p.module.register_forward_hook(hook))
         return self
 
@@ -257,8 +253,9 @@ class _VLLMSide:
 
     Each sequence is one request generating one token, after the prefix and encoder caches are
     cleared, so its whole prompt is prefilled and every hooked module sees it (a prefill split in
-    chunks is joined back). It needs `rollout.enforce_eager=true` (the tool sets it): module hooks
-    do not fire inside CUDA graphs or compiled regions. Module paths are the policy's mapped by the
+    chunks is joined back). It needs `rollout.enforce_eager=true` (the tool sets it, so the
+    generations it compares are eager ones too): module hooks do not fire inside CUDA graphs or
+    compiled regions, and a module that never fired shows as "not captured in the engine". Module paths are the policy's mapped by the
     family's vLLM name table (rollout/weight_names.py). vLLM's layers return (hidden, residual)
     pairs: a decoder layer's output is their sum, a norm's its first element; q/k/v are cut from
     the fused qkv_proj by size. The logits are vLLM's `compute_logits` on its own final-norm output
@@ -341,13 +338,9 @@ def engine_forward(side, seqs: list[Sequence], image_group: list[int] | None, or
     out: dict[str, torch.Tensor] = {}
     for name in order:
         role = roles.get(name, "token")
-        if role == "vision":
-            parts = [_join(per_seq[first_of[g]][name], role) for g in sorted(first_of) if name in per_seq[first_of[g]]]
-        else:
-            parts = [_join(v[name], role) for v in per_seq if name in v]
-            parts = parts if len(parts) == len(per_seq) else []
-        if parts:
-            out[name] = _join(parts, role)
+        runs = [per_seq[first_of[g]] for g in sorted(first_of)] if role == "vision" else per_seq
+        if runs and all(name in r for r in runs):
+            out[name] = _join([_join(r[name], role) for r in runs], role)
     return out
 
 
@@ -388,7 +381,8 @@ def format_table(rows: list[dict], first: str | None) -> str:
         if "missing_in" in r:
             lines.append(f"{r['name']:<62} (not captured in the {r['missing_in']})")
         elif "shape_engine" in r:
-            lines.append(f"{r['name']:<62} shapes differ: engine {r['shape_engine']} policy {r['shape_policy']}{mark}")
+            lines.append(f"{r['name']:<62} shapes differ: engine {r['shape_engine']} "
+                         f"policy {r['shape_policy']}{mark}")
         else:
             lines.append(f"{r['name']:<62} {r['max_abs']:>11.3e} {r['rel_l2']:>10.3e} "
                          f"{'yes' if r['bitwise'] else 'no':>7}{mark}")
@@ -435,6 +429,7 @@ def op_diff(args) -> dict:
     """Build the trainer, run both forwards with hooks and compare; returns the report (this rank's)."""
     from grpo.trainer import Trainer
     from grpo.update import PackedStep
+    from rollout.torch_engine import TorchEngine
 
     trainer = Trainer(_config(args))
     if trainer.dims.tp > 1:
@@ -450,7 +445,7 @@ def op_diff(args) -> dict:
     with trainer.colocation.generating() as engine:
         if args.perturb_engine:
             _perturb(engine, args.perturb_engine)
-        side = _TorchSide(engine) if hasattr(engine, "model") else _VLLMSide(engine, trainer.policy)
+        side = _TorchSide(engine) if isinstance(engine, TorchEngine) else _VLLMSide(engine, trainer.policy)
         engine_vals = engine_forward(side, seqs, mb.image_group, order, roles, args.temperature)
     rows = compare(engine_vals, policy_vals, order)
     first = first_over(rows, args.tol)

@@ -1,0 +1,60 @@
+"""tools/op_diff.py on the tiny Qwen2.5-VL in fp32: the policy and the built-in engine agree at every module it
+captures, and a weight changed in the engine only is reported first at its own decoder layer's MLP."""
+
+import json
+
+import pytest
+
+from models.parallel import init_distributed
+from tools.op_diff import _parse, first_over, op_diff
+
+LAYER_PARTS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+               "self_attn.o_proj[input]", "self_attn.o_proj", "post_attention_layernorm", "mlp")
+
+
+def run(tiny_model, clevr_parquet, run_dir, *extra) -> dict:
+    init_distributed()
+    return op_diff(_parse([
+        "--model", str(tiny_model), "--data", str(clevr_parquet), "--engine", "torch", "--dtype", "float32",
+        "--num-prompts", "2", "--n", "2", "--max-new-tokens", "8", "--temperature", "0.8",
+        "--set", f"trainer.run_dir={run_dir}", *extra,
+    ]))
+
+
+def test_policy_and_torch_engine_agree_at_every_module(tiny_model, clevr_parquet, tmp_path):
+    report = run(tiny_model, clevr_parquet, tmp_path / "run")
+    config = json.loads((tiny_model / "config.json").read_text())
+    layers, depth = config["text_config"]["num_hidden_layers"], config["vision_config"]["depth"]
+    names = [r["name"] for r in report["modules"]]
+    expected = ["model.visual.patch_embed", *[f"model.visual.blocks.{i}" for i in range(depth)], "model.visual.merger",
+                "model.language_model.embed_tokens", "model.language_model.norm", "lm_head", "logprobs"]
+    for i in range(layers):
+        layer = f"model.language_model.layers.{i}"
+        expected += [layer, *[f"{layer}.{part}" for part in LAYER_PARTS]]
+    assert sorted(names) == sorted(expected)
+    # forward order: each layer's parts before the layer itself, the layers in turn, then the head
+    assert names.index("model.visual.merger") < names.index("model.language_model.layers.0.input_layernorm")
+    assert names.index("model.language_model.layers.0.mlp") < names.index("model.language_model.layers.0") \
+        < names.index("model.language_model.layers.1.input_layernorm")
+    assert names[-3:] == ["model.language_model.norm", "lm_head", "logprobs"]
+    assert report["sequences"] == 4 and report["scored_tokens"] > 0 and report["engine"] == "TorchEngine"
+    for row in report["modules"]:  # every module captured on both sides with the same shape, and close
+        assert row["max_abs"] < 1e-4 and row["rel_l2"] < 1e-5, row
+    assert report["modules"][0]["bitwise"]  # the embedding lookup is exact
+    assert first_over(report["modules"], 1e-4) is None
+    assert report["generation_logprobs"]["max_abs"] < 1e-5  # the engine's KV-cache decoding agrees too
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_engine_only_weight_change_is_found_at_that_layers_mlp(tiny_model, clevr_parquet, tmp_path, layer):
+    weight = f"model.language_model.layers.{layer}.mlp.down_proj.weight"
+    report = run(tiny_model, clevr_parquet, tmp_path / "run", "--random-responses", "--tol", "1e-4",
+                 "--perturb-engine", f"{weight}=1e-2")
+    target = f"model.language_model.layers.{layer}.mlp"
+    assert report["first_over_tol"] == target
+    names = [r["name"] for r in report["modules"]]
+    at = names.index(target)
+    assert all(r["max_abs"] <= 1e-4 for r in report["modules"][:at])
+    assert report["modules"][at]["max_abs"] > 1e-3 and not report["modules"][at]["bitwise"]
+    assert report["modules"][-1]["name"] == "logprobs" and report["modules"][-1]["max_abs"] > 1e-4
+    assert "generation_logprobs" not in report  # random responses: no generation to compare

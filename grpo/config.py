@@ -104,6 +104,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.0
     tensor_parallel_size: int = 1  # ranks per engine (node-local groups of consecutive ranks; rollout/groups.py)
     enforce_eager: bool = False
+    # vLLM sleep level between generations: 1 copies the weights to host memory and back; 2 drops them
+    # (the refit after every update rewrites them all), saving that copy; off the default until measured
+    sleep_level: int = 1
 
 
 DEFAULT_TIS_CAP = 2.0  # veRL's default; TRL uses 3
@@ -526,6 +529,8 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
         yield (f"config key 'rollout.temperature' must be > 0 for GRPO (trainer.mode=grpo), got "
                f"{cfg.rollout.temperature}: responses are sampled at it and logprobs are divided by it; "
                "use 1.0 for the usual on-policy sampling")
+    if cfg.rollout.sleep_level not in (1, 2):
+        yield f"config key 'rollout.sleep_level' must be 1 or 2, got {cfg.rollout.sleep_level}"
     if not 0 <= cfg.rollout.gpu_memory_utilization <= 1:
         yield (f"config key 'rollout.gpu_memory_utilization' must be in (0, 1], or 0 to let the memory plan "
                f"decide, got {cfg.rollout.gpu_memory_utilization}")

@@ -56,6 +56,9 @@ class Engine(ABC):
     """
 
     dtype: torch.dtype | None = None
+    # True when `sleep` drops the weights rather than keeping them (vLLM's sleep level 2): colocation
+    # then refits before the next generation even if the policy has not moved.
+    sleep_discards_weights: bool = False
 
     @abstractmethod
     def generate(self, prompts: list[PromptInput], params: SamplingParams) -> list[Generation]:

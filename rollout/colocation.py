@@ -351,6 +351,8 @@ class Colocation:
             t = time.monotonic()
             if time_slice:
                 engine.sleep()
+                if engine.sleep_discards_weights:
+                    self.engine_version = -1  # what it held is gone: the next generation refits first
             sleep_s = time.monotonic() - t
             t = time.monotonic()
             self._move_policy_state(to_cpu=False)

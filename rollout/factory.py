@@ -53,7 +53,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
     return VLLMEngine(
         cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization or r.gpu_memory_utilization or 0.5,
-        enforce_eager=r.enforce_eager, max_num_seqs=max_num_seqs, max_model_len=d.max_prompt_tokens + r.max_new_tokens, seed=cfg.trainer.seed,
+        enforce_eager=r.enforce_eager, max_num_seqs=max_num_seqs, sleep_level=r.sleep_level, max_model_len=d.max_prompt_tokens + r.max_new_tokens, seed=cfg.trainer.seed,
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
     )

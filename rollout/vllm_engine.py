@@ -81,7 +81,6 @@ from rollout.weight_names import VLLMSkips, vllm_load_name, vllm_names, vllm_par
 log = logging.getLogger(__name__)
 
 BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
-SLEEP_LEVEL = 1
 _GIB = 1024**3
 
 
@@ -395,6 +394,7 @@ class VLLMEngine(Engine):
         max_images_per_prompt: int = 1,
         async_scheduling: bool | None = None,
         max_num_seqs: int | None = None,
+        sleep_level: int = 1,
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -422,6 +422,9 @@ class VLLMEngine(Engine):
         # identically; the TP=2 pair's hang is not yet explained, and turning this off is a test of it.
         self._async_scheduling = async_scheduling
         self._max_num_seqs = max_num_seqs
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VLLMEngine: sleep_level must be 1 or 2, got {sleep_level}")
+        self.sleep_level = sleep_level
         self._seed = seed
         self._calls = 0
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
@@ -631,11 +634,16 @@ class VLLMEngine(Engine):
 
     # --- memory -------------------------------------------------------------------------------
 
+    @property
+    def sleep_discards_weights(self) -> bool:
+        """Level 2 drops the weights (vLLM keeps the model's buffers): a refit must come before generating."""
+        return self.sleep_level == 2
+
     def sleep(self) -> None:
-        """Sleep level 1: weights copied to host memory, KV cache released."""
+        """KV cache released; weights copied to host memory (level 1) or dropped (level 2)."""
         if self._asleep:
             return
-        self._llm.sleep(level=SLEEP_LEVEL)
+        self._llm.sleep(level=self.sleep_level)
         self._asleep = {"weights", "kv_cache"}
         torch.cuda.empty_cache()
 

@@ -171,3 +171,32 @@ def test_generation_moves_only_what_the_plan_offloads(offload, moves):
     with colo.generating():
         assert policy.moves == moves[:len(moves) // 2]  # out while the engine generates
     assert policy.moves == moves  # and back after
+
+
+class _DroppingEngine(_FakeEngine):
+    sleep_discards_weights = True
+
+
+class _FakeGpuPolicy(_FakePolicy):
+    def reshard(self):
+        pass
+
+
+def test_an_engine_that_drops_its_weights_in_sleep_is_refit_before_generating(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    colo = Colocation(_FakeGpuPolicy(), None, build_engine=lambda share: _DroppingEngine(), needs=None,
+                      gpu_memory_utilization=0.3)
+    colo._gpu = True  # time-slice as on a GPU (the fake engine needs no device)
+    with colo.generating() as engine:
+        pass
+    with colo.generating():
+        pass  # the policy has not moved, but the weights were dropped: refit again
+    assert engine.calls == [("refit", 1), "wake", "sleep", ("refit", 1), "wake", "sleep"]
+
+
+def test_sleep_level_is_checked_at_load():
+    from grpo.config import ConfigError, load_config
+
+    assert load_config(None, ["rollout.sleep_level=2"]).rollout.sleep_level == 2
+    with pytest.raises(ConfigError, match="rollout.sleep_level"):
+        load_config(None, ["rollout.sleep_level=3"])

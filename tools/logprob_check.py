@@ -25,18 +25,23 @@ import torch.distributed as dist  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 
 
-def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(p: argparse.ArgumentParser, *, num_prompts: int, n: int, max_new_tokens: int) -> None:
+    """The model, data, engine and sampling arguments shared by the engine-vs-policy tools."""
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--task", default="clevr")
     p.add_argument("--engine", default="auto", choices=["auto", "torch", "vllm"])
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--n", "--responses-per-prompt", dest="n", type=int, default=4,
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--n", "--responses-per-prompt", dest="n", type=int, default=n,
                    help="responses per prompt (use the long name under torchrun, which claims --n)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(p, num_prompts=8, n=4, max_new_tokens=64)
     p.add_argument("--packing", default="packed", choices=["packed", "padded"],
                    help="padded: one sequence per micro-batch (no packing)")
     p.add_argument("--min-pixels", type=int, default=3136)

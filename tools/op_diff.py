@@ -47,6 +47,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from grpo.config import load_config  # noqa: E402
+from tools.logprob_check import add_run_arguments  # noqa: E402
 
 # Inside each decoder layer, in the order they finish: (path under the layer, capture its input).
 # o_proj's input is the attention kernel's output.
@@ -62,16 +63,7 @@ INPUT_SUFFIX = "[input]"
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--task", default="clevr")
-    p.add_argument("--engine", default="auto", choices=["auto", "torch", "vllm"])
-    p.add_argument("--num-prompts", type=int, default=2)
-    p.add_argument("--n", "--responses-per-prompt", dest="n", type=int, default=2,
-                   help="responses per prompt (use the long name under torchrun, which claims --n)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_run_arguments(p, num_prompts=2, n=2, max_new_tokens=16)
     p.add_argument("--min-pixels", type=int, default=3136)
     p.add_argument("--max-pixels", type=int, default=12544)
     p.add_argument("--random-responses", action="store_true",

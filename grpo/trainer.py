@@ -149,7 +149,7 @@ class Trainer:
             engine_weights=count * engine_dtype // tp,
             # the most KV the engine's scheduler can ever hold: max_num_seqs full-length sequences
             engine_kv_wanted=int(KV_HEADROOM * -(-self._rollout_sequences() // 8) * 8 * seq_tokens
-                                 * kv_bytes_per_token(config, engine_dtype, tp)),
+                                 * kv_bytes_per_token(config.to_dict(), engine_dtype, tp)),
             reserve=RESERVE_BYTES + outside_torch,
         )
 
@@ -311,20 +311,22 @@ class Trainer:
         timings["perf/gen_s"] = time.monotonic() - t
         gen_detail = dict(self.colocation.timings)
 
+        reuse = self._old_logprobs_from_update()
         with self.colocation.peak.training():
             t = time.monotonic()
-            step = self._experience(prompts, gens)
+            step = self._experience(prompts, gens, old_logprobs=not reuse)
             timings["perf/logprob_s"] = time.monotonic() - t
 
             t = time.monotonic()
             rewards = self._advantages(step, gens, rewards_info)
-            fidelity = {} if self._old_logprobs_from_update() else self._fidelity(step)
+            if not reuse:  # the mismatch mask needs the old logprobs before the update
+                fidelity = self._fidelity(step)
             timings["perf/score_s"] = time.monotonic() - t
 
             t = time.monotonic()
-            train = self._ppo_update(step, old_from_update=self._old_logprobs_from_update())
+            train = self._ppo_update(step, old_from_update=reuse)
             timings["perf/train_s"] = time.monotonic() - t
-            if not fidelity:  # the update's own forward gave the old logprobs; compare them with the engine's now
+            if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now
                 fidelity = self._fidelity(step)
 
         timings["perf/refit_s"] = self.refit()
@@ -332,15 +334,15 @@ class Trainer:
         return {**self._rollout_metrics(gens, rewards_info, rewards), **fidelity, **train, **timings, **gen_detail,
                 **self._throughput(step, timings)}
 
-    def _experience(self, prompts: list[EncodedPrompt], gens: list[Generation]) -> PackedStep:
+    def _experience(self, prompts: list[EncodedPrompt], gens: list[Generation], old_logprobs: bool) -> PackedStep:
         """The step's sequences packed once onto the device, with engine, reference and (when the
-        update cannot supply them) old logprobs as packed per-token fields."""
+        update cannot supply them: `old_logprobs`) old logprobs as packed per-token fields."""
         cfg = self.cfg
         responses = [torch.tensor(g.token_ids, dtype=torch.long) for g in gens]
         batch = self._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
         step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device)
         step.set_per_token("engine_logprobs", [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens])
-        if not self._old_logprobs_from_update():
+        if old_logprobs:
             packed_logprobs(self.policy, step, "old_logprobs", cfg.rollout.temperature)
         if self.ref is not None:
             packed_logprobs(self.ref, step, "ref_logprobs", cfg.rollout.temperature)
@@ -472,11 +474,12 @@ class Trainer:
             dist.all_reduce(counts)
         g_tokens, g_seqs = counts.tolist()
 
+        correction = a.correction()
+        clip = {"gspo": (a.gspo_clip_low, a.gspo_clip_high),
+                "cispo": (a.cispo_clip_low, a.cispo_clip_high)}.get(a.policy_loss, (a.clip_low, a.clip_high))
+
         def loss_fn(lp, mb, den):
             f = mb.fields
-            correction = a.correction()
-            clip = {"gspo": (a.gspo_clip_low, a.gspo_clip_high),
-                    "cispo": (a.cispo_clip_low, a.cispo_clip_high)}.get(a.policy_loss, (a.clip_low, a.clip_high))
             logp = lp.float()
             if old_from_update:
                 f["old_logprobs"] = logp.detach()

@@ -183,7 +183,7 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
         for k, v in m.items():
             sums.setdefault(k, []).append(v)
     loss_total = float(torch.stack(totals).sum()) if totals else 0.0
-    sums = {k: float(sum(float(x) for x in v)) for k, v in sums.items()}
+    sums = {k: float(sum(v)) for k, v in sums.items()}  # one device read per key
     params = [p for p in policy.model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):

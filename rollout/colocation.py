@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Literal
 
 import torch
 
+from models.flops import text_config
 from rollout.base import Engine
 
 log = logging.getLogger("vlrl")
@@ -180,10 +181,6 @@ def plan_memory(needs: MemoryNeeds, *, offload: Literal["auto", "on", "off"] = "
 
 
 # --- estimates from the model's shape -------------------------------------------------------------
-def text_config(config) -> object:
-    return getattr(config, "text_config", None) or config
-
-
 def activation_bytes(config, tokens: int, checkpointing: bool, dtype_bytes: int = 2) -> int:
     """Peak activation bytes of a forward/backward over a packed row of `tokens` tokens.
 
@@ -201,13 +198,18 @@ def activation_bytes(config, tokens: int, checkpointing: bool, dtype_bytes: int 
     return tokens * layers * per_layer
 
 
-def kv_bytes_per_token(config, dtype_bytes: int = 2, tensor_parallel_size: int = 1) -> int:
-    """K and V bytes per token over all decoder layers, per GPU of a tensor-parallel engine."""
-    t = text_config(config)
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    kv_heads = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
-    split = max(1, min(tensor_parallel_size, kv_heads))
-    return 2 * t.num_hidden_layers * kv_heads * head_dim * dtype_bytes // split
+def kv_heads(text: dict) -> int:
+    return text.get("num_key_value_heads") or text["num_attention_heads"]
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """K and V bytes one token takes over all decoder layers (an upper bound for sliding layers), per
+    GPU of a tensor-parallel engine: TP splits the KV heads (more GPUs than heads replicate them).
+    `config` is config.json's dict."""
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    split = max(1, min(tensor_parallel_size, kv_heads(text)))
+    return 2 * text["num_hidden_layers"] * kv_heads(text) * head_dim * dtype_bytes // split
 
 
 def tensor_bytes(tensors) -> int:

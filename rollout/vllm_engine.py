@@ -76,6 +76,7 @@ import torch
 
 from models.family import FAMILIES, FamilyAdapter, build_adapter
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
+from rollout.colocation import kv_bytes_per_token
 from rollout.weight_names import VLLMSkips, vllm_load_name, vllm_names, vllm_param_for
 
 log = logging.getLogger(__name__)
@@ -306,17 +307,6 @@ FLEX_MAX_NUM_SEQS = 1024  # vLLM 0.26's LLM default on GPUs with >= 70 GiB (256 
 KV_BLOCK_TOKENS = 16  # vLLM's default block size; larger blocks only shrink the map
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
-    """K and V bytes one token takes over all decoder layers (an upper bound for sliding layers)."""
-    text = config.get("text_config", config)
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    return 2 * text["num_hidden_layers"] * _kv_heads(text) * head_dim * dtype_bytes
-
-
-def _kv_heads(text_config: dict) -> int:
-    return text_config.get("num_key_value_heads") or text_config["num_attention_heads"]
-
-
 def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: float,
                       device_bytes: int, tensor_parallel_size: int = 1) -> int | None:
     """The KV-cache bytes per GPU to give vLLM for a FlexAttention family, or None when no cap is needed.
@@ -329,9 +319,7 @@ def flex_kv_cap_bytes(config: dict, dtype_bytes: int, gpu_memory_utilization: fl
     if spec is None or not spec.vllm.mm_prefix:
         return None
     blocks = FLEX_BLOCK_MAP_BYTES // (FLEX_MAX_NUM_SEQS * 8)
-    # Tensor parallelism splits the KV heads over the GPUs (more GPUs than heads replicate them).
-    split = max(1, min(tensor_parallel_size, _kv_heads(config.get("text_config", config))))
-    cap = blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype_bytes) // split
+    cap = blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype_bytes, tensor_parallel_size)
     return cap if cap < gpu_memory_utilization * device_bytes else None
 
 

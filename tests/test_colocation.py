@@ -88,14 +88,18 @@ class _Cfg:
     num_attention_heads, num_key_value_heads, head_dim = 16, 2, 128
 
 
+_CFG = {k: getattr(_Cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "head_dim")}
+
+
 def test_shape_estimates():
     full = activation_bytes(_Cfg, 8192, checkpointing=False)
     ckpt = activation_bytes(_Cfg, 8192, checkpointing=True)
     assert ckpt < full / 10
     assert 20 * GIB < full < 40 * GIB  # ~112 KB per token and layer in bf16
-    assert kv_bytes_per_token(_Cfg) == 2 * 36 * 2 * 128 * 2
-    assert kv_bytes_per_token(_Cfg, tensor_parallel_size=2) == kv_bytes_per_token(_Cfg) // 2
-    assert kv_bytes_per_token(_Cfg, tensor_parallel_size=8) == kv_bytes_per_token(_Cfg) // 2  # 2 KV heads
+    assert kv_bytes_per_token(_CFG, 2) == 2 * 36 * 2 * 128 * 2
+    assert kv_bytes_per_token(_CFG, 2, tensor_parallel_size=2) == kv_bytes_per_token(_CFG, 2) // 2
+    assert kv_bytes_per_token(_CFG, 2, tensor_parallel_size=8) == kv_bytes_per_token(_CFG, 2) // 2  # 2 KV heads
 
 
 class _FakeEngine:

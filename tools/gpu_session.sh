@@ -19,6 +19,7 @@
 #   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED (FAMS, default
 #             "idefics3 gemma3 llava"; then e.g. FAMS="qwen2_vl qwen3_vl qwen2_5_vl" in a second call;
 #             up to FAM_S=150 s each; DTYPE=float32 for a second pass without bf16 rounding)
+#   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS)
 set -u
 STAGE=$1
 OUT=${2:-gpu_out}
@@ -158,6 +159,13 @@ families)
     rc=$?; echo "families $f $d rc=$rc"
     [ $rc = 0 ] || grep -v "^INFO\|^\[rank" "$OUT/fam_${f}_$d.log" | tail -6
   done
+  ;;
+op_diff)
+  $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
+  $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/opd.parquet --size 56x56 > /dev/null
+  timeout ${OPDIFF_S:-240} $PY tools/op_diff.py --model $W/tiny --data $W/opd.parquet --task clevr --engine vllm \
+    --dtype ${DTYPE:-bfloat16} ${OPDIFF_ARGS:-} --out "$OUT/op_diff.json" > "$OUT/op_diff.log" 2>&1
+  echo "op_diff rc=$?"; grep -v "^INFO\|^WARNING\|^\[" "$OUT/op_diff.log" | tail -30
   ;;
 *)
   echo "unknown stage $STAGE" >&2; exit 2

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from data.zoom import BadBox, zoom
+
 ERROR_KINDS = ("malformed_json", "unknown_tool", "bad_arguments", "tool_exception", "timeout")
 MAX_ERROR_CHARS = 300
 WORKER_START_TIMEOUT_S = 60.0
@@ -64,6 +66,9 @@ class ToolContext:
     images: list
     min_pixels: int
     max_pixels: int
+    # The same images at the resolution the dataset holds them, where the caller has them (the
+    # prompt's, from `EncodedPrompt.originals`); None or a missing entry: only the seen image exists.
+    originals: list = field(default_factory=list)
 
 
 class ToolArgumentError(ValueError):
@@ -194,16 +199,16 @@ def _check_type(key: str, value, spec: dict) -> None:
 
 # --- built-in tools ------------------------------------------------------------------------------
 
-MIN_BOX_SIDE = 4       # pixels of the first image; a thinner box is degenerate
-MIN_ZOOM_SIDE = 28     # the returned crop's short side, at most max_pixels in area, must reach this
-
-
 class ImageZoomInTool(Tool):
-    """DeepEyes's zoom tool: crop `bbox_2d` from the episode's first image and upscale it."""
+    """DeepEyes's zoom tool: the box `bbox_2d` of the episode's first image, enlarged (data/zoom.py).
+
+    The box is in pixel coordinates of the first image as the model saw it; the crop is cut from
+    `ctx.originals[0]` when the episode has it (the image at the dataset's resolution), so zooming
+    shows detail the model's view had lost."""
 
     name = "image_zoom_in_tool"
     description = ("Zoom in on a region of the image: crop the box bbox_2d = [x1, y1, x2, y2] (pixel "
-                   "coordinates of the original image) and return it enlarged.")
+                   "coordinates of the image) and return it enlarged.")
     parameters = {
         "type": "object",
         "properties": {
@@ -217,41 +222,11 @@ class ImageZoomInTool(Tool):
     def __call__(self, arguments: dict, ctx: ToolContext) -> ToolResult:
         if not ctx.images:
             raise ToolArgumentError("the episode has no image to zoom into")
-        image = ctx.images[0]
-        x1, y1, x2, y2 = zoom_box(arguments.get("bbox_2d"), image.width, image.height)
-        out_w, out_h = zoom_size(x2 - x1, y2 - y1, ctx.max_pixels)
-        crop = image.convert("RGB").crop((x1, y1, x2, y2))
-        return ToolResult(images=[crop.resize((out_w, out_h), resample=Image.Resampling.BICUBIC)])
-
-
-def zoom_box(box, width: int, height: int) -> tuple[int, int, int, int]:
-    """The integer crop box for `box` = [x1, y1, x2, y2] inside a width x height image, or
-    ToolArgumentError naming what is wrong with it."""
-    if not isinstance(box, list) or len(box) != 4:
-        raise ToolArgumentError(f"bbox_2d must be a list [x1, y1, x2, y2], got {json.dumps(box)[:60]}")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box):
-        raise ToolArgumentError(f"bbox_2d must hold 4 finite numbers, got {json.dumps(box)[:60]}")
-    x1, y1, x2, y2 = (int(round(v)) for v in box)
-    if x1 < 0 or y1 < 0 or x2 > width or y2 > height:
-        raise ToolArgumentError(f"bbox_2d {[x1, y1, x2, y2]} is outside the image (0, 0, {width}, {height})")
-    if x2 - x1 < MIN_BOX_SIDE or y2 - y1 < MIN_BOX_SIDE:
-        raise ToolArgumentError(f"bbox_2d {[x1, y1, x2, y2]} is degenerate: need x2 - x1 and y2 - y1 "
-                                f">= {MIN_BOX_SIDE}")
-    return x1, y1, x2, y2
-
-
-def zoom_size(w: int, h: int, max_pixels: int) -> tuple[int, int]:
-    """The size a w x h crop is scaled to: the largest with the same aspect ratio and at most
-    max_pixels pixels. A box too thin for that size to keep a MIN_ZOOM_SIDE short side is refused
-    (the image rule would have to stretch it past the pixel limit)."""
-    scale = math.sqrt(max_pixels / (w * h))
-    out_w, out_h = max(1, math.floor(w * scale)), max(1, math.floor(h * scale))
-    while out_w * out_h > max_pixels:  # float rounding
-        out_w, out_h = max(1, out_w - 1), max(1, out_h - 1)
-    if min(out_w, out_h) < MIN_ZOOM_SIDE:
-        raise ToolArgumentError(f"bbox_2d of {w}x{h} pixels is too thin: enlarged to the {max_pixels}-pixel "
-                                f"limit its short side is under {MIN_ZOOM_SIDE}")
-    return out_w, out_h
+        original = ctx.originals[0] if ctx.originals else None
+        try:
+            return ToolResult(images=[zoom(ctx.images[0], arguments.get("bbox_2d"), ctx.max_pixels, original)])
+        except BadBox as err:
+            raise ToolArgumentError(str(err)) from None
 
 
 MAX_EXPRESSION_CHARS = 200
@@ -478,7 +453,7 @@ class _WorkerImages:
         self.images: dict[int, Image.Image] = {}
 
     def context(self, wire: tuple) -> ToolContext:
-        images, min_pixels, max_pixels, evict = wire
+        images, n_seen, original_flags, min_pixels, max_pixels, evict = wire
         resolved = []
         for item in images:
             if len(item) == 2:
@@ -486,7 +461,9 @@ class _WorkerImages:
             resolved.append(self.images[item[0]])
         for key in evict:  # after resolving: the parent may drop a key this same call refers to
             self.images.pop(key, None)
-        return ToolContext(resolved, min_pixels, max_pixels)
+        present = iter(resolved[n_seen:])
+        originals = [next(present) if flag else None for flag in original_flags]
+        return ToolContext(resolved[:n_seen], min_pixels, max_pixels, originals)
 
 
 WORKER_IMAGE_CACHE = 32
@@ -516,7 +493,8 @@ class _Worker:
     def wire_context(self, ctx: ToolContext) -> tuple:
         """ctx with each image the worker already holds replaced by its key."""
         images, evict = [], []
-        for image in ctx.images:
+        originals = [im for im in (ctx.originals or []) if im is not None]
+        for image in [*ctx.images, *originals]:
             key = id(image)
             if key in self._sent:
                 self._sent[key] = self._sent.pop(key)  # most recently used last
@@ -528,7 +506,8 @@ class _Worker:
                 evict.append(old)
             self._sent[key] = image
             images.append((key, _pack_image(image)))
-        return images, ctx.min_pixels, ctx.max_pixels, evict
+        flags = [im is not None for im in (ctx.originals or [])]
+        return images, len(ctx.images), flags, ctx.min_pixels, ctx.max_pixels, evict
 
     def send(self, obj) -> None:
         _write_message(self.proc.stdin, obj)

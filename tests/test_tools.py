@@ -107,6 +107,20 @@ def test_zoom_crops_the_box_of_the_first_image():
     check_zoom(ImageZoomInTool()({"bbox_2d": list(box)}, ctx_for(coordinate_image())), box)
 
 
+def test_zoom_cuts_from_the_original_in_seen_coordinates(user_module):
+    """The box is in the coordinates of the image the model saw (here half size); the crop comes
+    from the full-resolution original, so it holds detail the seen image lost."""
+    original = coordinate_image()
+    seen = original.resize((112, 112), Image.Resampling.BICUBIC)
+    ctx = ToolContext(images=[seen], min_pixels=28 * 28, max_pixels=128 * 64, originals=[original])
+    check_zoom(ImageZoomInTool()({"bbox_2d": [20, 30, 52, 46]}, ctx), (40, 60, 104, 92))
+    with ToolRunner(build_tools(["image_zoom_in_tool", "inspect"], user_module), max_workers=1, timeout_s=30) as runner:
+        zoomed, inspected = runner.run([(call("image_zoom_in_tool", bbox_2d=[20, 30, 52, 46]), ctx),
+                                        (call("inspect"), ToolContext([seen], 1, 64, originals=[None]))])
+    check_zoom(zoomed.result, (40, 60, 104, 92))
+    assert inspected.result.text == str(seen.getpixel((0, 0))[0])
+
+
 def test_zoom_through_the_runner_and_its_schema(user_module):
     tools = build_tools(["image_zoom_in_tool", "calculator"])
     schema = tools["image_zoom_in_tool"].schema()

@@ -107,6 +107,17 @@ class RolloutConfig:
     # vLLM sleep level between generations: 1 copies the weights to host memory and back; 2 drops them
     # (the refit after every update rewrites them all), saving that copy; off the default until measured
     sleep_level: int = 1
+    # Multi-turn episodes with tools (docs/agents.md). No tools: single-turn, one model turn per episode.
+    tools: list[str] = field(default_factory=list)  # names from the tool registry (rollout/tools.py)
+    tools_module: str = ""  # a module that registers user tools; importing it runs the user's code
+    max_turns: int = 1  # model turns per episode
+    max_tool_images: int = 4  # images the tools may add to one episode
+    tool_timeout_s: float = 10.0  # a tool call running longer is stopped and counted as a timeout
+    tool_workers: int = 4  # tool calls run at once
+    max_tool_errors: int = 0  # failed tool calls that end an episode (tool_error_limit); 0: no limit
+    # tokens one episode may hold in all (prompt, model and tool tokens; the engine's context);
+    # 0: data.max_prompt_tokens + rollout.max_new_tokens, the single-turn size
+    max_context_tokens: int = 0
 
 
 DEFAULT_TIS_CAP = 2.0  # veRL's default; TRL uses 3
@@ -147,6 +158,7 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     # veto, with any rollout_correction: drop sequences whose per-token max exp|dlogp| exceeds this; 0 disables
     mismatch_mask_threshold: float = 0.0
+    tool_error_penalty: float = 0.0  # subtracted from an episode's reward per failed tool call
 
     def correction(self) -> dict:
         """The rollout correction in force, as `grpo.algorithm.rollout_correction`'s mode and thresholds:
@@ -477,11 +489,13 @@ AT_LEAST_ONE = (
     "trainer.max_steps", "trainer.eval_samples", "trainer.eval_max_new_tokens",
     "data.prompts_per_step", "data.max_prompt_tokens", "data.min_pixels", "data.max_pixels",
     "rollout.n", "rollout.max_new_tokens", "rollout.tensor_parallel_size",
+    "rollout.max_turns", "rollout.tool_workers",
     "algorithm.ppo_epochs", "optim.max_tokens_per_microbatch", "parallel.tp",
 )
 AT_LEAST_ZERO = (
     "trainer.seed", "trainer.eval_every", "model.lora.rank", "trainer.max_nonfinite_in_row",
-    "rollout.temperature",
+    "rollout.temperature", "rollout.max_tool_images", "rollout.max_tool_errors", "rollout.max_context_tokens",
+    "algorithm.tool_error_penalty",
     "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef", "algorithm.tis_cap",
     "algorithm.max_refill_rounds", "algorithm.overlong_buffer", "algorithm.overlong_penalty",
     "algorithm.mismatch_mask_threshold", "algorithm.gspo_clip_low", "algorithm.gspo_clip_high",
@@ -536,6 +550,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
                f"decide, got {cfg.rollout.gpu_memory_utilization}")
     if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
         yield f"config key 'rollout.top_k' must be -1 (off) or >= 1, got {cfg.rollout.top_k}"
+    yield from _tool_errors(cfg)
     if cfg.data.min_pixels > cfg.data.max_pixels:
         yield (f"config key 'data.min_pixels' ({cfg.data.min_pixels}) must be <= data.max_pixels "
                f"({cfg.data.max_pixels})")
@@ -557,6 +572,23 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
                f"got {cfg.parallel.replicate}")
     if cfg.checkpoint.resume not in ("auto", "never") and not cfg.checkpoint.resume:
         yield "config key 'checkpoint.resume' must be auto, never, overwrite or a checkpoint path"
+
+
+def _tool_errors(cfg: Config) -> Iterator[str]:
+    """rollout keys of multi-turn episodes."""
+    r = cfg.rollout
+    if not r.tool_timeout_s > 0:
+        yield f"config key 'rollout.tool_timeout_s' must be > 0, got {r.tool_timeout_s}"
+    if r.max_turns > 1 and not r.tools:
+        yield (f"config key 'rollout.max_turns' is {r.max_turns} but rollout.tools is empty: a second turn follows "
+               "only a tool call; name the tools or set rollout.max_turns=1")
+    bad = [t for t in r.tools if not isinstance(t, str) or not t or t != t.strip()]
+    if bad:
+        yield f"config key 'rollout.tools' holds {bad!r}: each entry is a tool name from the registry"
+    floor = cfg.data.max_prompt_tokens + 1
+    if r.max_context_tokens and r.max_context_tokens < floor:
+        yield (f"config key 'rollout.max_context_tokens' ({r.max_context_tokens}) must be 0 or more than "
+               f"data.max_prompt_tokens ({cfg.data.max_prompt_tokens}): the longest prompt needs room for an answer")
 
 
 def _algorithm_errors(a: AlgorithmConfig) -> Iterator[str]:

@@ -9,7 +9,8 @@ config.json `model_type`, with `register(Family(...))`:
 - the adapter (a `FamilyAdapter` subclass, built from the transformers config): special tokens,
   position ids, how many placeholders an image takes, the vision tower and how its features enter
   the decoder, the FSDP units, banned tokens, the end-of-turn token, the prompt form vLLM
-  re-expands and its processor kwargs;
+  re-expands and its processor kwargs, and the tool format (`ToolFormat`: how the model writes
+  a tool call and how a tool result enters the conversation; None when it cannot run tools);
 - the vLLM names (`VLLMNames`): transformers names to vLLM's, which projections vLLM stacks,
   what it builds no parameter for, and whether the vLLM path was measured;
 - the tiny-model spec (`models.families.tiny.TinySpec`) that tools/make_tiny_model.py builds.
@@ -43,6 +44,54 @@ from torch import nn
 from data.processing import register_image_rule
 
 
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a family's model writes a tool call and how a tool's answer enters its conversation.
+
+    A call is the text between `call_start` and `call_end` (JSON `{"name": ..., "arguments": ...}`
+    for the Qwen families). A tool's answer is one chat message of role `result_role` whose content
+    is `result_prefix`, the returned images, the returned text, then `result_suffix`; the chat
+    template renders it, so the tokens appended to an episode are exactly the template's.
+    """
+
+    call_start: str
+    call_end: str
+    result_role: str
+    result_prefix: str = ""
+    result_suffix: str = ""
+
+    def calls(self, text: str) -> list[str]:
+        """The raw text of each call in `text`, in order; an unclosed call is its text up to the end."""
+        out: list[str] = []
+        at = text.find(self.call_start)
+        while at >= 0:
+            start = at + len(self.call_start)
+            end = text.find(self.call_end, start)
+            if end < 0:
+                out.append(text[start:])
+                break
+            out.append(text[start:end])
+            at = text.find(self.call_start, end + len(self.call_end))
+        return out
+
+    def result_message(self, text: str, num_images: int) -> dict:
+        """The chat message that carries one tool result (`num_images` image parts, then the text)."""
+        parts = [{"type": "text", "text": self.result_prefix}] if self.result_prefix else []
+        parts += [{"type": "image"} for _ in range(num_images)]
+        if text or self.result_suffix:
+            parts.append({"type": "text", "text": text + self.result_suffix})
+        return {"role": self.result_role, "content": parts}
+
+
+def require_tool_format(adapter: "FamilyAdapter") -> "ToolFormat":
+    """The family's tool format; a family without one cannot run `rollout.tools`."""
+    if adapter.tool_format is None:
+        have = sorted(name for name, spec in FAMILIES.items() if spec.tool_format)
+        raise ValueError(f"model family '{adapter.name}' has no tool-call format, so config key 'rollout.tools' "
+                         f"cannot be used with it (families with one: {', '.join(have)}); set rollout.tools=[]")
+    return adapter.tool_format
+
+
 @dataclass
 class FamilyAdapter:
     """What every family shares; subclasses fill in the family-specific parts."""
@@ -65,6 +114,9 @@ class FamilyAdapter:
     # stops on it and SFT targets end with it. "" for none (stop ids then come from the folder's
     # generation_config.json and tokenizer alone).
     end_of_turn: str = ""
+    # How the model writes tool calls and reads tool results (multi-turn episodes, `rollout.tools`);
+    # None: the family cannot run tools.
+    tool_format: ToolFormat | None = None
 
     @property
     def banned_token_ids(self) -> list[int]:
@@ -287,6 +339,7 @@ class Family:
     image_rules: Mapping[str, type]  # processor class -> data-side image rule
     vllm: VLLMNames
     tiny: object  # models.families.tiny.TinySpec
+    tool_format: ToolFormat | None = None  # the adapter's, for listing which families can run tools
 
 
 FAMILIES: dict[str, Family] = {}

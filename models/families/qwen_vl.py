@@ -21,7 +21,7 @@ from data.processing import ImageRule, size_field
 from models.families.tiny import (
     IMAGE_MEAN, IMAGE_STD, MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, SizeSpec, TinySpec, text_config, token_ids,
 )
-from models.family import Family, FamilyAdapter, VLLMNames, register
+from models.family import Family, FamilyAdapter, ToolFormat, VLLMNames, register
 
 
 def image_tokens(grid_thw, merge_size: int) -> int:
@@ -62,6 +62,14 @@ class QwenImages(ImageRule):
 
 
 
+# Tool calls as Qwen2/2.5-VL write them (Hermes style, the tokenizer's <tool_call> tokens); a tool's
+# answer comes back as a user turn wrapped in <tool_response>, images first, as DeepEyes does.
+QWEN_TOOLS = ToolFormat(call_start="<tool_call>", call_end="</tool_call>", result_role="user",
+                        result_prefix="<tool_response>", result_suffix="</tool_response>")
+# Qwen3-VL's chat template has a `tool` role and wraps its content in <tool_response> itself.
+QWEN3_TOOLS = ToolFormat(call_start="<tool_call>", call_end="</tool_call>", result_role="tool")
+
+
 @dataclass
 class QwenVLAdapter(FamilyAdapter):
     """Qwen2-VL / Qwen2.5-VL: m-rope positions, vision tower `model.visual`, decoder in `model.language_model`.
@@ -75,6 +83,7 @@ class QwenVLAdapter(FamilyAdapter):
     )
     varlen_attention: bool = True  # tests/gpu/test_varlen_attention.py on the H200 (Qwen2.5-VL)
     end_of_turn: str = "<|im_end|>"  # ChatML
+    tool_format: ToolFormat | None = QWEN_TOOLS
     video_token_id: int = 0
     vision_start_token_id: int = 0
     vision_end_token_id: int = 0
@@ -188,6 +197,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     """
 
     varlen_attention: bool = False  # not yet checked on a GPU
+    tool_format: ToolFormat | None = QWEN3_TOOLS
 
     def image_features(self, model, pixels, grid):
         out = self.vision_tower(model)(pixels, grid_thw=grid)
@@ -311,6 +321,7 @@ def _family(model_type: str, prefix: str, cls=QwenVLAdapter, extra_tokens=(), st
         adapter=lambda config: _qwen_adapter(config, model_type, model_class, cls),
         image_rules={f"{prefix}Processor": QwenImages},
         vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=stacking),
+        tool_format=cls.tool_format,
         tiny=TinySpec(model_class=model_class, processor_class=f"{prefix}Processor",
                       config=_tiny_config(model_type, f"{prefix}Config", model_class),
                       image_processor=_tiny_image_processor(model_type), extra_tokens=extra_tokens),

@@ -1,16 +1,38 @@
 #!/usr/bin/env bash
 # Several tools/gpu_session.sh stages in one GPU call, inside one time budget, each result packed into one
 # file under OUT (a call brings back at most 8 files).
+#   bash tools/gpu_batch.sh wheels                   # here: vlrl's packages the GPU image lacks, into .whl/
 #   bash tools/gpu_batch.sh setup                    # fresh machine: join /opt/vb/part-*, install vLLM and .whl
 #   bash tools/gpu_batch.sh run OUT JOB [JOB ...]    # after `. /opt/vb/env.sh`
 # A JOB is NAME:STAGE[:VAR=VALUE,VAR=VALUE...], e.g. base:loop:STEPS=6 or glm:families:FAMS=glm4v; a value
 # may hold spaces written as '+' (sl2:loop:STEPS=6,LOOP_ARGS=rollout.sleep_level=2). Each job runs
 # `bash tools/gpu_session.sh STAGE /tmp/gpu_batch/NAME` with those variables and the time left (BUDGET_S from
 # the start, default 570 s), then leaves OUT/NAME.tgz and prints the stage's last lines.
+#
+# A session's calls, after `bash ../shared/gpu/build_vllm_bundle.sh` and `bash tools/gpu_batch.sh wheels` here and a
+# snapshot of the last commit (`rm -rf .gpu/src && mkdir -p .gpu/src && git archive HEAD | tar -x -C .gpu/src`):
+#   1. carry .gpu/chunk-1 .gpu/chunk-2:       mkdir -p /opt/vb && cp .gpu/chunk-1/part-1 .gpu/chunk-2/part-2 /opt/vb/
+#   2. carry .gpu/chunk-3 .whl .gpu/src:      bash .gpu/src/tools/gpu_batch.sh setup && . /opt/vb/env.sh && cd .gpu/src
+#        && BUDGET_S=500 bash tools/gpu_batch.sh run $OUT base:loop:STEPS=6 sl2:loop:STEPS=6,LOOP_ARGS=rollout.sleep_level=2
+#   3. carry .gpu/src:  . /opt/vb/env.sh && cd .gpu/src && bash tools/gpu_batch.sh run $OUT
+#        compile:loop:STEPS=6,LOOP_ARGS=model.compile=true lora:loop:STEPS=6,LOOP_ARGS=model.lora.rank=16+model.lora.alpha=32
+#   4. carry .gpu/src:  . /opt/vb/env.sh && cd .gpu/src && bash tools/gpu_batch.sh run $OUT glm:families:FAMS=glm4v,FAM_S=200
+#        standalone:profile:PHASES=engine,PROFILE_S=200 opdiff:op_diff:OPDIFF_S=180
 set -u
 T0=$SECONDS
 BUDGET_S=${BUDGET_S:-570}
 case "${1:-}" in
+wheels)
+  # pure-Python packages setup.py needs that the GPU image (KINDS.md's list) lacks, and vLLM's GLM-4.1V and
+  # Qwen3.5 modules' compressed-tensors (which imports loguru); omegaconf 2.4 vendors its antlr4 runtime
+  set -e
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  P=""; for n in 28 27 17; do P="$P --platform manylinux_2_${n}_x86_64"; done
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
+    --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0 mathruler==0.1.0 pylatexenc==2.11 \
+    compressed-tensors==0.20.0 loguru==0.7.3
+  ls .whl
+  ;;
 setup)
   set -e
   [ -d .gpu/chunk-3 ] && cp .gpu/chunk-*/part-* /opt/vb/
@@ -43,6 +65,6 @@ run)
   done
   ;;
 *)
-  echo "usage: bash tools/gpu_batch.sh setup | run OUT NAME:STAGE[:VAR=VALUE,...] ..." >&2; exit 2
+  echo "usage: bash tools/gpu_batch.sh wheels | setup | run OUT NAME:STAGE[:VAR=VALUE,...] ..." >&2; exit 2
   ;;
 esac

@@ -102,7 +102,8 @@ loop)
     ${LOOP_ARGS:-} > "$OUT/loop.log" 2>&1
   echo "3B GRPO loop rc=$?"
   cp $W/loop/metrics.jsonl "$OUT/loop_metrics.jsonl" 2>/dev/null
-  $PY tools/loop_summary.py "$OUT/loop_metrics.jsonl" | tee "$OUT/loop_summary.json"
+  cp $W/loop/config.yaml "$OUT/loop_config.yaml" 2>/dev/null
+  $PY tools/loop_summary.py "$OUT/loop_metrics.jsonl" --config "$OUT/loop_config.yaml" | tee "$OUT/loop_summary.json"
   ;;
 profile)
   # The update alone at the loop's shape, profiled (op tables), and the engine in-process against a

@@ -1,12 +1,15 @@
 """Steady-state numbers of a GRPO run from its metrics.jsonl (steps 3 onward by default).
 
-    python tools/loop_summary.py runs/X/metrics.jsonl [--from-step 3]
+    python tools/loop_summary.py runs/X/metrics.jsonl [--from-step 3] [--config runs/X/config.yaml]
 
 Prints one JSON object: `loop_step_s` (mean step seconds), the mean of each perf/* phase,
 `mfu_llm`, `overhead_frac` (the share of a step that is not generation, the policy's passes or
 refit), `non_gen_train_frac` (neither generation nor the update: what tools/bench.py calls overhead),
 `sleep_wake_s`, `gen_tokens_per_s`, `untimed_frac` (what the phases do not cover), the first
-step's seconds and how much longer than a steady step it took, and the peak memory.
+step's seconds and how much longer than a steady step it took, and the peak memory. With
+`--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
+`sleep_level`, `compile`, `liger_kernel`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
+`prompts_per_step`, `n` and `max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -17,10 +20,25 @@ import statistics
 import sys
 from pathlib import Path
 
+import yaml
+
+# summary key -> the config keys that hold it, outermost first
+SETTINGS = {
+    "sleep_level": ("rollout", "sleep_level"), "compile": ("model", "compile"),
+    "liger_kernel": ("model", "liger_kernel"), "lora_rank": ("model", "lora", "rank"),
+    "lora_alpha": ("model", "lora", "alpha"), "activation_checkpointing": ("model", "activation_checkpointing"),
+    "prompts_per_step": ("data", "prompts_per_step"), "n": ("rollout", "n"),
+    "max_new_tokens": ("rollout", "max_new_tokens"),
+}
+
 
 def read_rows(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read the metrics ({type(e).__name__}: {e})") from None
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -58,12 +76,34 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
     return out
 
 
+def read_settings(path: Path) -> dict:
+    """The SETTINGS of a run's resolved config.yaml; a key the file lacks is left out."""
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SystemExit(f"{path}: cannot read the run's config ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"{path}: not a config (a YAML mapping), got {type(cfg).__name__}")
+    out = {}
+    for name, keys in SETTINGS.items():
+        value = cfg
+        for k in keys:
+            value = value.get(k) if isinstance(value, dict) else None
+        if value is not None:
+            out[name] = value
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("metrics", type=Path)
     p.add_argument("--from-step", type=int, default=3)
+    p.add_argument("--config", type=Path, default=None, help="the run's config.yaml: add its settings")
     args = p.parse_args(argv)
-    print(json.dumps(summarize(read_rows(args.metrics), args.from_step), indent=1))
+    out = summarize(read_rows(args.metrics), args.from_step)
+    if args.config is not None:
+        out.update(read_settings(args.config))
+    print(json.dumps(out, indent=1))
     return 0
 
 

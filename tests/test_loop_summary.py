@@ -1,0 +1,47 @@
+"""tools/loop_summary.py: steady-state means of a run's metrics, and the settings of its config.yaml."""
+
+import json
+
+import pytest
+
+from grpo.config import load_config, save_config
+from tools.loop_summary import main, read_rows, read_settings, summarize
+
+
+def _row(step: int, step_s: float) -> dict:
+    return {"step": step, "perf/step_s": step_s, "perf/gen_s": 2.0, "perf/logprob_s": 1.5, "perf/train_s": 5.0,
+            "perf/refit_s": 0.5, "perf/sleep_s": 0.2, "perf/wake_s": 0.01, "perf/mfu_llm": 0.28,
+            "fidelity/token_mult_prob_error": 1.03, "memory/peak_gb": 90.0 + step}
+
+
+def _write(tmp_path, overrides):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(_row(s, t)) for s, t in [(1, 50.0), (2, 12.0), (3, 9.0), (4, 10.0),
+                                                                     (5, 11.0)]) + "\n")
+    cfg = load_config("configs/clevr_qwen2_5_vl_3b.yaml", ["model.path=/m", "data.train_path=/d.parquet",
+                                                           *overrides])
+    save_config(cfg, tmp_path / "config.yaml")
+    return metrics, tmp_path / "config.yaml"
+
+
+def test_summary_takes_steady_steps_and_the_run_settings(tmp_path, capsys):
+    metrics, config = _write(tmp_path, ["rollout.sleep_level=2", "model.lora.rank=16", "model.lora.alpha=32",
+                                        "model.compile=true"])
+    s = summarize(read_rows(metrics))
+    assert s["steps"] == [3, 4, 5] and s["loop_step_s"] == pytest.approx(10.0)
+    assert s["first_step_extra_s"] == pytest.approx(40.0) and s["peak_gb"] == 95.0
+    main([str(metrics), "--config", str(config)])
+    out = json.loads(capsys.readouterr().out)
+    assert (out["sleep_level"], out["compile"], out["lora_rank"], out["lora_alpha"]) == (2, True, 16, 32.0)
+    assert (out["max_new_tokens"], out["n"], out["liger_kernel"]) == (512, 8, False)
+    assert out["loop_step_s"] == pytest.approx(10.0)
+
+
+def test_bad_paths_name_the_file(tmp_path):
+    with pytest.raises(SystemExit, match="missing.jsonl: cannot read the metrics"):
+        read_rows(tmp_path / "missing.jsonl")
+    with pytest.raises(SystemExit, match="missing.yaml: cannot read the run's config"):
+        read_settings(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(SystemExit, match="list.yaml: not a config"):
+        read_settings(tmp_path / "list.yaml")

@@ -19,7 +19,6 @@ from data.batch import Batch, PackedGenericDataItem
 from data.datasets import VLDataset
 from data.loader import PromptFeeder
 from data.processing import EncodedPrompt, encode_response, load_processor, sft_target, stop_token_ids
-from data.rewards import score
 from grpo import algorithm as alg
 from grpo.checkpoint import checkpoint_dir, load_checkpoint, resolve_resume, save_checkpoint
 from grpo.config import Config, config_to_dict
@@ -34,11 +33,13 @@ from models.flops import llm_flops, peak_tflops
 from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
 from rollout.base import Generation, PromptInput, SamplingParams
+from rollout.episode import Episode, episode_batch
 from rollout.colocation import (
     KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, kv_bytes_per_token, tensor_bytes,
 )
 from rollout.factory import build_engine
 from rollout.groups import EngineGroup
+from rollout.rollouts import Rollouts, context_tokens
 
 log = logging.getLogger("vlrl")
 MISMATCH_ALARM = 1.05
@@ -90,6 +91,9 @@ class Trainer:
             offload=cfg.parallel.offload_during_generate, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             agree=lambda v: all_reduce_max_int(v, self.policy.device), is_main=self.dims.is_main,
         )
+        # episodes (turns, tools, rewards, dynamic sampling) come from rollout/; the engine is awake for each step's
+        self.rollouts = Rollouts(cfg, self.adapter, self.processor, self.colocation.generating, self.engine_group,
+                                 lambda v: all_reduce_max_int(v, self.policy.device), alg.dynamic_sampling_keep)
         self._peak_tflops = peak_tflops(self.policy.device)
         self.step = 0
         self.preempted = False  # set when a SIGTERM/SIGINT stopped train() early
@@ -137,7 +141,7 @@ class Trainer:
         config = self.policy.model.config
         engine_dtype = 2 if self.policy.dtype != torch.float32 else 4
         tp = cfg.rollout.tensor_parallel_size
-        seq_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens  # the engine's max_model_len
+        seq_tokens = context_tokens(cfg)  # the engine's max_model_len: a whole episode
         free, total = torch.cuda.mem_get_info(self.policy.device)
         outside_torch = max(total - free - torch.cuda.memory_reserved(self.policy.device), 0)  # CUDA context, NCCL
         return MemoryNeeds(
@@ -307,18 +311,18 @@ class Trainer:
         """rollout → score → experience (pack once, logprobs, advantages) → update → refit."""
         timings = {}
         t = time.monotonic()
-        prompts, gens, rewards_info = self._rollouts(per_rank)
+        prompts, episodes, rewards_info = self.rollouts.collect(self.feeder, per_rank, self.sampling_params())
         timings["perf/gen_s"] = time.monotonic() - t
         gen_detail = dict(self.colocation.timings)
 
         reuse = self._old_logprobs_from_update()
         with self.colocation.peak.training():
             t = time.monotonic()
-            step = self._experience(prompts, gens, old_logprobs=not reuse)
+            step = self._experience(episodes, old_logprobs=not reuse)
             timings["perf/logprob_s"] = time.monotonic() - t
 
             t = time.monotonic()
-            rewards = self._advantages(step, gens, rewards_info)
+            rewards = self._advantages(step, episodes, rewards_info)
             if not reuse:  # the mismatch mask needs the old logprobs before the update
                 fidelity = self._fidelity(step)
             timings["perf/score_s"] = time.monotonic() - t
@@ -331,28 +335,31 @@ class Trainer:
 
         timings["perf/refit_s"] = self.refit()
         self.colocation.peak.sample()  # the engine's weights are back on the device
-        return {**self._rollout_metrics(gens, rewards_info, rewards), **fidelity, **train, **timings, **gen_detail,
-                **self._throughput(step, timings)}
+        return {**self._rollout_metrics(episodes, rewards_info, rewards), **fidelity, **train, **timings,
+                **gen_detail, **self._throughput(step, timings)}
 
-    def _experience(self, prompts: list[EncodedPrompt], gens: list[Generation], old_logprobs: bool) -> PackedStep:
-        """The step's sequences packed once onto the device, with engine, reference and (when the
-        update cannot supply them: `old_logprobs`) old logprobs as packed per-token fields."""
+    def _experience(self, episodes: list[Episode], old_logprobs: bool) -> PackedStep:
+        """The step's episodes packed once onto the device, with engine, reference and (when the
+        update cannot supply them: `old_logprobs`) old logprobs as packed per-token fields. Only
+        model tokens are scored: prompt and tool tokens are context."""
         cfg = self.cfg
-        responses = [torch.tensor(g.token_ids, dtype=torch.long) for g in gens]
-        batch = self._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
+        batch = episode_batch(episodes, self.adapter)
         step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device)
-        step.set_per_token("engine_logprobs", [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens])
+        step.set_per_token("engine_logprobs", [torch.tensor(e.logprobs, dtype=torch.float32) for e in episodes])
         if old_logprobs:
             packed_logprobs(self.policy, step, "old_logprobs", cfg.rollout.temperature)
         if self.ref is not None:
             packed_logprobs(self.ref, step, "ref_logprobs", cfg.rollout.temperature)
         return step
 
-    def _advantages(self, step: PackedStep, gens: list[Generation], rewards_info) -> torch.Tensor:
-        """Rewards (with overlong and in-reward KL penalties) → group advantages, packed per token."""
+    def _advantages(self, step: PackedStep, episodes: list[Episode], rewards_info) -> torch.Tensor:
+        """Rewards (with tool-error, overlong and in-reward KL penalties) → group advantages (each
+        group the n episodes of one prompt), packed per model token."""
         cfg, a = self.cfg, self.cfg.algorithm
         rewards = torch.tensor([r.score for r in rewards_info], dtype=torch.float32)
-        lengths = torch.tensor([len(g.token_ids) for g in gens])
+        if a.tool_error_penalty:
+            rewards = rewards - a.tool_error_penalty * torch.tensor([float(e.errors) for e in episodes])
+        lengths = torch.tensor([e.model_tokens for e in episodes])
         if a.overlong_buffer > 0:
             rewards = rewards + alg.overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
                                                      a.overlong_penalty)
@@ -364,40 +371,6 @@ class Trainer:
         adv = alg.compute_advantages(rewards, cfg.rollout.n, a.adv_estimator) if len(rewards) else rewards
         step.set_per_sequence("advantages", adv)
         return rewards
-
-    def _rollouts(self, per_rank: int):
-        """Prompts, G responses each, and their rewards; with dynamic sampling, only informative groups."""
-        cfg = self.cfg
-        G = cfg.rollout.n
-        prompts, gens, infos = self._generate_and_score(self.feeder.next(per_rank))
-        if not cfg.algorithm.dynamic_sampling:
-            return prompts, gens, infos
-        keep_p, keep_g, keep_i = [], [], []
-        rounds = 0
-        while True:
-            scores = torch.tensor([r.score for r in infos])
-            keep = alg.dynamic_sampling_keep(scores, G) if len(scores) else torch.zeros(0, dtype=torch.bool)
-            for pi in torch.nonzero(keep).flatten().tolist():
-                if len(keep_p) >= per_rank:
-                    break
-                keep_g += [
-                    Generation(len(keep_p), g.token_ids, g.logprobs, g.finish_reason) for g in gens[pi * G:(pi + 1) * G]
-                ]
-                keep_i += infos[pi * G:(pi + 1) * G]
-                keep_p.append(prompts[pi])
-            need = per_rank - len(keep_p)
-            rounds += 1
-            if all_reduce_max_int(need, self.policy.device) == 0 or rounds > cfg.algorithm.max_refill_rounds:
-                return keep_p, keep_g, keep_i
-            prompts, gens, infos = self._generate_and_score(self.feeder.next(need))
-
-    def _generate_and_score(self, prompts, params: SamplingParams | None = None):
-        # members of a tensor-parallel engine group generate together, even with no prompts of their own
-        together = prompts or self.engine_group.size > 1
-        gens = self.generate(prompts, params or self.sampling_params()) if together else []
-        texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
-        infos = [score(self.cfg.data.task, text, prompts[g.prompt_index].answer) for g, text in zip(gens, texts)]
-        return prompts, gens, infos
 
     def _fidelity(self, step: PackedStep) -> dict:
         """token_mult_prob_error between the engine's and the trainer's logprobs of the sampled tokens,
@@ -526,11 +499,12 @@ class Trainer:
             metrics["loss/kl"] = kl / max(n, 1)
         return metrics
 
-    def _rollout_metrics(self, gens, infos, rewards) -> dict:
-        lengths = [len(g.token_ids) for g in gens]
+    def _rollout_metrics(self, episodes: list[Episode], infos, rewards) -> dict:
+        """reward/* and rollout/* over all ranks (lengths count model tokens), and rollout/'s agent/* metrics."""
+        lengths = [e.model_tokens for e in episodes]
         sums = [float(rewards.sum()), float((rewards**2).sum()), sum(r.accuracy for r in infos),
-                sum(r.format for r in infos), float(sum(lengths)), float(len(gens)),
-                float(sum(g.finish_reason == "length" for g in gens))]
+                sum(r.format for r in infos), float(sum(lengths)), float(len(episodes)),
+                float(sum(e.finish_reason == "max_tokens" for e in episodes))]
         failures = float(sum(r.reason.split(":")[0] in REWARD_FAILURES for r in infos))
         s, s2, acc, fmt, ln, n, trunc, fail = all_reduce_sum(sums + [failures], self.policy.device)
         self.counters["reward_failures"] += int(fail)
@@ -539,7 +513,8 @@ class Trainer:
         mean = s / n
         return {"reward/mean": mean, "reward/std": max(s2 / n - mean**2, 0.0) ** 0.5, "reward/accuracy": acc / n,
                 "reward/format": fmt / n, "rollout/response_len_mean": ln / n, "rollout/response_len_max": float(max_len),
-                "rollout/truncated_frac": trunc / n, "reward/failures_total": float(self.counters["reward_failures"])}
+                "rollout/truncated_frac": trunc / n, "reward/failures_total": float(self.counters["reward_failures"]),
+                **self.rollouts.metrics(episodes, self.policy.device)}
 
     def _throughput(self, step: PackedStep, timings: dict) -> dict:
         """Tokens per second of training and generation, and the update's MFU (language-model FLOPs
@@ -564,8 +539,7 @@ class Trainer:
         self.eval_feeder.stream.position, self.eval_feeder.stream.epoch = 0, 0
         per_rank = max(n // self.dims.dp, 1)
         greedy = self.sampling_params(greedy=True, max_new_tokens=self.cfg.trainer.eval_max_new_tokens)
-        _, _, infos = self._generate_and_score(self.eval_feeder.next(per_rank), greedy)
+        _, _, infos = self.rollouts.evaluate(self.eval_feeder.next(per_rank), greedy)
         acc, fmt, cnt = all_reduce_sum([sum(r.accuracy for r in infos), sum(r.format for r in infos), len(infos)],
                                        self.policy.device)
         return {"eval/accuracy": acc / max(cnt, 1), "eval/format": fmt / max(cnt, 1), "eval/samples": cnt}
-

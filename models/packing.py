@@ -34,7 +34,9 @@ class PackedMicrobatch:
     sample_indices: list[int]
     # Which distinct image group (a sample's pixel tensor, possibly several images) each sequence
     # uses, -1 for text-only: the G responses of a prompt share one group, so the vision tower
-    # runs once per prompt. pixel_values/image_grid_thw hold the distinct groups only.
+    # runs once per prompt. pixel_values/image_grid_thw hold the distinct groups only. A sequence
+    # with tool images (a multi-turn episode) takes two entries, in row order: its prompt's group,
+    # then its own tool images' group.
     image_group: list[int] | None = None
     images_per_group: list[int] | None = None  # grid rows (images) in each distinct group
     # Per-target values riding with this micro-batch through a step (grpo/update.py's PackedStep):
@@ -127,7 +129,8 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
 
     The batch needs `input_ids` (1-D per sample), `position_ids` ((4, L) per sample), `loss_mask`
     (1-D per sample, 1 where the token is scored), and optionally `pixel_values` and
-    `image_grid_thw` (None for text-only samples).
+    `image_grid_thw` (None for text-only samples) and an episode's own images after its prompt's,
+    `tool_pixel_values` and `tool_image_grid_thw` (None where it has none).
     """
     sub = batch.slice(indices)
     ids, pos, masks = sub["input_ids"].items, sub["position_ids"].items, sub["loss_mask"].items
@@ -166,20 +169,31 @@ def image_groups(batch: Batch) -> list:
 
 
 def _distinct_images(sub: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-    """Pixel/grid tensors of the distinct image groups (by tensor identity) and each sample's group."""
+    """Pixel/grid tensors of the distinct image groups (by tensor identity) and the groups the row's
+    image placeholders take, in row order.
+
+    Without tool images that is one group per sequence (-1 for text-only). An episode with tool
+    images (`tool_pixel_values`) takes its prompt's group, shared with the prompt's other episodes,
+    then a group of its own: the prompt's images are encoded once per micro-batch, each episode's
+    tool images once.
+    """
     if "pixel_values" not in sub:
         return [], [], [-1] * len(sub)
+    tools = sub["tool_pixel_values"].items if "tool_pixel_values" in sub else [None] * len(sub)
+    tool_grids = sub["tool_image_grid_thw"].items if "tool_pixel_values" in sub else [None] * len(sub)
     seen: dict[int, int] = {}
     pixels, grids, groups = [], [], []
-    for pix, grid in zip(sub["pixel_values"].items, sub["image_grid_thw"].items):
-        if pix is None:
+    for pix, grid, tpix, tgrid in zip(sub["pixel_values"].items, sub["image_grid_thw"].items, tools, tool_grids):
+        for p, g in ((pix, grid), (tpix, tgrid)):
+            if p is None:
+                continue
+            if id(p) not in seen:
+                seen[id(p)] = len(pixels)
+                pixels.append(p)
+                grids.append(g)
+            groups.append(seen[id(p)])
+        if pix is None and tpix is None:
             groups.append(-1)
-            continue
-        if id(pix) not in seen:
-            seen[id(pix)] = len(pixels)
-            pixels.append(pix)
-            grids.append(grid)
-        groups.append(seen[id(pix)])
     return pixels, grids, groups
 
 

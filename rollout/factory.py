@@ -49,11 +49,16 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype, adapter=policy.adapter)
     from rollout.vllm_engine import VLLMEngine
 
+    from rollout.rollouts import context_tokens
+
     r, d = cfg.rollout, cfg.data
     return VLLMEngine(
         cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization or r.gpu_memory_utilization or 0.5,
-        enforce_eager=r.enforce_eager, max_num_seqs=max_num_seqs, sleep_level=r.sleep_level, max_model_len=d.max_prompt_tokens + r.max_new_tokens, seed=cfg.trainer.seed,
+        enforce_eager=r.enforce_eager, max_num_seqs=max_num_seqs, sleep_level=r.sleep_level,
+        max_model_len=context_tokens(cfg), seed=cfg.trainer.seed,
+        # a prompt's image plus what the tools may add to its episode
+        max_images_per_prompt=1 + (r.max_tool_images if r.tools else 0),
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
     )

@@ -1,0 +1,257 @@
+"""A step's rollouts: episodes generated turn by turn, tools run between turns, rewards, dynamic sampling.
+
+`Rollouts.collect` is what the trainer calls once per GRPO step. The engine is awake for the
+whole of it (one wake and one sleep per step, `generating`), refill rounds of dynamic sampling
+included. In each turn every live episode of the step generates in one engine call: the first
+turn sends each prompt once with n samples (the engine prefills it once), later turns send each
+live episode's whole sequence with its images. Finished episodes drop out. Tool calls are found
+in the text the model wrote between the family's call markers, run in `ToolRunner`'s bounded
+pool, and each result is appended as the chat template's tokens for its message
+(`ToolResultEncoder`).
+
+Limits, each a finish reason: `rollout.max_turns` model turns; `rollout.max_tool_images` images
+added by tools (a result that would pass it ends the episode unappended); `rollout.max_new_tokens`
+model tokens per episode, over all its turns (a turn is sampled with the most any live episode
+has left, and an episode's turn is cut at its own budget); `rollout.max_context_tokens` tokens in
+all (a tool result that would leave no room for another model token ends the episode);
+`rollout.max_tool_errors` failed calls. Without tools an episode has one turn and ends answered
+(a stop token) or max_tokens: exactly the single-turn rollout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+from dataclasses import replace
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from data.rewards import score
+from models.family import FamilyAdapter, require_tool_format
+from rollout.base import Generation, SamplingParams
+from rollout.episode import FINISH_REASONS, Episode, ToolResultEncoder
+from rollout.tools import ERROR_KINDS, ToolContext, ToolRunner, build_tools
+
+TURN_SEED_STRIDE = 7919  # later turns sample with seed + turn · stride
+
+
+def context_tokens(cfg) -> int:
+    """The most tokens one episode holds (the engine's context length)."""
+    return cfg.rollout.max_context_tokens or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+class Rollouts:
+    """Generates and scores a step's episodes (see the module docstring).
+
+    `generating()` is the colocation context that wakes the engine and puts it back to sleep;
+    `engine_group` serves tensor-parallel groups; `agree_max(v)` is the max of v over all ranks;
+    `informative(scores, n)` says which groups dynamic sampling keeps.
+    """
+
+    def __init__(self, cfg, adapter: FamilyAdapter, processor, generating: Callable, engine_group,
+                 agree_max: Callable[[int], int], informative: Callable | None = None):
+        self.cfg = cfg
+        self.adapter = adapter
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.generating = generating
+        self.engine_group = engine_group
+        self.agree_max = agree_max
+        self.informative = informative
+        r = cfg.rollout
+        self.tools = build_tools(list(r.tools), r.tools_module or None) if r.tools else {}
+        self.format = self.encoder = self.runner = None
+        self.end_id = None
+        if self.tools:
+            self.format = require_tool_format(adapter)
+            self.encoder = ToolResultEncoder(processor, self.format, adapter.end_of_turn, cfg.data.min_pixels,
+                                             cfg.data.max_pixels)
+            self.end_id = self.tokenizer.convert_tokens_to_ids(adapter.end_of_turn)
+            self.runner = ToolRunner(self.tools, max_workers=r.tool_workers, timeout_s=r.tool_timeout_s)
+            atexit.register(self.runner.close)
+        self.context = context_tokens(cfg)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+    # --- the step ----------------------------------------------------------------------------
+    def collect(self, feeder, per_rank: int, params: SamplingParams):
+        """(prompts, episodes, reward infos) for this rank; with dynamic sampling only informative
+        groups, refilled from the feeder for up to algorithm.max_refill_rounds more rounds."""
+        cfg = self.cfg
+        G = params.n
+        with self.generating() as engine:
+            prompts, episodes, infos = self.generate_and_score(engine, feeder.next(per_rank), params)
+            if not cfg.algorithm.dynamic_sampling:
+                return prompts, episodes, infos
+            keep_p, keep_e, keep_i = [], [], []
+            rounds = 0
+            while True:
+                scores = torch.tensor([r.score for r in infos])
+                keep = self.informative(scores, G) if len(scores) else torch.zeros(0, dtype=torch.bool)
+                for pi in torch.nonzero(keep).flatten().tolist():
+                    if len(keep_p) >= per_rank:
+                        break
+                    for e in episodes[pi * G:(pi + 1) * G]:
+                        e.prompt_index = len(keep_p)
+                        keep_e.append(e)
+                    keep_i += infos[pi * G:(pi + 1) * G]
+                    keep_p.append(prompts[pi])
+                need = per_rank - len(keep_p)
+                rounds += 1
+                if self.agree_max(need) == 0 or rounds > cfg.algorithm.max_refill_rounds:
+                    return keep_p, keep_e, keep_i
+                prompts, episodes, infos = self.generate_and_score(engine, feeder.next(need), params)
+
+    def evaluate(self, prompts, params: SamplingParams):
+        """(prompts, episodes, reward infos) of one round, the engine awake for it."""
+        with self.generating() as engine:
+            return self.generate_and_score(engine, prompts, params)
+
+    def generate_and_score(self, engine, prompts, params: SamplingParams):
+        episodes = self.run_episodes(engine, prompts, params)
+        return prompts, episodes, self.score(prompts, episodes)
+
+    def score(self, prompts, episodes: list[Episode]) -> list:
+        """The reward of each episode's final answer: the text of its last model turn."""
+        out = []
+        for e in episodes:
+            text = self.tokenizer.decode(e.last_turn_ids(), skip_special_tokens=True)
+            out.append(score(self.cfg.data.task, text, prompts[e.prompt_index].answer))
+        return out
+
+    # --- turns -------------------------------------------------------------------------------
+    def run_episodes(self, engine, prompts, params: SamplingParams) -> list[Episode]:
+        """n episodes per prompt, prompt-major, each run to its finish reason."""
+        budget = params.max_new_tokens
+        episodes = [Episode.start(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
+        live = list(episodes)
+        turn = 0
+        # members of a tensor-parallel engine group generate together, even with nothing of their own
+        together = self.engine_group.size > 1
+        while (self.agree_max(len(live)) if together else len(live)) > 0:
+            allowed = [min(budget - e.model_tokens, self.context - len(e.token_ids)) for e in live]
+            for e, a in zip(live, allowed):
+                if a < 1:
+                    e.finish_reason = "max_tokens"
+            live = [e for e, a in zip(live, allowed) if a >= 1]
+            allowed = [a for a in allowed if a >= 1]
+            top = max(allowed, default=1)
+            turn_params = replace(params, max_new_tokens=self.agree_max(top) if together else top)
+            if params.seed is not None:
+                turn_params.seed = params.seed + turn * TURN_SEED_STRIDE
+            if turn == 0:
+                inputs = [e.engine_input() for e in episodes[::params.n]] if live else []
+                gens = self._generate(engine, inputs, turn_params)
+            else:
+                gens = self._generate(engine, [e.engine_input() for e in live], replace(turn_params, n=1))
+            turn += 1
+            calls = self._end_turn(live, gens, allowed, turn)
+            if calls:
+                self._run_tools(prompts, calls)
+            live = [e for e in live if not e.done]
+        return episodes
+
+    def _generate(self, engine, inputs, params: SamplingParams) -> list[Generation]:
+        """One engine call; a tensor-parallel group's members serve their prompts together."""
+        if not inputs and self.engine_group.size == 1:
+            return []
+        count = len(inputs)
+        inputs, params, start = self.engine_group.gather(inputs, params)
+        return self.engine_group.own(engine.generate(inputs, params), start, count)
+
+    def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int],
+                  turn: int) -> list[tuple[Episode, str]]:
+        """Append each live episode's turn; finish the ones that end here; the tool calls of the rest."""
+        calls: list[tuple[Episode, str]] = []
+        for e, g, cap in zip(live, gens, allowed):
+            cut = len(g.token_ids) > cap
+            if cut:
+                g = Generation(g.prompt_index, g.token_ids[:cap], g.logprobs[:cap], "length")
+            e.add_model_turn(g)
+            if g.finish_reason == "length":
+                e.finish_reason = "max_tokens"
+                continue
+            found = []
+            if self.tools and g.token_ids and g.token_ids[-1] == self.end_id:
+                found = self.format.calls(self.tokenizer.decode(g.token_ids, skip_special_tokens=False))
+            if not found:
+                e.finish_reason = "answered"
+            elif turn >= self.cfg.rollout.max_turns:
+                e.finish_reason = "max_turns"
+            elif e.model_tokens >= self.cfg.rollout.max_new_tokens:
+                e.finish_reason = "max_tokens"
+            else:
+                calls += [(e, raw) for raw in found]
+        return calls
+
+    def _run_tools(self, prompts, calls: list[tuple[Episode, str]]) -> None:
+        """Run every call of the turn in the pool; append each episode's results as one delta."""
+        d = self.cfg.data
+        contexts = {}
+        for e, _ in calls:
+            if id(e) not in contexts:
+                originals = list(getattr(prompts[e.prompt_index], "originals", None) or [])
+                contexts[id(e)] = ToolContext(images=list(e.images), min_pixels=d.min_pixels, max_pixels=d.max_pixels,
+                                              originals=originals)
+        outcomes = self.runner.run([(raw, contexts[id(e)]) for e, raw in calls])
+        results: dict[int, list] = {}
+        order: list[Episode] = []
+        for (e, _), out in zip(calls, outcomes):
+            e.tool_calls += 1
+            if id(e) not in results:
+                results[id(e)] = []
+                order.append(e)
+            if out.result is None:
+                e.count_error(out.error_kind or "tool_exception")
+                results[id(e)].append((out.error, []))
+            else:
+                results[id(e)].append((out.result.text, list(out.result.images)))
+        for e in order:
+            self._append_results(e, results[id(e)])
+
+    def _append_results(self, e: Episode, results: list) -> None:
+        r = self.cfg.rollout
+        if r.max_tool_errors and e.errors >= r.max_tool_errors:
+            e.finish_reason = "tool_error_limit"
+            return
+        if e.tool_images + sum(len(images) for _, images in results) > r.max_tool_images:
+            e.finish_reason = "max_tool_images"
+            return
+        ids, pixels, grid, images = self.encoder.encode(results)
+        if len(e.token_ids) + len(ids) + 1 > self.context:
+            e.finish_reason = "max_tokens"
+            return
+        e.add_tool_tokens(ids, pixels, grid, images)
+
+    # --- metrics -----------------------------------------------------------------------------
+    def metrics(self, episodes: list[Episode], device) -> dict:
+        """agent/* over all ranks: turns, tool calls and errors by kind, images, finish fractions."""
+        if not self.tools:
+            return {}
+        local = [float(len(episodes)), float(sum(len(e.turns) for e in episodes)),
+                 float(sum(e.tool_calls for e in episodes)), float(sum(len(e.images) for e in episodes)),
+                 float(sum(e.model_tokens for e in episodes)), float(sum(len(e.token_ids) for e in episodes))]
+        local += [float(sum(e.tool_errors.get(k, 0) for e in episodes)) for k in ERROR_KINDS]
+        local += [float(sum(e.finish_reason == f for e in episodes)) for f in FINISH_REASONS]
+        t = torch.tensor(local, dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        v = t.tolist()
+        n = max(v[0], 1.0)
+        out = {"agent/turns_mean": v[1] / n, "agent/tool_calls": v[2], "agent/images_per_episode": v[3] / n,
+               "agent/model_tokens_mean": v[4] / n, "agent/episode_tokens_mean": v[5] / n}
+        errors = v[6:6 + len(ERROR_KINDS)]
+        out["agent/tool_errors"] = sum(errors)
+        out.update({f"agent/tool_errors_{k}": x for k, x in zip(ERROR_KINDS, errors)})
+        out.update({f"agent/finish_{f}": x / n for f, x in zip(FINISH_REASONS, v[6 + len(ERROR_KINDS):])})
+        return out
+
+
+@contextlib.contextmanager
+def awake(engine):
+    """A `generating` context for an engine that is always awake (tests, tools)."""
+    yield engine

@@ -42,6 +42,7 @@ from PIL import Image
 
 from data.images import DEFAULT_MAX_IMAGE_PIXELS, BadSample, canonicalize_image, decode_image
 from data.prompts import IMAGE_TAG, build_messages, check_task, render_messages_plain
+from data.trajectories import MessageRows, messages_layout
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,10 @@ class VLDataset:
         self.max_pixels = max_pixels
         self.max_image_pixels = max_image_pixels
         self._table = read_table(self.path)
-        self._columns = resolve_columns(self._table, self.path)
+        # DeepEyes-style `prompt` rows and `messages` trajectories are read by data/trajectories.py
+        layout = messages_layout(self._table)
+        self._messages = MessageRows(self._table, layout, self.path) if layout else None
+        self._columns = resolve_columns(self._table, self.path) if layout is None else {}
         self._base_dir = self.path.resolve().parent
 
     def __len__(self) -> int:
@@ -302,6 +306,8 @@ class VLDataset:
             invalid = self._table.column(INVALID_TEXT_COLUMN)[index].as_py()
             if invalid:
                 raise BadSample("invalid_text", invalid)
+        if self._messages is not None:
+            return self._messages.get(index, self)
         refs = _image_refs(self._cell("images", index))
         # Text fields first: they are cheap to check and save decoding a doomed row's images.
         problem = _problem_text(self._cell("problem", index), len(refs))

@@ -38,6 +38,8 @@ class EncodedPrompt:
     image_grid_thw: torch.Tensor | None
     images: list = field(default_factory=list)
     answer: str = ""
+    originals: list = field(default_factory=list)  # `images` as decoded, where the dataset keeps them (zoom tools)
+    conversation: object = None  # a trajectory row's whole conversation (data.trajectories.EncodedConversation)
 
 
 def size_field(size, key: str):
@@ -160,7 +162,12 @@ def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: 
     ids = out["input_ids"]
     if ids.numel() > max_prompt_tokens:
         raise BadSample("prompt_too_long", f"{ids.numel()} tokens > data.max_prompt_tokens={max_prompt_tokens}")
-    return EncodedPrompt(sample.index, ids, out["pixel_values"], out["image_grid_thw"], images, sample.answer)
+    conversation = None
+    if getattr(sample, "conversation", None) is not None:  # a trajectory row, for SFT
+        from data.trajectories import encode_conversation
+        conversation = encode_conversation(processor, sample, max_prompt_tokens)
+    return EncodedPrompt(sample.index, ids, out["pixel_values"], out["image_grid_thw"], images, sample.answer,
+                         list(getattr(sample, "originals", None) or []), conversation)
 
 
 def token_id(tokenizer, token: str) -> int | None:

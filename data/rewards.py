@@ -21,6 +21,9 @@ Tasks (`TASKS`), each scored as ``weights["accuracy"] * accuracy + weights["form
 - ``grounding`` (0.8 / 0.2). Format as generic. The gold answer is a box "[x1, y1, x2, y2]"; the
   first box of four numbers in ``[...]`` or ``(...)`` inside the last answer is the prediction.
   Accuracy is their IoU, or — with ``iou_threshold`` — 1.0 when IoU >= threshold, else 0.0.
+- ``zoom`` (0.8 / 0.2), the DeepEyes-style zoom-in task (data/generators/zoom.py). Format as clevr
+  (the response ends with its one answer pair). Accuracy: the last answer's content equals the
+  gold answer as free text (generic's loose comparison, without the math fallback).
 
 Every result carries a ``reason``: "" on full success, otherwise one of "no_answer_found",
 "unparseable_answer", "wrong_answer", "invalid_box", "invalid_gold_answer", "bad_format",
@@ -59,12 +62,13 @@ from data.mathparse import (
     grade_answer,
 )
 
-TASKS = ("geo3k", "clevr", "generic", "grounding")
+TASKS = ("geo3k", "clevr", "generic", "grounding", "zoom")
 DEFAULT_WEIGHTS = {
     "geo3k": {"accuracy": 0.9, "format": 0.1},
     "clevr": {"accuracy": 0.8, "format": 0.2},
     "generic": {"accuracy": 0.8, "format": 0.2},
     "grounding": {"accuracy": 0.8, "format": 0.2},
+    "zoom": {"accuracy": 0.8, "format": 0.2},
 }
 MAX_INTEGER_DIGITS = 100  # longer integers (sign included) are not read as a count
 
@@ -199,6 +203,7 @@ _FORMAT: dict[str, Callable[[str], float]] = {
     "clevr": _ends_with_single_answer,
     "generic": _has_answer_tag,
     "grounding": _has_answer_tag,
+    "zoom": _ends_with_single_answer,
 }
 
 
@@ -255,6 +260,15 @@ def _generic_accuracy(
     return _math_accuracy(pred, gold, deadline)
 
 
+def _zoom_accuracy(
+    response: str, gold: str, deadline: float, threshold: float | None
+) -> tuple[float, str]:
+    pred = extract_final_answer(response, "zoom")
+    if not pred:
+        return 0.0, "no_answer_found"
+    return (1.0, "") if _loose_text(pred) == _loose_text(gold) else (0.0, "wrong_answer")
+
+
 def _loose_text(text: str) -> str:
     """Free-text form: no ``$``/``\\(``, ``\\text{}`` unwrapped, lower case, single spaces, no
     final period."""
@@ -303,6 +317,7 @@ _ACCURACY = {
     "clevr": _clevr_accuracy,
     "generic": _generic_accuracy,
     "grounding": _grounding_accuracy,
+    "zoom": _zoom_accuracy,
 }
 
 

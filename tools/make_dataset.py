@@ -1,13 +1,17 @@
-"""Write a procedural dataset (CLEVR-like counting or Geometry3K-like) to disk.
+"""Write a procedural dataset (CLEVR-like counting, Geometry3K-like, or the zoom-in task) to disk.
 
     python tools/make_dataset.py --kind clevr --n 1000 --seed 0 --out data/clevr_train.parquet
     python tools/make_dataset.py --kind geo3k --n 200 --seed 1 --out geo.parquet --size 224x224
     python tools/make_dataset.py --kind clevr --n 50 --seed 0 --out demo.jsonl --format jsonl \\
         --min-objects 1 --max-objects 6
+    python tools/make_dataset.py --kind zoom --n 512 --seed 0 --out zoom.parquet --max-pixels 12544
+    python tools/make_dataset.py --kind zoom_sft --n 512 --seed 1 --out zoom_sft.parquet --max-pixels 12544
 
 Parquet files have the public schema (images: list<struct<bytes: binary, path: string>>,
 problem, answer). JSONL writes one PNG per image into `<out stem>_images/` beside the
-file and stores paths relative to the JSONL's folder.
+file and stores paths relative to the JSONL's folder. `zoom` writes DeepEyes-47k's parquet schema
+and `zoom_sft` tool-using trajectories in `messages` form (data/generators/zoom.py); both are
+parquet only, with boxes in the coordinates of the canvas seen under --min-pixels/--max-pixels.
 """
 
 from __future__ import annotations
@@ -25,16 +29,16 @@ if __package__ in (None, ""):
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.generators import GENERATORS
+from data.generators import GENERATORS, SCHEMAS
 
 IMAGE_TYPE = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
 SCHEMA = pa.schema([("images", IMAGE_TYPE), ("problem", pa.string()), ("answer", pa.string())])
 
 
-def write_parquet(rows: list[dict], out: Path) -> None:
-    """Rows in the public schema -> one parquet file."""
-    columns = {name: [row[name] for row in rows] for name in SCHEMA.names}
-    pq.write_table(pa.Table.from_pydict(columns, schema=SCHEMA), out)
+def write_parquet(rows: list[dict], out: Path, schema: pa.Schema = SCHEMA) -> None:
+    """Rows in the public schema (or `schema`) -> one parquet file."""
+    columns = {name: [row[name] for row in rows] for name in schema.names}
+    pq.write_table(pa.Table.from_pydict(columns, schema=schema), out)
 
 
 def write_jsonl(rows: list[dict], out: Path) -> None:
@@ -64,9 +68,14 @@ def make_dataset(kind: str, n: int, seed: int, out: str | Path, *, fmt: str | No
     fmt = fmt or ("jsonl" if out.suffix.lower() in (".jsonl", ".json") else "parquet")
     if fmt not in ("parquet", "jsonl"):
         raise ValueError(f"format must be 'parquet' or 'jsonl', got {fmt!r}")
+    if kind in SCHEMAS and fmt != "parquet":
+        raise ValueError(f"--kind {kind} writes parquet only (its rows hold chat messages), got {fmt!r}")
     rows = GENERATORS[kind](n, seed, **options)
     out.parent.mkdir(parents=True, exist_ok=True)
-    (write_parquet if fmt == "parquet" else write_jsonl)(rows, out)
+    if kind in SCHEMAS:
+        write_parquet(rows, out, SCHEMAS[kind])
+    else:
+        (write_parquet if fmt == "parquet" else write_jsonl)(rows, out)
     return out
 
 
@@ -90,10 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=_parse_size, default=None, help="WxH, e.g. 112x112")
     parser.add_argument("--min-objects", type=int, default=None, help="clevr only")
     parser.add_argument("--max-objects", type=int, default=None, help="clevr only")
+    parser.add_argument("--min-pixels", type=int, default=None, help="zoom only: data.min_pixels of the run")
+    parser.add_argument("--max-pixels", type=int, default=None, help="zoom only: data.max_pixels of the run")
     args = parser.parse_args(argv)
     options = {}
     if args.size is not None:
         options["size"] = args.size
+    for key in ("min_pixels", "max_pixels"):
+        if getattr(args, key) is not None:
+            if args.kind not in SCHEMAS:
+                parser.error(f"--{key.replace('_', '-')} applies to --kind zoom and zoom_sft only")
+            options[key] = getattr(args, key)
     if args.min_objects is not None or args.max_objects is not None:
         if args.kind != "clevr":
             parser.error("--min-objects/--max-objects apply to --kind clevr only")

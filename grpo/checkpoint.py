@@ -6,14 +6,20 @@ copy of the model folder's config/processor/tokenizer files so `tools/checkpoint
 nothing else. A checkpoint is written under `step_<N>.tmp`, renamed when complete, and only then
 named by the `latest` pointer: a crash mid-write never leaves a checkpoint that looks complete
 (files and folders are fsynced before each rename; see `save_checkpoint`). `find_latest` only
-returns complete folders, and the next save removes leftovers of an interrupted one. Pruning keeps
-the checkpoint just written whatever its step, so `latest` never names a removed folder.
+returns complete folders, and the next save removes leftovers of an interrupted one: only the
+temporary names a save itself uses (`step_<N>.tmp`, `step_<N>.old.tmp`, `latest.tmp`), never other
+`*.tmp` files. Pruning keeps the checkpoint just written whatever its step, so `latest` never names
+a removed folder, and never keeps a checkpoint this process has not verified (or written) in place
+of one it has. A write error names the file and its cause ("No space left on device"), however
+deep in DCP or torch.save it happened.
 
 Every checkpoint carries `manifest.json`: the size and sha256 of each file in it, recorded at save
 (each rank hashes the shards it wrote, streaming, while they are still in the page cache; rank 0
 adds `.metadata`, trainer state and side files). `load_checkpoint` and `load_full_model_state`
 verify a checkpoint before reading it: sizes first, then hashes, the files split across ranks.
-sha256 runs at about 1.2 GB/s per core, so a save or resume costs one read of each rank's own
+The manifest covers exactly the files of the folder: a file it does not list, a listed file
+that is missing or is not a regular file (a symbolic link, a folder), and an entry that is not a
+plain file name (absolute, `..`, a subfolder) are errors. sha256 runs at about 1.2 GB/s per core, so a save or resume costs one read of each rank's own
 share (a 7B model with AdamW state over 8 ranks: about 10 GB and 9 s per rank). A damaged or
 incomplete checkpoint raises CheckpointError naming the folder, the file and what to do.
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import hashlib
 import importlib
 import io
@@ -41,12 +48,15 @@ import re
 import shutil
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as tensors_to_bytes
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from models.lora import lora_description
@@ -57,6 +67,7 @@ MANIFEST = "manifest.json"
 _RANK_MANIFEST = "manifest_rank{rank}.json"
 LORA_FILE = "lora.json"  # rank, alpha and adapted layers of a LoRA policy: what the merge tool rebuilds
 _HASH_CHUNK = 8 << 20
+_VERIFIED: set[Path] = set()  # checkpoint folders (resolved) this process wrote or verified in full; see _prune
 
 
 class CheckpointError(RuntimeError):
@@ -83,6 +94,8 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 FAULT_ENV = "VLRL_FAULT_AT"
 FAULT_PHASES = ("before_dcp", "after_dcp", "after_state", "after_rename")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_OWN_TEMPORARY = re.compile(r"^step_\d+(\.old)?\.tmp$")  # the folders a save writes or sets aside
+_LATEST_TMP = "latest.tmp"
 
 
 def _fault_point(phase: str, step: int) -> None:
@@ -125,19 +138,74 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durable(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+def _os_error_in(exc: BaseException | None) -> OSError | None:
+    """The first OSError with an errno in `exc` or its causes: torch.save reports a failed write
+    (a full disk) as "enforce fail ... unexpected pos" with the OSError only as its context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """`exc` with the file it concerns (a failed write() does not say which file it was writing)."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    named = OSError(exc.errno, exc.strerror, str(path))
+    named.__cause__ = exc
+    return named
+
+
+class _NamingFileSystem(FileSystem):
+    """DCP's file system, with any failure while writing a file raised as the OSError behind it,
+    naming the file, instead of torch.save's "enforce fail ... unexpected pos"."""
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as exc:  # noqa: BLE001 - re-raised unchanged unless an OSError is behind it
+            cause = _os_error_in(exc)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from exc
+
+
+def _dcp_writer(folder: Path) -> dcp.FileSystemWriter:
+    writer = dcp.FileSystemWriter(str(folder))
+    writer.fs = _NamingFileSystem()
+    return writer
+
+
+def _write_durable(path: Path, text: str | bytes) -> None:
+    try:
+        with open(path, "wb" if isinstance(text, bytes) else "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise _named(exc, path) from exc
+
+
+def _copy_durable(src: Path, dst: Path) -> None:
+    try:
+        shutil.copyfile(src, dst)
+        _fsync_file(dst)
+    except OSError as exc:
+        raise _named(exc, dst) from exc
 
 
 def _remove_stale(root: Path) -> None:
-    """Drop leftovers of interrupted saves (`*.tmp`); they are never complete checkpoints."""
-    for leftover in root.glob("*.tmp"):
-        if leftover.is_dir():
+    """Drop leftovers of interrupted saves: only the temporary names a save itself uses (real
+    folders `step_<N>.tmp` and `step_<N>.old.tmp`, the file `latest.tmp`), never a link or another name."""
+    for leftover in root.iterdir():
+        if _OWN_TEMPORARY.match(leftover.name) and leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)
-        else:
+        elif leftover.name == _LATEST_TMP and leftover.is_file() and not leftover.is_symlink():
             leftover.unlink(missing_ok=True)
 
 
@@ -175,10 +243,8 @@ def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, m
         _fault_point("before_dcp", step)
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-            rng_file = tmp / f"rng_rank{rank}.safetensors"
-            save_file(_rng_state(), str(rng_file))
-            _fsync_file(rng_file)
+            dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_dcp_writer(tmp))
+            _write_durable(tmp / f"rng_rank{rank}.safetensors", tensors_to_bytes(_rng_state()))
             _write_rank_manifest(tmp, rank)
         except (Exception, dcp.CheckpointException) as exc:  # DCP's own type, raised on every rank
             error = exc
@@ -202,8 +268,7 @@ def _finish(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict, 
     for name in ("config.json", *_SIDE_FILES):
         src = Path(model_path) / name
         if src.is_file():
-            shutil.copyfile(src, tmp / name)
-            _fsync_file(tmp / name)
+            _copy_durable(src, tmp / name)
     _write_manifest(tmp)
     _fsync_dir(tmp)
     _fault_point("after_state", step)
@@ -212,6 +277,7 @@ def _finish(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict, 
     os.replace(tmp, final)
     _fsync_dir(root)
     _fault_point("after_rename", step)
+    _VERIFIED.add(final.resolve())
     _write_latest(root, final.name)
     shutil.rmtree(final.with_name(final.name + ".old.tmp"), ignore_errors=True)
     _prune(root, keep, final)
@@ -226,11 +292,13 @@ def _fail(root: Path, tmp: Path, error: BaseException | None) -> None:
     if error is None:
         raise OSError(f"writing checkpoint {tmp} failed on another rank (see its log); {kept}")
     cause = _root_error(error)
-    message = f"writing checkpoint {tmp} failed ({type(cause).__name__}: {cause}); {kept}"
-    if isinstance(cause, OSError):
-        advice = f"{message}. Free disk space or point trainer.run_dir elsewhere, then resume with checkpoint.resume=auto"
-        raise (OSError(cause.errno, advice) if cause.errno is not None else OSError(advice)) from error
-    raise RuntimeError(message) from error
+    os_error = _os_error_in(cause)
+    if os_error is not None:
+        where = f" writing {os_error.filename}" if os_error.filename else ""
+        advice = "Free disk space or point trainer.run_dir elsewhere, then resume with checkpoint.resume=auto"
+        raise OSError(os_error.errno, f"writing checkpoint {tmp} failed: {os_error.strerror or os_error}{where}; "
+                                      f"{kept}. {advice}") from error
+    raise RuntimeError(f"writing checkpoint {tmp} failed ({type(cause).__name__}: {cause}); {kept}") from error
 
 
 def _root_error(error: BaseException) -> BaseException:
@@ -274,14 +342,16 @@ def _write_manifest(folder: Path) -> None:
         part.unlink()
 
 
-_MISSING, _RESIZED, _CHANGED = 1, 2, 3
+_MISSING, _NOT_REGULAR, _RESIZED, _CHANGED = 1, 2, 3, 4
 
 
 def _check_file(folder: Path, name: str, entry: dict, check_hash: bool) -> int:
-    """0 when the file matches its manifest entry, else _MISSING / _RESIZED / _CHANGED."""
+    """0 when the file matches its manifest entry, else _MISSING / _NOT_REGULAR / _RESIZED / _CHANGED."""
     path = folder / name
-    if not path.is_file():
+    if not os.path.lexists(path):
         return _MISSING
+    if path.is_symlink() or not path.is_file():
+        return _NOT_REGULAR
     if path.stat().st_size != entry["size"]:
         return _RESIZED
     if check_hash and _hash_file(path)["sha256"] != entry["sha256"]:
@@ -292,21 +362,43 @@ def _check_file(folder: Path, name: str, entry: dict, check_hash: bool) -> int:
 def _describe(name: str, code: int, entry: dict) -> str:
     if code == _MISSING:
         return f"{name} is missing"
+    if code == _NOT_REGULAR:
+        return f"{name} is not a regular file (a symbolic link or a folder; a checkpoint holds only its own files)"
     if code == _RESIZED:
         return f"{name} is not the {entry['size']} bytes that were written"
     return f"{name} does not match the sha256 recorded when it was written (its bytes changed)"
 
 
+def _is_plain_name(name: str) -> bool:
+    """A file name directly inside the folder: not absolute, not `.`/`..`, no separator."""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
 def _read_manifest(folder: Path) -> dict | None:
+    """The manifest's entries by file name, or None without a manifest; CheckpointError when it does
+    not parse, is a link, or names anything but a plain file name inside the folder."""
     path = folder / MANIFEST
+    if path.is_symlink():
+        raise CheckpointError(f"checkpoint {folder} is damaged: {MANIFEST} is a symbolic link; {_advice(folder)}")
     if not path.is_file():
         return None
     try:
         files = json.loads(path.read_text())["files"]
-        return {str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in files.items()}
+        entries = {str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"checkpoint {folder} is damaged: {MANIFEST} does not parse ({exc}); "
                               f"{_advice(folder)}") from exc
+    outside = [name for name in entries if not _is_plain_name(name) or name == MANIFEST]
+    if outside:
+        raise CheckpointError(f"checkpoint {folder} is damaged: {MANIFEST} lists {', '.join(map(repr, outside))}, "
+                              "not a file of the checkpoint folder (only plain file names inside it are allowed; "
+                              f"nothing was read); {_advice(folder)}")
+    return entries
+
+
+def _unlisted(folder: Path, manifest: dict) -> list[str]:
+    """Entries of the checkpoint folder that its manifest does not list (files, folders, links)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and p.name not in manifest)
 
 
 def _advice(folder: Path) -> str:
@@ -321,10 +413,13 @@ def _advice(folder: Path) -> str:
 def verify_checkpoint(folder: str | Path) -> dict:
     """Check every file of a checkpoint against its manifest; raise CheckpointError naming what is wrong.
 
+    The manifest must cover exactly the folder's entries: one it does not list, a listed file that
+    is missing or not a regular file, and an entry that leaves the folder are errors.
     Collective when a process group is up: every rank checks all sizes and hashes its share of the
     files (round robin), and all ranks learn the result, so all raise the same message. Without a
     group (the merge tool) one process checks everything. Returns {files, bytes, seconds}.
     A checkpoint written before manifests existed is loaded with a warning that names it.
+    A checkpoint that passes is remembered as verified for pruning (`_prune`).
     """
     folder = Path(folder)
     t0 = time.monotonic()
@@ -335,16 +430,23 @@ def verify_checkpoint(folder: str | Path) -> dict:
     names = sorted(manifest)
     grouped = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    unlisted = _unlisted(folder, manifest)
     codes = torch.tensor([_check_file(folder, n, manifest[n], check_hash=i % world == rank)
-                          for i, n in enumerate(names)], dtype=torch.int32)
+                          for i, n in enumerate(names)] + [int(bool(unlisted))], dtype=torch.int32)
     if grouped and world > 1:
         if dist.get_backend() == "nccl":
             codes = codes.cuda()
         dist.all_reduce(codes, op=dist.ReduceOp.MAX)
-    damaged = [_describe(n, c, manifest[n]) for n, c in zip(names, codes.tolist()) if c]
+    *codes, any_unlisted = codes.tolist()
+    damaged = [_describe(n, c, manifest[n]) for n, c in zip(names, codes) if c]
+    if any_unlisted:
+        damaged.append(f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not listed in {MANIFEST}, so "
+                       "cannot be verified (move it out of the folder if it is not part of the checkpoint)"
+                       if unlisted else f"another rank sees entries not listed in {MANIFEST}")
     if damaged:
         raise CheckpointError(f"checkpoint {folder} is damaged: {'; '.join(damaged)}. It was not loaded; "
                               f"{_advice(folder)}")
+    _VERIFIED.add(folder.resolve())
     return {"files": len(names), "bytes": sum(e["size"] for e in manifest.values()), "seconds": time.monotonic() - t0}
 
 
@@ -361,15 +463,19 @@ def _step_of(path: Path) -> int | None:
 
 
 def _prune(root: Path, keep: int, written: Path) -> None:
-    """Keep `written` (the checkpoint just saved, whatever its step) and the newest `keep - 1` other
-    complete checkpoints; the rest go, as do incomplete step folders older than every kept one.
+    """Keep `written` (the checkpoint just saved, whatever its step) and `keep - 1` other complete
+    checkpoints; the rest go, as do incomplete step folders older than every kept one.
 
     `written` is what `latest` names, so the pointer never names a removed folder, even when
-    higher steps exist (a run resumed from an older checkpoint of its own folder).
+    higher steps exist (a run resumed from an older checkpoint of its own folder). The others kept
+    are the newest this process verified (the one it resumed from) or wrote, and only then the
+    newest unverified ones: after a resume that went around a damaged checkpoint, the damaged one
+    is never kept in place of the good one.
     """
     if keep <= 0:
         return
-    others = sorted((p for p in root.iterdir() if p != written and is_complete(p)), key=_step_of)
+    others = sorted((p for p in root.iterdir() if p != written and is_complete(p)),
+                    key=lambda p: (p.resolve() in _VERIFIED, _step_of(p)))
     kept = [written, *others[len(others) - (keep - 1):]] if keep > 1 else [written]
     oldest_kept = min(_step_of(p) for p in kept)
     for old in root.iterdir():
@@ -494,6 +600,11 @@ class _SafeReader(dcp.FileSystemReader):
             raise FileNotFoundError(f"{path.parent} is not a DCP checkpoint: no .metadata file")
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            name = str(getattr(info, "relative_path", ""))
+            if not _is_plain_name(name):
+                raise CheckpointError(f"{path} names the shard {name!r}, which is not a file of {path.parent}; "
+                                      "refusing to read it")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)

@@ -7,13 +7,19 @@ disk-full and folder-scanning tests run in-process on a one-rank gloo group.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
+import io
 import json
 import os
+import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -189,7 +195,8 @@ def test_disk_full_while_writing_trainer_state(trained, tiny_model, tmp_path, mo
         return real(path, text)
 
     monkeypatch.setattr(ckpt, "_write_durable", full)
-    with pytest.raises(OSError, match=r"step_2\.tmp failed .*No space left on device.*step_1 is intact"):
+    with pytest.raises(OSError, match=r"step_2\.tmp failed: No space left on device writing \S+/step_2\.tmp/"
+                                      r"trainer_state\.json; .*step_1 is intact"):
         save(run, 2, trained, tiny_model)
     assert find_latest(run) == first and digest(first) == kept
     assert not (run / "checkpoints" / "step_2").exists() and not (run / "checkpoints" / "step_2.tmp").exists()
@@ -313,27 +320,126 @@ def test_resume_auto_stops_when_no_step_folder_is_complete(trained, tiny_model, 
     assert ckpt.resolve_resume("auto", tmp_path / "fresh") is None  # an unused folder starts at step 0
 
 
-# --- the merge tool's output folder -----------------------------------------------------------
-def test_merge_refuses_a_non_empty_out_unless_told(trained, tiny_model, tmp_path):
-    from tools.checkpoint_merge import main as merge_main
-
+def test_disk_full_inside_a_shard_names_the_file(trained, tiny_model, tmp_path, monkeypatch):
+    """The disk fills while torch.save streams a shard: torch itself reports only "enforce fail ...
+    unexpected pos"; the error must name the shard and say that no space is left."""
     run = tmp_path / "run"
-    step = save(run, 1, trained, tiny_model)
-    out = tmp_path / "model"
-    out.mkdir()
-    (out / "config.json").write_text('{"mine": true}')
-    (out / "notes.txt").write_text("keep me")
-    assert merge_main(["--checkpoint", str(step), "--out", str(out)]) == 2
-    assert (out / "config.json").read_text() == '{"mine": true}' and sorted(p.name for p in out.iterdir()) == [
-        "config.json", "notes.txt"]
-    for bad in (run, step, step / "merged"):  # the run folder, the checkpoint, inside it: never, even when told
-        assert merge_main(["--checkpoint", str(step), "--out", str(bad), "--overwrite"]) == 2
-    assert ckpt.verify_checkpoint(step)["files"] > 0 and not (step / "merged").exists()
-    assert merge_main(["--checkpoint", str(step), "--out", str(out), "--overwrite"]) == 0
-    assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
-    assert not list(tmp_path.glob(".model.*")), "temporary folders were left next to --out"
-    fresh = tmp_path / "new" / "model"
-    assert merge_main(["--checkpoint", str(step), "--out", str(fresh)]) == 0 and (fresh / "config.json").is_file()
-    _flip_byte(next(step.glob("__0_*.distcp")))
-    assert merge_main(["--checkpoint", str(step), "--out", str(tmp_path / "other")]) == 2
-    assert not (tmp_path / "other").exists()
+    first = save(run, 1, trained, tiny_model)
+    kept = digest(first)
+
+    class FillingFile(io.FileIO):  # a disk with 64 KiB free: write() fails as the kernel's would
+        def write(self, data):
+            if self.tell() + memoryview(data).nbytes > 1 << 16:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    @contextmanager
+    def filling(self, path, mode):
+        with FillingFile(str(path), mode.replace("b", "")) as stream:
+            yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", filling)
+    with pytest.raises(OSError) as info:
+        save(run, 2, trained, tiny_model)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC and "unexpected pos" not in message and "enforce fail" not in message
+    tmp = run / "checkpoints" / "step_2.tmp"
+    assert re.search(rf"{re.escape(str(tmp))} failed: No space left on device writing {re.escape(str(tmp))}/"
+                     r"__0_\d+\.distcp; the previous checkpoint \S+step_1 is intact", message), message
+    assert find_latest(run) == first and digest(first) == kept and not tmp.exists()
+
+
+def test_save_removes_only_its_own_temporary_names(trained, tiny_model, tmp_path):
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    save(run, 1, trained, tiny_model)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "data.bin").write_bytes(b"keep")
+    (root / "my_model.tmp").write_bytes(b"a user's file")
+    (root / "scratch.tmp").mkdir()
+    (root / "scratch.tmp" / "notes").write_text("a user's folder")
+    (root / "step_3.tmp").symlink_to(outside)  # a link named like a save's folder: never deleted through
+    for leftover in ("step_7.tmp", "step_1.old.tmp"):  # what interrupted saves leave
+        (root / leftover).mkdir()
+        (root / leftover / "__0_0.distcp").write_bytes(b"partial")
+    (root / "latest.tmp").write_text("step_7\n")
+    save(run, 2, trained, tiny_model)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "my_model.tmp", "scratch.tmp", "step_1", "step_2",
+                                                      "step_3.tmp"]
+    assert (root / "my_model.tmp").read_bytes() == b"a user's file" and (root / "scratch.tmp" / "notes").is_file()
+    assert (outside / "data.bin").read_bytes() == b"keep" and (root / "step_3.tmp").is_symlink()
+
+
+def test_manifest_covers_exactly_the_files_of_the_folder(trained, tiny_model, tmp_path):
+    run = tmp_path / "run"
+    first = save(run, 1, trained, tiny_model, keep=0)
+    second = save(run, 2, trained, tiny_model, keep=0)
+    policy, optimizer = trained
+    shard = next(second.glob("__0_*.distcp"))
+
+    extra = second / "__0_9.distcp"  # a shard the manifest does not list is never checked: refused
+    extra.write_bytes(shard.read_bytes())
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_9\.distcp is not listed in manifest\.json"):
+        load_checkpoint(second, policy.model, optimizer)
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_9\.distcp is not listed"):  # the merge path too
+        ckpt.load_full_model_state(second, policy.model)
+    extra.unlink()
+    (second / "sub").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match=r"sub is not listed"):
+        ckpt.verify_checkpoint(second)
+    (second / "sub").rmdir()
+
+    state = second / "trainer_state.json"  # a link to an identical copy outside the folder
+    copy = tmp_path / "trainer_state.json"
+    shutil.copyfile(state, copy)
+    state.unlink()
+    state.symlink_to(copy)
+    with pytest.raises(ckpt.CheckpointError, match=r"trainer_state\.json is not a regular file"):
+        ckpt.verify_checkpoint(second)
+    state.unlink()
+    shutil.copyfile(copy, state)
+
+    manifest_path = second / ckpt.MANIFEST
+    original = manifest_path.read_text()
+    target = first / "trainer_state.json"  # entries that leave the folder, with the right size and hash
+    for bad in ("../step_1/trainer_state.json", str(target), "..", "sub/x"):
+        manifest = json.loads(original)
+        manifest["files"][bad] = ckpt._hash_file(target)
+        manifest_path.write_text(json.dumps(manifest))
+        with pytest.raises(ckpt.CheckpointError, match=re.escape(f"manifest.json lists {bad!r}, not a file of")):
+            ckpt.verify_checkpoint(second)
+    manifest_path.write_text(original)
+    assert ckpt.verify_checkpoint(second)["files"] == len(json.loads(original)["files"])
+
+
+def test_metadata_naming_a_shard_outside_the_folder_is_refused(trained, tiny_model, tmp_path):
+    step = save(tmp_path / "run", 1, trained, tiny_model)
+    shard = next(step.glob("__0_*.distcp"))
+    shutil.copyfile(shard, tmp_path / "outside.distcp")  # a readable shard, so only the check can refuse it
+    with open(step / ".metadata", "rb") as f:
+        metadata = ckpt._MetadataUnpickler(f).load()
+    metadata.storage_data = {k: dataclasses.replace(v, relative_path="../../../outside.distcp")
+                             for k, v in metadata.storage_data.items()}
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(RuntimeError, match=r"names the shard '\.\./\.\./\.\./outside\.distcp', which is not a file of"):
+        ckpt.load_dcp({"model": trained[0].model.state_dict()}, step, no_dist=True)
+
+
+def test_pruning_after_a_recovery_keeps_the_verified_checkpoint(trained, tiny_model, tmp_path):
+    """step_4 is damaged, so the run resumes from step_2 and saves step_3 with keep=2: step_2, verified
+    at resume, stays; the damaged step_4, which nothing verified, goes."""
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    for step in (2, 4):
+        save(run, step, trained, tiny_model, keep=0)
+    _flip_byte(next((root / "step_4").glob("__0_*.distcp")))
+    ckpt._VERIFIED.clear()  # a new process: it has written and verified nothing yet
+    policy, optimizer = trained
+    with pytest.raises(ckpt.CheckpointError, match="step_4 is damaged"):  # what resume=auto meets
+        load_checkpoint(root / "step_4", policy.model, optimizer)
+    load_checkpoint(root / "step_2", policy.model, optimizer)  # checkpoint.resume=.../step_2
+    save(run, 3, trained, tiny_model, keep=2)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_2", "step_3"]
+    assert find_latest(run) == root / "step_3"

@@ -15,8 +15,12 @@ unwrapped. A problem with no `<image>` tag but with images gets the images befor
 
 Images stay encoded in the arrow table and are decoded per access, so host memory does not
 grow with the dataset's pixel count. A bad row raises BadSample from `get` and is skipped
-and counted by `iter_samples`. Text that is not valid UTF-8 (a JSONL line, or a parquet text
-column stored as binary) makes its row "invalid_text"; it does not fail the file.
+and counted by `iter_samples`. A cell of the wrong type (`images` as a number, an image's
+`bytes` as a number, ...) makes its row "wrong_type". `VLDataset.bound_rows` bounds the number of
+images and the problem's and answer's length; rows over the bounds are skipped ("too_many_images",
+"prompt_too_long", "answer_too_long") before any image is decoded. Text that is not valid UTF-8
+(a JSONL line, or a parquet text column stored as binary) makes its row "invalid_text"; it does
+not fail the file.
 
 CLI: python -m data.datasets inspect FILE --task T [--model DIR] [--max-rows N]
 prints one JSON object (rows, loaded, skipped, skip_reasons, first_prompt). With --model
@@ -194,15 +198,23 @@ def resolve_columns(table: pa.Table, path: str | Path) -> dict[str, str]:
 
 
 def _image_refs(value: Any) -> list[tuple[bytes | None, str | None]]:
-    """Normalise an images cell to a list of (bytes, path) pairs."""
+    """Normalise an images cell to a list of (bytes, path) pairs; a cell of the wrong type is a BadSample."""
     if value is None:
         return []
     if isinstance(value, (dict, str, bytes)):
         value = [value]
+    if not isinstance(value, list):
+        raise BadSample("wrong_type", f"images is {type(value).__name__}; expected a list of {{bytes, path}} "
+                                      "structs, one such struct, or path strings")
     refs = []
-    for item in value:
+    for i, item in enumerate(value):
         if isinstance(item, dict):
-            refs.append((item.get("bytes"), item.get("path")))
+            data, path = item.get("bytes"), item.get("path")
+            if not isinstance(data, (bytes, type(None))):
+                raise BadSample("wrong_type", f"images[{i}].bytes is {type(data).__name__}; expected binary")
+            if not isinstance(path, (str, type(None))):
+                raise BadSample("wrong_type", f"images[{i}].path is {type(path).__name__}; expected a string")
+            refs.append((data, path))
         elif isinstance(item, str):
             refs.append((None, item))
         elif isinstance(item, bytes):
@@ -210,8 +222,15 @@ def _image_refs(value: Any) -> list[tuple[bytes | None, str | None]]:
         elif item is None:
             refs.append((None, None))
         else:
-            raise BadSample("missing_image", f"unrecognised image entry of type {type(item).__name__}")
+            raise BadSample("wrong_type", f"images[{i}] is {type(item).__name__}; expected a {{bytes, path}} "
+                                          "struct or a path string")
     return refs
+
+
+def _check_length(text: str, field: str, max_chars: int | None, reason: str) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise BadSample(reason, f"{field} has {len(text)} characters > {max_chars} (data.max_prompt_tokens × the "
+                                "longest token's characters); checked before tokenizing")
 
 
 def _decoded(value: Any, field: str) -> Any:
@@ -225,17 +244,20 @@ def _decoded(value: Any, field: str) -> Any:
                                         f"{err.start})") from err
 
 
-def _answer_text(value: Any) -> str:
+def _answer_text(value: Any, max_chars: int | None = None) -> str:
     """The gold answer as a non-empty string, unwrapped from <answer> tags if needed."""
     value = _decoded(value, "answer")
-    if isinstance(value, bool) or value is None:
-        raise BadSample("missing_answer", f"answer is {value!r}")
+    if value is None:
+        raise BadSample("missing_answer", "answer is None")
+    if isinstance(value, bool):
+        raise BadSample("wrong_type", f"answer is {value!r}; expected text or a number")
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() else repr(value)
     if not isinstance(value, str):
-        raise BadSample("missing_answer", f"answer has type {type(value).__name__}")
+        raise BadSample("wrong_type", f"answer is {type(value).__name__}; expected text or a number")
+    _check_length(value, "answer", max_chars, "answer_too_long")
     wrapped = _WRAPPED_ANSWER.match(value)
     text = (wrapped.group(1) if wrapped else value).strip()
     if not text:
@@ -243,9 +265,13 @@ def _answer_text(value: Any) -> str:
     return text
 
 
-def _problem_text(value: Any, n_images: int) -> str:
+def _problem_text(value: Any, n_images: int, max_chars: int | None = None) -> str:
     """The problem with exactly one <image> tag per image (tags prepended if it has none)."""
     value = _decoded(value, "problem")
+    if value is not None and not isinstance(value, str):
+        raise BadSample("wrong_type", f"problem is {type(value).__name__}; expected text")
+    if isinstance(value, str):
+        _check_length(value, "problem", max_chars, "prompt_too_long")
     if not isinstance(value, str) or not value.replace(IMAGE_TAG, "").strip():
         raise BadSample("empty_problem", f"problem is {value!r}")
     n_tags = value.count(IMAGE_TAG)
@@ -267,6 +293,8 @@ class VLDataset:
         min_pixels: int = 28 * 28,
         max_pixels: int = 512 * 28 * 28,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        max_images: int | None = None,
+        max_text_chars: int | None = None,
     ):
         if min_pixels > max_pixels:
             raise ValueError(f"min_pixels={min_pixels} is larger than max_pixels={max_pixels}")
@@ -275,6 +303,9 @@ class VLDataset:
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         self.max_image_pixels = max_image_pixels
+        self.max_images: int | None = None
+        self.max_text_chars: int | None = None
+        self.bound_rows(max_images, max_text_chars)
         self._table = read_table(self.path)
         # DeepEyes-style `prompt` rows and `messages` trajectories are read by data/trajectories.py
         layout = messages_layout(self._table)
@@ -285,8 +316,32 @@ class VLDataset:
     def __len__(self) -> int:
         return self._table.num_rows
 
+    def bound_rows(self, max_images: int | None = None, max_text_chars: int | None = None) -> None:
+        """Skip rows with more images, or a longer problem or answer, than this (None: no bound).
+
+        Checked in `get` before any image is decoded and before the images cell is converted, so
+        a row's cost is bounded by these before any expensive work; a bound only ever tightens.
+        """
+        for name, value in (("max_images", max_images), ("max_text_chars", max_text_chars)):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+                current = getattr(self, name)
+                setattr(self, name, value if current is None else min(current, value))
+
     def _cell(self, canonical: str, index: int) -> Any:
         return self._table.column(self._columns[canonical])[index].as_py()
+
+    def _check_image_count(self, index: int) -> None:
+        """A list cell's length, read from arrow without converting it (a row may list millions)."""
+        if self.max_images is None:
+            return
+        scalar = self._table.column(self._columns["images"])[index]
+        if isinstance(scalar, (pa.ListScalar, pa.LargeListScalar)) and scalar.is_valid:
+            count = len(scalar.values)
+            if count > self.max_images:
+                raise BadSample("too_many_images", f"{count} images > {self.max_images} (each image takes at least "
+                                                   "one token of data.max_prompt_tokens)")
 
     def _load_image(self, data: bytes | None, path: str | None) -> Image.Image:
         if data:
@@ -308,10 +363,13 @@ class VLDataset:
                 raise BadSample("invalid_text", invalid)
         if self._messages is not None:
             return self._messages.get(index, self)
+        self._check_image_count(index)
         refs = _image_refs(self._cell("images", index))
-        # Text fields first: they are cheap to check and save decoding a doomed row's images.
-        problem = _problem_text(self._cell("problem", index), len(refs))
-        answer = _answer_text(self._cell("answer", index))
+        if self.max_images is not None and len(refs) > self.max_images:
+            raise BadSample("too_many_images", f"{len(refs)} images > {self.max_images}")
+        # Sizes and text fields first: they are cheap to check and save decoding a doomed row's images.
+        problem = _problem_text(self._cell("problem", index), len(refs), self.max_text_chars)
+        answer = _answer_text(self._cell("answer", index), self.max_text_chars)
         images = [self._load_image(data, path) for data, path in refs]
         return Sample(index=index, images=images, problem=problem, answer=answer)
 

@@ -126,6 +126,23 @@ class VLProcessor:
         self.image_pad = self.images.placeholder
         if self.tokenizer.chat_template is None:
             raise ValueError(f"the tokenizer in {model_path} has no chat template")
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: the longest vocabulary entry.
+
+        A byte-level vocabulary writes one character per byte and a text's characters are never
+        more than its UTF-8 bytes, so a text of more than `max_prompt_tokens * max_token_chars`
+        characters cannot fit in `max_prompt_tokens` tokens; that is known without tokenizing it.
+        """
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, max((len(t) for t in self.tokenizer.get_vocab()), default=1))
+        return self._max_token_chars
+
+    def max_text_chars(self, max_prompt_tokens: int) -> int:
+        """The longest text (in characters) that could still fit in `max_prompt_tokens` tokens."""
+        return max_prompt_tokens * self.max_token_chars
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -155,7 +172,16 @@ def load_processor(model_path: str, trust_remote_code: bool = False) -> VLProces
 
 
 def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: int) -> EncodedPrompt:
-    """Chat template + image processing on one sample; raises BadSample('prompt_too_long') instead of truncating."""
+    """Chat template + image processing on one sample; raises BadSample('prompt_too_long') instead of truncating.
+
+    A problem too long to fit at all is refused from its length, before the chat template and the
+    tokenizer, whose time and memory grow linearly with the text.
+    """
+    limit = processor.max_text_chars(max_prompt_tokens)
+    if len(sample.problem) > limit:
+        raise BadSample("prompt_too_long", f"problem has {len(sample.problem)} characters > {limit} "
+                                           f"(data.max_prompt_tokens={max_prompt_tokens} × the longest token's "
+                                           f"{processor.max_token_chars} characters); checked before tokenizing")
     text = processor.apply_chat_template(build_messages(sample, task))
     images = processor.prepare_images(list(sample.images))
     out = processor(text, images)

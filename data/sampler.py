@@ -1,9 +1,10 @@
 """A deterministic, resumable stream of dataset indices shared by all ranks.
 
-Every rank computes the same shuffled order (seeded by seed and epoch). A step takes its prompts
-from the stream at offsets rank, rank + world, rank + 2·world, ...; a rank that hits a bad sample
-keeps walking its stride, and the stream advances past the furthest offset any rank used. The
-state is just (epoch, position), so resume continues exactly where the run stopped.
+Every rank computes the same shuffled order (seeded by seed and epoch). A step deals the rows
+after the position out to the ranks (data/loader.py: offsets rank, rank + world, ... when every
+rank wants the same count; a rank's bad rows are replaced by the rows that follow), and the stream
+advances past every row dealt, on every rank alike. The state is just (epoch, position), so resume
+continues exactly where the run stopped.
 """
 
 from __future__ import annotations
@@ -20,30 +21,33 @@ class IndexStream:
         self.shuffle = shuffle
         self.epoch = 0
         self.position = 0
-        self._order: list[int] | None = None
+        self._orders: dict[int, list[int]] = {}  # the epochs peeked lately (a step may cross into the next)
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(self.size))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        if epoch not in self._orders:
+            order = list(range(self.size))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            if len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = order
+        return self._orders[epoch]
 
     def peek(self, offset: int) -> int:
         """The index `offset` places after the current position (crossing epochs as needed)."""
+        if offset < 0:
+            raise ValueError(f"IndexStream.peek: offset must be >= 0, got {offset}")
         pos = self.position + offset
-        epoch = self.epoch + pos // self.size
-        if epoch == self.epoch:
-            if self._order is None:
-                self._order = self._epoch_order(self.epoch)
-            return self._order[pos]
-        return self._epoch_order(epoch)[pos % self.size]
+        return self._epoch_order(self.epoch + pos // self.size)[pos % self.size]
 
     def advance(self, count: int) -> None:
+        if count < 0:
+            raise ValueError(f"IndexStream.advance: count must be >= 0, got {count}")
         pos = self.position + count
-        if pos >= self.size:
-            self.epoch += pos // self.size
-            self._order = None
+        self.epoch += pos // self.size
         self.position = pos % self.size
+        for epoch in [e for e in self._orders if e < self.epoch]:
+            del self._orders[epoch]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": self.size}
@@ -51,5 +55,9 @@ class IndexStream:
     def load_state_dict(self, state: dict) -> None:
         if state.get("size", self.size) != self.size:
             raise ValueError(f"resume: the dataset had {state['size']} rows, now it has {self.size}")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = None
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.size:
+            raise ValueError(f"resume: the data stream's state (epoch {epoch}, position {position}) does not fit a "
+                             f"dataset of {self.size} rows")
+        self.epoch, self.position = epoch, position
+        self._orders.clear()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from data.datasets import SkipStats, VLDataset
+from data.images import BadSample
 from grpo.config import Config, ConfigError
 from models.family import ADAPTERS
 from rollout.factory import resolve_engine_name
@@ -96,7 +97,9 @@ def _sample_rows(key: str, path: str, cfg: Config) -> None:
     """Open a data file and decode up to SAMPLE_ROWS rows spread over it; at least one must be usable."""
     d = cfg.data
     try:
-        dataset = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+        # each image takes at least one prompt token: a row listing more is refused before decoding
+        dataset = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
+                            max_images=d.max_prompt_tokens)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{key}={path!r}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - pyarrow's own errors for a file that is not what its name says
@@ -105,13 +108,20 @@ def _sample_rows(key: str, path: str, cfg: Config) -> None:
     if rows == 0:
         raise ConfigError(f"{key}={path!r}: the file has no rows")
     n = min(SAMPLE_ROWS, rows)
-    stats = SkipStats()
-    usable = sum(1 for _ in dataset.iter_samples([i * rows // n for i in range(n)], stats))
-    if usable == 0:
-        reasons = ", ".join(f"{r}: {c}" for r, c in stats.as_dict().items())
-        raise ConfigError(f"{key}={path!r}: none of {n} rows sampled across its {rows} rows is usable ({reasons}; "
-                          f"each row is logged above). Check data.task={d.task} and the file's images; "
-                          "`python -m data.datasets inspect FILE --task T` scans it all")
+    stats, usable, first = SkipStats(), 0, None
+    for index in (i * rows // n for i in range(n)):
+        try:
+            dataset.get(index)
+            usable += 1
+        except BadSample as bad:
+            stats.record(index, bad.reason, dataset.path, bad.detail)
+            first = first or f"row {index}: {bad}"
+    if usable:
+        return
+    reasons = ", ".join(f"{r}: {c}" for r, c in stats.as_dict().items())
+    raise ConfigError(f"{key}={path!r}: none of {n} rows sampled across its {rows} rows is usable ({reasons}; "
+                      f"{first}; each row is logged above). Check data.task={d.task}, the file's columns and "
+                      "images; `python -m data.datasets inspect FILE --task T` scans it all")
 
 
 def _check_data(cfg: Config) -> None:

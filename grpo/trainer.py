@@ -112,10 +112,18 @@ class Trainer:
         if not path:
             raise ValueError("config key 'data.train_path' is empty: point it at a parquet or JSONL file")
         ds = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+
+        def gather(value: int) -> list[int]:
+            # each rank fills its data-parallel slot; tensor-parallel peers fill the same slot alike
+            slots = torch.zeros(self.dims.dp, dtype=torch.long, device=self.policy.device)
+            slots[self.dims.dp_rank] = value
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(slots, op=dist.ReduceOp.MAX)
+            return slots.tolist()
+
         return PromptFeeder(
             ds, self.processor, d.task, seed=self.cfg.trainer.seed, shuffle=d.shuffle if shuffle is None else shuffle,
-            max_prompt_tokens=d.max_prompt_tokens, rank=self.dims.dp_rank, world=self.dims.dp,
-            reduce_max=lambda v: all_reduce_max_int(v, self.policy.device),
+            max_prompt_tokens=d.max_prompt_tokens, rank=self.dims.dp_rank, world=self.dims.dp, gather=gather,
         )
 
     @property

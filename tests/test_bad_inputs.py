@@ -176,7 +176,7 @@ def test_bomb_is_rejected_from_the_header_without_decoding(corpus_parquet):
 def test_feeder_over_the_whole_corpus_finishes_with_counted_skips(corpus_parquet, processor):
     ds = dataset(corpus_parquet)
     feeder = PromptFeeder(ds, processor, "clevr", seed=0, shuffle=False, max_prompt_tokens=MAX_PROMPT_TOKENS,
-                          rank=0, world=1, reduce_max=lambda v: v)
+                          rank=0, world=1)
     good = [i for i, row in enumerate(CORPUS) if row[4] == "ok"]
     prompts = []
     while len(prompts) < len(good):
@@ -273,3 +273,90 @@ def test_engine_never_samples_the_image_token(tiny_model):
         tokens, logprobs = sample_tokens(logits, params, banned, gen)
         assert not set(tokens.tolist()) & set(banned), params
         assert torch.isfinite(logprobs).all()
+
+
+# --- sizes checked before any expensive work -----------------------------------------------------
+IMAGE_STRUCTS = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+
+
+def test_row_sizes_are_checked_before_any_tokenizing_or_decoding(tmp_path, processor, monkeypatch):
+    """A 12 MB problem, a 12 MB answer and 600 images are skipped from their sizes alone."""
+    huge = "count " * 2_000_000
+    rows = [  # (images, problem, answer)
+        ([{"bytes": GOOD, "path": None}], Q, "3"),
+        ([{"bytes": GOOD[:60], "path": None}], "How many? <image> " + huge, "3"),  # the image is corrupt too
+        ([{"bytes": GOOD, "path": None}], Q, huge),
+        ([{"bytes": None, "path": "gone.png"}] * 600, "<image>" * 600 + " how many?", "3"),  # files do not exist
+        ([{"bytes": GOOD, "path": None}], "Count them. <image>", "4"),
+    ]
+    path = tmp_path / "sizes.parquet"
+    pq.write_table(pa.table({"images": pa.array([r[0] for r in rows], type=IMAGE_STRUCTS),
+                             "problem": [r[1] for r in rows], "answer": [r[2] for r in rows]}), path)
+    import data.datasets
+
+    decoded = []
+    real_decode = data.datasets.decode_image
+    monkeypatch.setattr(data.datasets, "decode_image", lambda *a, **kw: decoded.append(1) or real_decode(*a, **kw))
+    real_template = processor.apply_chat_template
+
+    def template(messages, **kw):
+        assert len(str(messages)) < 100_000, "an over-long text reached the chat template"
+        return real_template(messages, **kw)
+
+    monkeypatch.setattr(processor, "apply_chat_template", template)
+    feeder = PromptFeeder(dataset(path), processor, "clevr", seed=0, shuffle=False,
+                          max_prompt_tokens=MAX_PROMPT_TOKENS)
+    start = time.monotonic()
+    prompts = feeder.next(2)
+    assert time.monotonic() - start < 5.0
+    assert [p.index for p in prompts] == [0, 4]
+    assert feeder.stats.as_dict() == {"answer_too_long": 1, "prompt_too_long": 1, "too_many_images": 1}
+    assert len(decoded) == 2  # only the good rows' images
+
+
+def test_encode_prompt_refuses_an_over_long_problem_before_the_chat_template(processor, monkeypatch):
+    from data.datasets import Sample
+
+    monkeypatch.setattr(processor, "apply_chat_template", lambda *a, **kw: pytest.fail("chat template reached"))
+    limit = MAX_PROMPT_TOKENS * processor.max_token_chars
+    with pytest.raises(BadSample, match=rf"prompt_too_long: problem has {limit + 1} characters > {limit}"):
+        encode_prompt(processor, Sample(0, [], "x" * (limit + 1), "3"), "clevr", MAX_PROMPT_TOKENS)
+
+
+def test_a_longer_text_than_the_bound_cannot_fit(processor):
+    """The bound never refuses a prompt that fits: at max_token_chars characters per token at most."""
+    vocab = processor.tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    assert processor.max_token_chars == len(longest)
+    text = "".join(sorted(vocab, key=len)[-40:])
+    assert len(processor.tokenizer.encode(text, add_special_tokens=False)) * processor.max_token_chars >= len(text)
+
+
+def test_an_images_cell_listing_too_many_is_refused_without_reading_it(tmp_path, monkeypatch):
+    path = tmp_path / "many.parquet"
+    pq.write_table(pa.table({"images": [["x.png"] * 200_000, ["x.png"]], "problem": [Q, Q], "answer": ["3", "3"]}),
+                   path)
+    ds = dataset(path)
+    ds.bound_rows(max_images=MAX_PROMPT_TOKENS)
+    real_cell = VLDataset._cell
+    monkeypatch.setattr(VLDataset, "_cell", lambda self, name, i: pytest.fail("converted") if name == "images"
+                        and i == 0 else real_cell(self, name, i))
+    with pytest.raises(BadSample, match=f"too_many_images: 200000 images > {MAX_PROMPT_TOKENS}"):
+        ds.get(0)
+    with pytest.raises(BadSample, match="missing_image"):
+        ds.get(1)
+
+
+def test_wrong_cell_types_are_skipped_and_counted_at_run_time(tmp_path, processor):
+    (tmp_path / "a.png").write_bytes(GOOD)
+    image = pa.list_(pa.struct([("bytes", pa.int64()), ("path", pa.string())]))  # a writer that got `bytes` wrong
+    images = [[{"bytes": None, "path": "a.png"}], [{"bytes": 7, "path": None}], [{"bytes": None, "path": "a.png"}]]
+    path = tmp_path / "types.parquet"
+    pq.write_table(pa.table({"images": pa.array(images, type=image), "problem": [Q] * 3, "answer": ["1", "2", "3"]}),
+                   path)
+    feeder = PromptFeeder(dataset(path), processor, "clevr", seed=0, shuffle=False,
+                          max_prompt_tokens=MAX_PROMPT_TOKENS)
+    assert [p.index for p in feeder.next(2)] == [0, 2]
+    assert feeder.stats.as_dict() == {"wrong_type": 1}
+    with pytest.raises(BadSample, match=r"wrong_type: images\[0\]\.bytes is int; expected binary"):
+        dataset(path).get(1)

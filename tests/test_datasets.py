@@ -4,6 +4,7 @@ import io
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -374,3 +375,56 @@ def test_inspect_cli_with_local_chat_template(tmp_path):
     expected_text = build_prompt_text("How many 0?", "geo3k")
     assert prompt == (f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{expected_text}"
                       "<|im_end|>\n<|im_start|>assistant\n")
+
+
+# Cells whose arrow type is not what the schema expects: (column, arrow type, value, detail).
+STRUCT_INT_BYTES = pa.struct([("bytes", pa.int64()), ("path", pa.string())])
+STRUCT_INT_PATH = pa.struct([("bytes", pa.binary()), ("path", pa.int64())])
+WRONG_TYPES = [
+    ("images", pa.int64(), 5, "images is int"),
+    ("images", pa.float64(), 1.5, "images is float"),
+    ("images", pa.bool_(), True, "images is bool"),
+    ("images", pa.timestamp("s"), 0, "images is datetime"),
+    ("images", pa.list_(pa.int64()), [1, 2], r"images\[0\] is int"),
+    ("images", pa.list_(pa.list_(pa.string())), [["a.png"]], r"images\[0\] is list"),
+    ("images", pa.map_(pa.string(), pa.string()), [("bytes", "x")], r"images\[0\] is tuple"),
+    ("images", STRUCT_INT_BYTES, {"bytes": 5, "path": None}, r"images\[0\]\.bytes is int"),
+    ("images", pa.list_(STRUCT_INT_BYTES), [{"bytes": 5, "path": "a.png"}], r"images\[0\]\.bytes is int"),
+    ("images", pa.list_(STRUCT_INT_PATH), [{"bytes": None, "path": 3}], r"images\[0\]\.path is int"),
+    ("images", pa.struct([("bytes", pa.string())]), {"bytes": "aGk="}, r"images\[0\]\.bytes is str"),
+    ("problem", pa.int64(), 7, "problem is int"),
+    ("problem", pa.list_(pa.string()), ["<image>", "how many?"], "problem is list"),
+    ("problem", pa.struct([("text", pa.string())]), {"text": "<image> q"}, "problem is dict"),
+    ("answer", pa.list_(pa.int64()), [3], "answer is list"),
+    ("answer", pa.struct([("value", pa.int64())]), {"value": 3}, "answer is dict"),
+    ("answer", pa.bool_(), True, "answer is True"),
+]
+
+
+@pytest.mark.parametrize("column,arrow_type,value,detail", WRONG_TYPES,
+                         ids=[f"{c}-{t}" for c, t, *_ in WRONG_TYPES])
+def test_a_cell_of_the_wrong_type_is_a_bad_sample(tmp_path, column, arrow_type, value, detail):
+    columns = {"images": pa.array([[{"bytes": png_bytes(), "path": None}]], type=IMAGE_TYPE),
+               "problem": pa.array(["<image> How many?"]), "answer": pa.array(["3"])}
+    columns[column] = pa.array([value], type=arrow_type)
+    path = tmp_path / "types.parquet"
+    pq.write_table(pa.table(columns), path)
+    dataset = VLDataset(path, "generic")
+    with pytest.raises(BadSample) as err:
+        dataset.get(0)
+    assert err.value.reason == "wrong_type" and "\n" not in str(err.value)
+    assert re.search(detail, err.value.detail), err.value.detail
+    stats = SkipStats()
+    assert list(dataset.iter_samples([0], stats)) == [] and stats.as_dict() == {"wrong_type": 1}
+
+
+def test_row_bounds_tighten_and_are_checked(tmp_path):
+    path = write_parquet(tmp_path / "b.parquet", _good_rows(2))
+    dataset = VLDataset(path, "generic", max_images=4, max_text_chars=100)
+    dataset.bound_rows(max_images=8, max_text_chars=5)
+    assert (dataset.max_images, dataset.max_text_chars) == (4, 5)
+    with pytest.raises(BadSample, match="prompt_too_long: problem has"):
+        dataset.get(0)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_images must be a positive integer"):
+            dataset.bound_rows(max_images=bad)

@@ -1,9 +1,12 @@
 """Start-up checks fail before anything heavy loads, naming the key to change; K non-finite steps stop a run."""
 
 import json
+import re
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from grpo.config import ConfigError, load_config
@@ -161,3 +164,21 @@ def test_vllm_is_refused_for_families_it_cannot_run_yet(monkeypatch):
     for family in ("gemma3", "idefics3", "llava"):  # written for vLLM, awaiting a GPU measurement
         expected = "torch" if family in factory.VLLM_UNVERIFIED else "vllm"
         assert factory.resolve_engine_name("auto", family) == expected
+
+
+@pytest.mark.parametrize("images,detail", [
+    (pa.array([5] * 12, type=pa.int64()), "images is int"),
+    (pa.array([[{"bytes": 5, "path": None}]] * 12, type=pa.list_(pa.struct([("bytes", pa.int64()),
+                                                                             ("path", pa.string())]))),
+     r"images\[0\]\.bytes is int"),
+], ids=["images_int", "image_bytes_int"])
+def test_wrong_column_types_fail_preflight_in_one_line(tiny_model, clevr_parquet, tmp_path, images, detail):
+    bad = tmp_path / "types.parquet"
+    pq.write_table(pa.table({"images": images, "problem": ["<image> how many?"] * 12, "answer": ["3"] * 12}), bad)
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg_for(tiny_model, clevr_parquet, f"data.eval_path={bad}"))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"data.eval_path='{bad}': none of 8 rows sampled across its 12 rows is usable "
+                              "(wrong_type: 8; row 0: wrong_type: ")
+    assert re.search(detail, message), message

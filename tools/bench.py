@@ -157,7 +157,7 @@ def standalone(args) -> dict:
     proc = load_processor(str(model))
     ds = VLDataset(str(data), "clevr", min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     prompts = PromptFeeder(ds, proc, "clevr", seed=0, shuffle=False, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                           rank=0, world=1, reduce_max=lambda v: v).next(args.gen_prompts)
+                           rank=0, world=1).next(args.gen_prompts)
     pad = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     requests = [{"prompt_token_ids": collapse_image_pads(p.input_ids.tolist(), pad),
                  "multi_modal_data": {"image": list(p.images)}} for p in prompts]

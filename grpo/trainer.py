@@ -252,9 +252,12 @@ class Trainer:
     # --- SFT ---------------------------------------------------------------------------------
     def sft_step(self, per_rank: int) -> dict:
         prompts = self.feeder.next(per_rank)
-        end = self.adapter.end_of_turn  # the target ends the turn as generation stops it
-        responses = [encode_response(self.tokenizer, sft_target(self.cfg.data.task, p.answer), end) for p in prompts]
-        batch = self._sequence_batch(prompts, responses)
+        if any(p.conversation is not None for p in prompts):  # trajectory rows: the loss on assistant turns only
+            batch = self._conversation_batch(prompts)
+        else:
+            end = self.adapter.end_of_turn  # the target ends the turn as generation stops it
+            responses = [encode_response(self.tokenizer, sft_target(self.cfg.data.task, p.answer), end) for p in prompts]
+            batch = self._sequence_batch(prompts, responses)
         tokens = sum(int(m.sum()) - int(m[0]) for m in batch["loss_mask"].items)
         (global_tokens,) = all_reduce_sum([tokens], self.policy.device)
 
@@ -274,6 +277,16 @@ class Trainer:
                 "loss/skipped_nonfinite_total": float(self.counters["skipped_nonfinite"]),
                 "perf/tokens": all_tokens, "perf/scored_tokens": global_tokens,
                 "perf/tokens_per_s": all_tokens / max(train_s, 1e-9), "perf/train_s": train_s}
+
+    def _conversation_batch(self, prompts: list[EncodedPrompt]) -> Batch:
+        """Whole conversations (data/trajectories.py), each with its images and its assistant-token mask."""
+        convs = [p.conversation for p in prompts]
+        if any(c is None for c in convs):
+            raise ValueError(f"{self.cfg.data.train_path}: SFT rows mix trajectories (`messages`) with single-turn rows")
+        return Batch({"input_ids": [c.input_ids for c in convs], "loss_mask": [c.loss_mask for c in convs],
+                      "image_grid_thw": [c.image_grid_thw for c in convs], "pixel_values": [c.pixel_values for c in convs],
+                      "position_ids": PackedGenericDataItem(
+                          [self.adapter.position_ids(c.input_ids, c.image_grid_thw) for c in convs], dim=1)})
 
     def _sequence_batch(self, prompts: list[EncodedPrompt], responses: list[torch.Tensor],
                         prompt_of: list[int] | None = None) -> Batch:

@@ -10,7 +10,11 @@ of OmegaConf's structured configs it keeps the rules this project promises:
 - a key given twice in one YAML file is an error naming the file and line, and so is bad YAML;
 - a command-line value with a ` #` in it is kept verbatim (YAML would cut it at the `#`);
 - `${section.key}` interpolates another config key; any other `${...}` (an environment variable,
-  a resolver) is kept as written: no value is ever expanded from outside the config;
+  a resolver such as `oc.env`, also nested or after an escaped backslash) is an error naming the key:
+  no value is ever read from outside the config; `\\${...}` is literal text;
+- a YAML file is at most `MAX_YAML_BYTES`, and a file or command-line value may nest at most
+  `MAX_YAML_DEPTH` levels and expand (aliases counted each time they are used) to at most
+  `MAX_YAML_NODES` values: checked on YAML's event stream, before any object is built;
 - `???` marks a value that must be given before the run starts;
 - ranges are checked at load (counts >= 1, probabilities in (0, 1], temperature > 0 for GRPO).
 
@@ -33,6 +37,8 @@ from typing import Any, Iterator, Literal
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
+from omegaconf.grammar_parser import parse as parse_interpolation
 
 
 class ConfigError(ValueError):
@@ -269,13 +275,73 @@ def _yaml_error(exc: yaml.YAMLError, where: str) -> ConfigError:
     return ConfigError(f"{where}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {detail}")
 
 
+MAX_YAML_BYTES = 1 << 20  # a config file; the repository's largest is under 4 KB
+MAX_YAML_DEPTH = 32  # nested mappings and lists; the schema needs 4
+MAX_YAML_NODES = 10_000  # values after expanding aliases; a full config has about 150
+
+
+def _check_yaml_shape(text: str, where: str) -> None:
+    """Refuse YAML that nests deeper than MAX_YAML_DEPTH or expands past MAX_YAML_NODES values.
+
+    Runs on PyYAML's event stream, which is parsed without recursion and builds no objects: nested
+    anchors and aliases ("billion laughs") would otherwise grow exponentially once copied into the
+    config, and deep nesting would overflow the recursive composer. Each alias counts the full size
+    of the node it names; each open collection is a [anchor, expanded size] entry on a stack.
+    """
+    sizes: dict[str, int] = {}
+    stack: list[list] = []
+
+    def add(n: int, event) -> None:
+        if stack:
+            stack[-1][1] += n
+            if stack[-1][1] > MAX_YAML_NODES:
+                raise ConfigError(f"{where}, line {event.start_mark.line + 1}: expands to more than {MAX_YAML_NODES} "
+                                  "values (nested anchors and aliases?); a config needs far fewer")
+
+    for event in yaml.parse(text, Loader=_ConfigSafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            stack.append([event.anchor, 1])
+            if len(stack) > MAX_YAML_DEPTH:
+                raise ConfigError(f"{where}, line {event.start_mark.line + 1}: nested more than {MAX_YAML_DEPTH} "
+                                  "levels deep; a config needs 4")
+        elif isinstance(event, yaml.CollectionEndEvent) and stack:
+            anchor, n = stack.pop()
+            if anchor is not None:
+                sizes[anchor] = n
+            add(n, event)
+        elif isinstance(event, yaml.ScalarEvent):
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+            add(1, event)
+        elif isinstance(event, yaml.AliasEvent):
+            if any(anchor == event.anchor for anchor, _ in stack):
+                raise ConfigError(f"{where}, line {event.start_mark.line + 1}: alias *{event.anchor} is inside "
+                                  f"the node &{event.anchor} it names; a config value cannot contain itself")
+            add(sizes.get(event.anchor, 1), event)
+
+
+def _read_text(p: Path) -> str:
+    """The file's text, reading at most MAX_YAML_BYTES + 1 bytes whatever its size claims."""
+    if p.stat().st_size > MAX_YAML_BYTES:
+        raise ConfigError(f"config file {p} is {p.stat().st_size} bytes; a config file is at most {MAX_YAML_BYTES}")
+    with p.open("rb") as f:
+        raw = f.read(MAX_YAML_BYTES + 1)
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"config file {p} is over {MAX_YAML_BYTES} bytes; a config file is at most that")
+    return raw.decode("utf-8")
+
+
 def read_yaml(path: str | Path) -> dict:
     """One config file as a mapping; bad YAML and duplicate keys fail naming the file and line."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_ConfigSafeLoader)
+        text = _read_text(p)
+        _check_yaml_shape(text, f"config file {path}")
+        data = yaml.load(text, Loader=_ConfigSafeLoader)
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
@@ -321,6 +387,7 @@ def _override_value(text: str, raw: str) -> Any:
     if not stripped:
         return ""
     try:
+        _check_yaml_shape(stripped, f"command-line override {text!r}")
         node = yaml.compose(stripped, Loader=_ConfigSafeLoader)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, f"command-line override {text!r}") from None
@@ -391,37 +458,71 @@ def _leaf_type(dotted: str) -> Any:
     return None if dataclasses.is_dataclass(tp) else tp
 
 
-_INTERPOLATION = re.compile(r"(?<!\\)\$\{([^{}]*)\}")
 _KEY_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+_ONLY_KEYS = ("only ${section.key} references to other config keys are expanded, never an environment "
+              "variable or a resolver; write \\${...} to keep the text as written")
 
 
-def _guard_interpolations(value: str, key: str, source: str) -> str:
-    """Keep `${section.key}` references to config keys; escape every other `${...}` so it stays literal."""
-    def one(match: re.Match) -> str:
-        target = match.group(1).strip()
-        if not (_KEY_PATH.fullmatch(target) and target.split(".")[0] in _fields(Config)):
-            return "\\" + match.group(0)  # ${HOME}, ${oc.env:X}: literal text, never expanded
-        if _leaf_type(target) is None:
-            section, _, name = target.rpartition(".")
-            parent = _annotation(section)
-            hint = _closest(name, list(_fields(parent))) if dataclasses.is_dataclass(parent) else ""
-            raise ConfigError(f"config key '{key}' ({source}): ${{{target}}} names no config key{hint}")
-        return match.group(0)
-    return _INTERPOLATION.sub(one, value)
+def _check_reference(target: str, key: str, source: str) -> None:
+    """`target` (the inside of one `${...}`) must name a leaf config key such as `trainer.seed`."""
+    if not (_KEY_PATH.fullmatch(target) and target.split(".")[0] in _fields(Config)):
+        raise ConfigError(f"config key '{key}' ({source}): ${{{target}}} is not a config key; {_ONLY_KEYS}")
+    if _leaf_type(target) is None:
+        section, _, name = target.rpartition(".")
+        parent = _annotation(section)
+        hint = _closest(name, list(_fields(parent))) if dataclasses.is_dataclass(parent) else ""
+        raise ConfigError(f"config key '{key}' ({source}): ${{{target}}} names no config key{hint}")
+
+
+def _check_interpolations(value: str, key: str, source: str) -> None:
+    """Allow in `value` only what OmegaConf resolves as `${section.key}`; refuse every resolver.
+
+    The value is read with OmegaConf's own grammar, the parser that resolves it later, so escapes
+    (`\\${` literal, `\\\\${` a backslash then an interpolation) and nesting (a resolver inside
+    another's default) are seen exactly as OmegaConf will see them.
+    """
+    if "${" not in value:  # OmegaConf parses a string for interpolations only when it holds "${"
+        return
+    try:
+        tree = parse_interpolation(value)
+    except Exception as exc:  # noqa: BLE001 - GrammarParseError, or RecursionError from deep nesting
+        raise ConfigError(f"config key '{key}' ({source}): {value[:200]!r} is not a valid ${{...}} reference "
+                          f"({type(exc).__name__}); {_ONLY_KEYS}") from None
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, OmegaConfGrammarParser.InterpolationResolverContext):
+            raise ConfigError(f"config key '{key}' ({source}): ${{{node.resolverName().getText()}:...}} is a "
+                              f"resolver; {_ONLY_KEYS}")
+        if isinstance(node, OmegaConfGrammarParser.InterpolationNodeContext):
+            _check_reference(node.getText()[2:-1], key, source)  # a nested ${...} in the key fails here
+            continue
+        stack.extend(getattr(node, "children", None) or [])
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a YAML value, inside lists and mappings too (keys included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
 
 
 def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
-    """Checks OmegaConf does not make for one leaf value, and the interpolation guard on its strings."""
+    """Checks OmegaConf does not make for one leaf value, and the interpolation check on its strings."""
     if isinstance(value, dict):
         raise ConfigError(f"config key '{key}' ({source}) is a value, not a section; expected "
                           f"{_type_name(tp)}, got a mapping {value!r}")
     if tp is str and isinstance(value, bool):
         raise ConfigError(f"config key '{key}' ({source}): expected a string, got the boolean {value!r}; "
                           "quote it if you mean the text")
-    if isinstance(value, str):
-        return _guard_interpolations(value, key, source)
-    if isinstance(value, list):
-        return [_guard_interpolations(v, key, source) if isinstance(v, str) else v for v in value]
+    for text in _strings(value):
+        _check_interpolations(text, key, source)
     return value
 
 
@@ -635,10 +736,16 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+_BACKSLASHES_BEFORE_INTERPOLATION = re.compile(r"(\\*)\$\{")
+
+
 def _escape(value: Any) -> Any:
-    """Escape `${` so a saved value reads back as the same text, never as an interpolation."""
+    """Escape a literal `${` so a saved value reads back as the same text, never as an interpolation.
+
+    OmegaConf reads 2n backslashes before `${` as n backslashes and an interpolation, and 2n + 1 as
+    n backslashes and a literal `${`: so n literal backslashes before a literal `${` are saved as 2n + 1."""
     if isinstance(value, str):
-        return value.replace("${", "\\${")
+        return _BACKSLASHES_BEFORE_INTERPOLATION.sub(lambda m: "\\" * (2 * len(m.group(1)) + 1) + "${", value)
     if isinstance(value, list):
         return [_escape(v) for v in value]
     if isinstance(value, dict):

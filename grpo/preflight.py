@@ -19,6 +19,7 @@ from data.datasets import SkipStats, VLDataset
 from data.images import BadSample
 from grpo.config import Config, ConfigError
 from models.family import ADAPTERS
+from models.policy import check_config_dtypes
 from rollout.factory import resolve_engine_name
 
 
@@ -78,7 +79,12 @@ def _check_model(path: str) -> None:
     folder = Path(path)
     if not path or not (folder / "config.json").is_file():
         raise ConfigError(f"model.path={path!r}: no config.json there; point it at a Hugging Face model folder on disk")
-    model_type = _read_json(folder / "config.json", "model.path", path).get("model_type")
+    model_config = _read_json(folder / "config.json", "model.path", path)
+    try:
+        check_config_dtypes(model_config, f"model.path={path!r}: config.json")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    model_type = model_config.get("model_type")
     weights = _weight_files(folder, path)
     if model_type not in ADAPTERS:
         raise ConfigError(f"model.path={path!r}: model family '{model_type}' is not supported; "

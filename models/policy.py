@@ -48,6 +48,23 @@ def canonical_weight_name(name: str, adapter: FamilyAdapter | None = None) -> st
     return adapter.canonical_weight_name(name)
 
 
+def check_config_dtypes(config: dict, where: str) -> None:
+    """Raise ValueError naming `where` unless every `dtype` / `torch_dtype` in a model's config.json (its
+    sub-configs' too) is null or names a torch floating-point dtype: transformers looks the name up with
+    `getattr(torch, name)`, and a bad one fails there as an AttributeError traceback."""
+    stack = [("", config)]
+    while stack:
+        prefix, section = stack.pop()
+        for key, value in section.items():
+            if isinstance(value, dict):
+                stack.append((f"{prefix}{key}.", value))
+            elif key in ("dtype", "torch_dtype") and value is not None:
+                found = getattr(torch, value, None) if isinstance(value, str) else None
+                if not (isinstance(found, torch.dtype) and found.is_floating_point):
+                    raise ValueError(f"{where}: {prefix}{key} is {value!r}, not a torch floating-point dtype; "
+                                     "use bfloat16, float16 or float32 (the source checkpoint's value)")
+
+
 def load_model_config(path: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
@@ -57,6 +74,12 @@ def load_model_config(path: str, trust_remote_code: bool = False):
             f"model.path={path!r} is not a model folder (no config.json); put a Hugging Face checkpoint "
             "folder on local disk and point model.path at it"
         )
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{folder / 'config.json'} is not valid JSON ({exc})") from None
+    if isinstance(raw, dict):
+        check_config_dtypes(raw, str(folder / "config.json"))
     return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
 
 

@@ -82,7 +82,7 @@ def test_parse_override_nested():
 
 def test_saved_config_round_trips(tmp_path):
     cfg = load_config(None, ["trainer.max_steps=5", "data.task=geo3k", "parallel.offload_during_generate=off",
-                             "trainer.run_dir=runs/a #1/${HOME}"])
+                             "trainer.run_dir=runs/a #1/\\${HOME}/a\\\\\\${x}"])
     save_config(cfg, tmp_path / "run" / "config.yaml")
     again = load_config(str(tmp_path / "run" / "config.yaml"))
     assert again == cfg and isinstance(again, Config)
@@ -155,12 +155,14 @@ def test_interpolation_errors_name_the_key():
         load_config(None, ["trainer.max_steps=${trainer.run_dir}"])
 
 
-def test_environment_and_resolvers_are_never_expanded(monkeypatch):
+def test_environment_and_resolvers_are_refused(monkeypatch):
     monkeypatch.setenv("VLRL_SECRET", "s3cret")
-    cfg = load_config(None, ["model.path=${HOME}/m", "data.train_path=${oc.env:VLRL_SECRET}",
-                             "data.eval_path=\\${trainer.seed}"])
-    assert cfg.model.path == "${HOME}/m" and cfg.data.train_path == "${oc.env:VLRL_SECRET}"
-    assert cfg.data.eval_path == "${trainer.seed}"  # OmegaConf's escape keeps a key reference as text
+    for value in ("${HOME}/m", "${oc.env:VLRL_SECRET}", "\\\\${oc.env:VLRL_SECRET}"):
+        with pytest.raises(ConfigError, match=r"'model.path'.*never an environment variable or a resolver"):
+            load_config(None, [f"model.path={value}"])
+    cfg = load_config(None, ["model.path=\\${HOME}/m", "data.eval_path=\\${trainer.seed}"])
+    assert cfg.model.path == "${HOME}/m"  # OmegaConf's escape keeps the text as written
+    assert cfg.data.eval_path == "${trainer.seed}"
 
 
 def test_required_values(tmp_path):

@@ -287,7 +287,9 @@ def test_paths_are_taken_literally(tmp_path):
 
     evidence = tmp_path / "ran"
     odd = f"{tmp_path}/$(mkdir {evidence})/`mkdir {evidence}`/${{HOME}}/%(x)s"
-    cfg = load_config(None, [f"trainer.run_dir={odd}", f"checkpoint.resume={odd}/step_1", f"data.train_path={odd}/d.parquet"])
+    given = odd.replace("${", "\\${")  # the config expands only ${section.key}; \${ is a literal ${
+    cfg = load_config(None, [f"trainer.run_dir={given}", f"checkpoint.resume={given}/step_1",
+                             f"data.train_path={given}/d.parquet"])
     assert cfg.trainer.run_dir == odd and cfg.data.train_path == f"{odd}/d.parquet"
     with pytest.raises(FileNotFoundError, match=r"\$\(mkdir"):
         resolve_resume(cfg.checkpoint.resume, cfg.trainer.run_dir)

@@ -79,12 +79,19 @@ def checkpoint_context():
     return contextlib.nullcontext(), _row_as(_ROW.get())
 
 
-def row_boundaries(position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:
-    """The boundaries `packed_row` gave for a row of this length, else derived from the positions."""
+def given_row(length: int) -> tuple[torch.Tensor, int] | None:
+    """(cu_seqlens, longest) that `packed_row` gave for a row of this length; None outside such a
+    block (linear-attention layers read it: they see no positions)."""
     given = _ROW.get()
     if given is not None and given[2] == length:
         return given[0], given[1]
-    return _cu_seqlens(position_ids)
+    return None
+
+
+def row_boundaries(position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:
+    """The boundaries `packed_row` gave for a row of this length, else derived from the positions."""
+    given = given_row(length)
+    return given if given is not None else _cu_seqlens(position_ids)
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -60,10 +60,17 @@ VLLM_UNVERIFIED: dict[str, str] = {t: f.vllm.unverified for t, f in FAMILIES.ite
 STACKED: list[tuple[str, list[str]]] = [
     ("qkv_proj", ["q_proj", "k_proj", "v_proj"]),
     ("gate_up_proj", ["gate_proj", "up_proj"]),
+    # Qwen3.5's Gated DeltaNet (vLLM's GatedDeltaNetAttention): q/k/v and z in one, b and a in one.
+    ("in_proj_qkvz", ["in_proj_qkv", "in_proj_z"]),
+    ("in_proj_ba", ["in_proj_b", "in_proj_a"]),
 ]
 
-# The shard id vLLM's weight loaders take for each stacked member.
-SHARD_IDS: dict[str, str | int] = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
+# The shard id vLLM's weight loaders take for each stacked member (in_proj_qkv fills the first
+# three of in_proj_qkvz's four output blocks, q, k and v, at once).
+SHARD_IDS: dict[str, str | int | tuple[int, ...]] = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1,
+    "in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 0, "in_proj_a": 1,
+}
 
 _MEMBER_TO_STACK = {member: stacked for stacked, members in STACKED for member in members}
 

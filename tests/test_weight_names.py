@@ -78,9 +78,10 @@ def test_prefix_mapping_without_stacking():
 
 
 def test_stacking_table_matches_shard_ids():
-    assert STACKED == [("qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("gate_up_proj", ["gate_proj", "up_proj"])]
+    assert STACKED == [("qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("gate_up_proj", ["gate_proj", "up_proj"]),
+                       ("in_proj_qkvz", ["in_proj_qkv", "in_proj_z"]), ("in_proj_ba", ["in_proj_b", "in_proj_a"])]
     for _, members in STACKED:
-        assert [SHARD_IDS[m] for m in members] in (["q", "k", "v"], [0, 1])
+        assert [SHARD_IDS[m] for m in members] in (["q", "k", "v"], [0, 1], [(0, 1, 2), 3])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

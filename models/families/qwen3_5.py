@@ -1,0 +1,291 @@
+"""Qwen3.5 (transformers `qwen3_5`): a Qwen3-VL-style tower over a hybrid decoder with linear attention.
+
+Images are Qwen3-VL's (16-pixel patches, 2×2 merge, sides on the 32-pixel grid, one
+`<|image_pad|>` per merged patch, learned position embeddings interpolated per image), without
+DeepStack: the tower returns one feature stream. Positions are Qwen-VL's 3-D m-rope ids
+(`Qwen3_5Model.get_rope_index` gives an image start + (t, h, w) and resumes the text at
+start + max(h, w)), rotated over a quarter of each head with interleaved sections.
+
+The decoder mixes two token mixers: three of every four layers are Gated DeltaNet (linear
+attention: a depthwise causal convolution of width 4 over q/k/v, then the gated delta rule, a
+recurrent state per head), the fourth full attention with an output gate. In a packed row both
+the convolution window and the recurrent state must restart at every sequence boundary;
+transformers' own torch path carries both across (its `cu_seqlens` argument is honoured only by
+the flash-linear-attention kernels, and its torch fallback refuses it). The policy therefore
+routes each Gated DeltaNet layer through `packed_gated_deltanet` inside a packed row
+(`models.attention.packed_row` gives the boundaries): the convolution is masked at boundaries,
+and the delta rule runs on CUDA through flash-linear-attention's varlen kernel when the `fla`
+package imports, else through transformers' torch chunked rule on the row's sequences as one
+right-padded batch (exact: the rule is causal, so padding after a sequence never reaches it).
+Outside a packed row (the built-in engine, with its cache) the layer runs as transformers wrote it.
+The built-in engine generates one prompt at a time (`batch_with_padding`): right padding would
+run the recurrent state through the pad slots.
+
+vLLM 0.26: `Qwen3_5ForConditionalGeneration` (vllm/model_executor/models/qwen3_5.py; read at
+commit 00def4f) is Qwen3-VL's multimodal class over a Qwen3-Next-style decoder. Its mapper is
+Qwen3-VL's (`model.language_model.` → `language_model.model.`, `model.visual.` → `visual.`,
+`lm_head.` → `language_model.lm_head.`). It stacks the decoder's q/k/v into qkv_proj and gate/up
+into gate_up_proj, and the Gated DeltaNet's in_proj_qkv and in_proj_z into in_proj_qkvz (shards
+(0, 1, 2) and 3) and in_proj_b and in_proj_a into in_proj_ba (shards 0 and 1); conv1d, A_log,
+dt_bias, norm and out_proj keep their names. Its processor is Qwen3-VL's
+(`Qwen3VLMultiModalProcessor`): each `<|image_pad|>` becomes the image's run, so prompts collapse
+as Qwen-VL's do. Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+from models.attention import given_row
+from models.families.qwen_vl import (
+    _PREFIXES, QWEN2_5_EXTRA_TOKENS, QWEN3_PATCH_SIZE, Qwen3VLAdapter, QwenImages, _qwen_adapter,
+    _tiny_image_processor,
+)
+from models.families.tiny import MERGE_SIZE, TEMPORAL_PATCH_SIZE, SizeSpec, TinySpec, text_config, token_ids
+from models.family import Family, ToolFormat, VLLMNames, register
+
+
+# --- packed Gated DeltaNet ----------------------------------------------------------------------
+def _position_in_sequence(cu: torch.Tensor, length: int) -> torch.Tensor:
+    """(L,) each token's index within its own sequence of the packed row."""
+    at = torch.arange(length, device=cu.device)
+    seq = torch.searchsorted(cu[1:].to(at.dtype), at, right=True)
+    return at - cu.to(at.dtype)[seq]
+
+
+def restarting_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           position: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal convolution over a packed row that starts over at every sequence.
+
+    x (C, L); weight (C, K) as `nn.Conv1d(groups=C)` holds it (tap K-1 meets the current token);
+    position (L,) each token's index within its sequence. Tap K-1-j reads the token j back, and only
+    when that token is in the same sequence (j <= position): what the layer computes on each sequence
+    alone, whose convolution sees zeros before the start.
+    """
+    width = weight.shape[-1]
+    x = x.to(weight.dtype)
+    out = x * weight[:, width - 1 : width]
+    for j in range(1, width):
+        shifted = F.pad(x[:, :-j], (j, 0)) * (position >= j).to(x.dtype)
+        out = out + shifted * weight[:, width - 1 - j : width - j]
+    return out if bias is None else out + bias[:, None]
+
+
+def _fla_rule():
+    """flash-linear-attention's varlen chunked gated delta rule, where the package is installed."""
+    if importlib.util.find_spec("fla") is None:
+        return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def _torch_rule():
+    """transformers' own torch chunked gated delta rule (unwrapped from its kernel dispatch)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    rule = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    return getattr(rule, "__wrapped__", rule)
+
+
+def delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over a packed row (1, L, heads, dim), the state starting at zero at each
+    sequence of `cu`; returns (1, L, v_heads, v_dim)."""
+    if q.is_cuda and (rule := _fla_rule()) is not None:
+        if k.shape[2] != v.shape[2]:
+            rep = v.shape[2] // k.shape[2]
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                      cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=True)
+        return out
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    if len(lengths) == 1:
+        out, _ = _torch_rule()(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        return out
+    pad = lambda t: nn.utils.rnn.pad_sequence(list(t[0].split(lengths)), batch_first=True)  # noqa: E731
+    out, _ = _torch_rule()(pad(q), pad(k), pad(v), g=pad(g), beta=pad(beta), use_qk_l2norm_in_kernel=True)
+    return torch.cat([out[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
+
+
+def packed_gated_deltanet(layer: nn.Module, hidden: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """`Qwen3_5GatedDeltaNet.forward` on a packed row (1, L, H), restarting at every sequence of `cu`.
+
+    The projections, gates and norm are the layer's own, token by token; only the convolution and
+    the recurrence see sequence boundaries.
+    """
+    from transformers.activations import ACT2FN
+
+    length = hidden.shape[1]
+    mixed = layer.in_proj_qkv(hidden)[0].transpose(0, 1)  # (C, L)
+    z = layer.in_proj_z(hidden).reshape(1, length, -1, layer.head_v_dim)
+    b, a = layer.in_proj_b(hidden), layer.in_proj_a(hidden)
+    conv = restarting_causal_conv(mixed, layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
+                                  _position_in_sequence(cu, length))
+    mixed = ACT2FN[layer.activation](conv).to(hidden.dtype).transpose(0, 1).unsqueeze(0)
+    q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    q = q.reshape(1, length, -1, layer.head_k_dim)
+    k = k.reshape(1, length, -1, layer.head_k_dim)
+    v = v.reshape(1, length, -1, layer.head_v_dim)
+    beta = b.sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # fp32, as the layer has it
+    core = delta_rule_packed(q, k, v, g, beta, cu)
+    core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(core.reshape(1, length, -1))
+
+
+def _routed_forward(layer: nn.Module, original):
+    """The layer's forward: the packed path inside a packed row of its length, else its own."""
+
+    def forward(hidden_states, *args, **kwargs):
+        row = given_row(hidden_states.shape[1])
+        uncached = kwargs.get("cache") is None and kwargs.get("cache_params") is None and not args
+        if row is not None and hidden_states.shape[0] == 1 and uncached:
+            return packed_gated_deltanet(layer, hidden_states, row[0].to(hidden_states.device))
+        return original(hidden_states, *args, **kwargs)
+
+    return forward
+
+
+def apply_packed_linear_attention(language_model: nn.Module) -> None:
+    """Route every Gated DeltaNet layer of the decoder through `packed_gated_deltanet` in packed rows
+    (in place, once; names, parameters and FSDP units unchanged)."""
+    for layer in language_model.layers:
+        mixer = getattr(layer, "linear_attn", None)
+        if mixer is not None and not getattr(mixer, "_vlrl_packed", False):
+            mixer.forward = _routed_forward(mixer, mixer.forward)
+            mixer._vlrl_packed = True
+
+
+# --- adapter ------------------------------------------------------------------------------------
+@dataclass
+class Qwen3_5Adapter(Qwen3VLAdapter):
+    """Qwen-VL positions and inputs; one vision stream; Gated DeltaNet layers that restart per sequence."""
+
+    batch_with_padding: bool = False  # the recurrent state would run through right padding
+    varlen_attention: bool = False  # not yet checked on a GPU
+    # Qwen3.5 writes tool calls as XML (<function=...><parameter=...>), not the JSON the Qwen
+    # tool format parses: no tools until that format exists.
+    tool_format: ToolFormat | None = None
+
+    def image_features(self, model, pixels, grid):
+        out = self.vision_tower(model)(pixels, grid_thw=grid)
+        return [out.pooler_output]
+
+    def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
+        decoder = self.language_model(model)
+        apply_packed_linear_attention(decoder)
+        out = decoder(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
+
+    def tp_plan(self) -> dict[str, str]:
+        # Full-attention layers and MLPs; the Gated DeltaNet layers stay replicated (their conv and
+        # recurrence need every head's q/k/v split the way the layer splits them).
+        return {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                "mlp.down_proj": "rowwise"}
+
+
+def _repeat_states(layer, repeats: int) -> None:
+    """Repeat a linear-attention cache layer's rows `repeats` times each (its own reorder)."""
+    rows = next((t.shape[0] for t in layer.conv_states.values() if t is not None), None)
+    if rows is not None:
+        layer.reorder_cache(torch.arange(rows).repeat_interleave(repeats))
+    if isinstance(layer, _dynamic_layer()):
+        _dynamic_layer().batch_repeat_interleave(layer, repeats)
+
+
+def _select_states(layer, indices: torch.Tensor) -> None:
+    """Keep the rows `indices` of a linear-attention cache layer (its own reorder)."""
+    layer.reorder_cache(torch.as_tensor(indices))
+    if isinstance(layer, _dynamic_layer()):
+        _dynamic_layer().batch_select_indices(layer, indices)
+
+
+def _dynamic_layer():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+def add_cache_batch_ops() -> None:
+    """Give transformers' linear-attention cache layers the batch operations DynamicCache calls on
+    every layer (the built-in engine repeats each prompt's cache n times, then drops finished rows);
+    transformers 5.24 defines them for attention layers only. A no-op where they exist."""
+    from transformers import cache_utils
+
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    if mixin is None or hasattr(mixin, "batch_repeat_interleave"):
+        return
+    mixin.batch_repeat_interleave = _repeat_states
+    mixin.batch_select_indices = _select_states
+
+
+def _qwen3_5_adapter(config) -> Qwen3_5Adapter:
+    add_cache_batch_ops()
+    return _qwen_adapter(config, config.model_type, config.architectures[0] if config.architectures else
+                         "Qwen3_5ForConditionalGeneration", Qwen3_5Adapter)
+
+
+# --- tiny checkpoint ----------------------------------------------------------------------------
+def layer_types(layers: int) -> list[str]:
+    """Qwen3.5's 3:1 pattern (every fourth layer full attention), with the last layer always full so
+    a two-layer model has one of each."""
+    return ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention" for i in range(layers)]
+
+
+def tiny_text_config(size: SizeSpec, tokenizer, **overrides) -> dict:
+    """The decoder: the size's shapes, 32-dim heads rotated over a quarter (interleaved m-rope
+    sections [2, 1, 1] of 4 frequencies), Gated DeltaNet with 2 key and 4 value heads of 16 dims."""
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    return text_config(size, tokenizer, head_dim=32, rope_parameters=rope, layer_types=layer_types(size.text_layers),
+                       linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4, **overrides)
+
+
+def tiny_vision_config(size: SizeSpec) -> dict:
+    return dict(depth=size.vision_depth, hidden_size=size.vision_hidden, intermediate_size=size.vision_intermediate,
+                num_heads=size.vision_heads, in_channels=3,
+                patch_size=QWEN3_PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+                out_hidden_size=size.text_hidden, num_position_embeddings=64)
+
+
+def _tiny_config(size: SizeSpec, tokenizer):
+    image, video, start, end = token_ids(tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                         "<|vision_end|>")
+    config = transformers.Qwen3_5Config(
+        text_config=tiny_text_config(size, tokenizer), vision_config=tiny_vision_config(size), image_token_id=image,
+        video_token_id=video, vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
+        architectures=["Qwen3_5ForConditionalGeneration"],
+    )
+    write_both_head_counts(config.vision_config, size.vision_heads)
+    return config
+
+
+def write_both_head_counts(vision_config, heads: int) -> None:
+    """Save `num_attention_heads` next to `num_heads` in config.json: transformers 5.17 reads the first,
+    later ones the second (an alias there, so setting it as an attribute would not reach the file)."""
+    vision_config.__dict__["num_attention_heads"] = heads
+
+
+QWEN3_5_EXTRA_TOKENS = QWEN2_5_EXTRA_TOKENS + (("<think>", False), ("</think>", False))
+# Gated DeltaNet projections vLLM 0.26 fuses (its `packed_modules_mapping`), inside the decoder.
+DECODER = ("language_model.model.layers.",)
+
+register(Family(
+    model_type="qwen3_5",
+    adapter=_qwen3_5_adapter,
+    image_rules={"Qwen3VLProcessor": QwenImages},
+    vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=DECODER,
+                   unverified="vLLM path written from vLLM's qwen3_5.py (Qwen3_5ForConditionalGeneration); "
+                              "not yet run on a GPU"),
+    tiny=TinySpec(model_class="Qwen3_5ForConditionalGeneration", processor_class="Qwen3VLProcessor",
+                  config=_tiny_config, image_processor=_tiny_image_processor("qwen3_vl"),
+                  extra_tokens=QWEN3_5_EXTRA_TOKENS),
+))

@@ -1,0 +1,166 @@
+"""Qwen3.5 on a tiny checkpoint: what is particular to it beyond tests/test_families.py.
+
+Its Gated DeltaNet layers must restart their convolution and recurrent state at every sequence of a
+packed row (logprobs and gradients of a packed row equal those of each sequence alone), its
+positions must be the model's own (`Qwen3_5Model.get_rope_index`), its weight names vLLM's
+(`Qwen3_5ForConditionalGeneration`: in_proj_qkvz and in_proj_ba stacked), and its prompts collapse
+to one `<|image_pad|>` per image, which vLLM's Qwen3-VL processor replaces with the run.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo.config import ModelConfig
+from models.packing import pack, unpack_per_sequence
+from models.parallel import build_parallel_dims, init_distributed
+from models.policy import build_policy
+from rollout.base import Generation
+from rollout.weight_names import vllm_param_for
+from tests.test_families import _prompts
+from tests.test_torch_engine import generation_batch
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_5") / "tiny", family="qwen3_5", size="tiny", seed=0)
+
+
+def _policy(folder):
+    init_distributed()
+    return build_policy(ModelConfig(path=str(folder), dtype="float32", attn_implementation="sdpa"),
+                        build_parallel_dims())
+
+
+def _generations():
+    """Responses of different lengths after two image prompts of different sizes and a text-only one."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 23, 5, 70, 14, 3]
+    return [Generation(i % 3, torch.randint(10, 1400, (n,), generator=g).tolist(), [0.0] * n, "length")
+            for i, n in enumerate(lengths)]
+
+
+def _logprobs_and_grads(policy, batch, bins):
+    """Logprobs per sequence and the gradient of a weighted sum of them, one micro-batch per bin."""
+    policy.model.zero_grad(set_to_none=True)
+    out = {}
+    for b in bins:
+        mb = pack(batch, b)
+        lp, _ = policy.logprobs(mb)
+        per_seq = unpack_per_sequence(lp, mb)
+        # A weight per token that depends only on its sequence and place, however the bins fall.
+        sum((t * torch.linspace(-1.0, 1.0, t.numel()) * (1 + i)).sum() for i, t in zip(b, per_seq)).backward()
+        out.update(zip(b, (t.detach() for t in per_seq)))
+    grads = {n: p.grad.full_tensor().detach().clone() for n, p in policy.model.named_parameters()
+             if p.grad is not None}
+    return [out[i] for i in sorted(out)], grads
+
+
+def test_packed_row_equals_each_sequence_alone(folder, monkeypatch):
+    policy = _policy(folder)
+    prompts, gens = _prompts(folder), _generations()
+    batch = generation_batch(policy.adapter, prompts, gens)
+    everything = [list(range(len(gens)))]
+    alone = [[i] for i in range(len(gens))]
+    packed_lp, packed_grad = _logprobs_and_grads(policy, batch, everything)
+    single_lp, single_grad = _logprobs_and_grads(policy, batch, alone)
+    assert (torch.cat(packed_lp) - torch.cat(single_lp)).abs().max().item() < 1e-5
+    linear = [n for n in packed_grad if ".linear_attn." in n]
+    assert linear and set(packed_grad) == set(single_grad)
+    for name in packed_grad:
+        assert torch.allclose(packed_grad[name], single_grad[name], rtol=1e-4, atol=1e-5), name
+    # Without the packed path, transformers' layer carries state across sequences: the row differs.
+    from models.families import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "apply_packed_linear_attention", lambda decoder: None)
+    plain = _policy(folder)
+    plain_lp, _ = _logprobs_and_grads(plain, batch, everything)
+    assert (torch.cat(plain_lp) - torch.cat(single_lp)).abs().max().item() > 1e-3
+
+
+def test_the_restarting_convolution_is_each_sequences_own():
+    from models.families.qwen3_5 import _position_in_sequence, restarting_causal_conv
+
+    g = torch.Generator().manual_seed(1)
+    lengths = [1, 5, 2, 9]
+    x = torch.randn(6, sum(lengths), generator=g)
+    w = torch.randn(6, 4, generator=g)
+    bias = torch.randn(6, generator=g)
+    cu = torch.tensor([0, 1, 6, 8, 17], dtype=torch.int32)
+    ours = restarting_causal_conv(x, w, bias, _position_in_sequence(cu, x.shape[1]))
+    theirs = torch.cat([F.conv1d(s[None], w[:, None], bias, padding=3, groups=6)[0, :, : s.shape[1]]
+                        for s in x.split(lengths, dim=1)], dim=1)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_positions_are_the_models_own(folder):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from models.family import build_adapter
+
+    adapter = build_adapter(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    prompt = _prompts(folder)[1]
+    ids = torch.tensor(prompt.input_ids)
+    ours = adapter.position_ids(ids, prompt.image_grid_thw)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(folder)))
+    types = (ids == adapter.image_token_id).int().unsqueeze(0)
+    theirs, _ = model.model.get_rope_index(ids.unsqueeze(0), types, prompt.image_grid_thw)
+    assert torch.equal(ours[1:], theirs[:, 0].cpu()) and torch.equal(ours[0], torch.arange(ids.numel()))
+
+
+def test_the_tiny_checkpoint(folder):
+    config = json.loads((folder / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    assert text["layer_types"] == ["linear_attention", "full_attention"]
+    # transformers 5.17 reads num_attention_heads, later versions num_heads.
+    assert vision["num_heads"] == vision["num_attention_heads"] == 2
+    processor = json.loads((folder / "processor_config.json").read_text())
+    assert processor["processor_class"] == "Qwen3VLProcessor" and processor["image_processor"]["patch_size"] == 16
+
+
+@pytest.mark.parametrize("hf_name, vllm_name, shard", [
+    ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
+     "language_model.model.layers.0.linear_attn.in_proj_qkvz.weight", (0, 1, 2)),
+    ("model.language_model.layers.0.linear_attn.in_proj_z.weight",
+     "language_model.model.layers.0.linear_attn.in_proj_qkvz.weight", 3),
+    ("model.language_model.layers.0.linear_attn.in_proj_b.weight",
+     "language_model.model.layers.0.linear_attn.in_proj_ba.weight", 0),
+    ("model.language_model.layers.0.linear_attn.in_proj_a.weight",
+     "language_model.model.layers.0.linear_attn.in_proj_ba.weight", 1),
+    ("model.language_model.layers.0.linear_attn.conv1d.weight",
+     "language_model.model.layers.0.linear_attn.conv1d.weight", None),
+    ("model.language_model.layers.0.linear_attn.A_log", "language_model.model.layers.0.linear_attn.A_log", None),
+    ("model.language_model.layers.1.self_attn.q_proj.weight",
+     "language_model.model.layers.1.self_attn.qkv_proj.weight", "q"),
+    ("model.language_model.layers.1.mlp.up_proj.weight", "language_model.model.layers.1.mlp.gate_up_proj.weight", 1),
+    ("model.visual.blocks.0.attn.qkv.weight", "visual.blocks.0.attn.qkv.weight", None),
+    ("model.visual.merger.linear_fc1.weight", "visual.merger.linear_fc1.weight", None),
+    ("lm_head.weight", "language_model.lm_head.weight", None),
+    ("model.layers.0.linear_attn.dt_bias", "language_model.model.layers.0.linear_attn.dt_bias", None),
+])
+def test_vllm_names(hf_name, vllm_name, shard):
+    assert vllm_param_for("qwen3_5", hf_name) == (vllm_name, shard)
+
+
+def test_prompts_collapse_to_what_vllm_expands(folder):
+    from transformers import AutoConfig
+
+    from data.processing import load_processor
+    from models.family import build_adapter
+    from rollout.weight_names import VLLM_UNVERIFIED
+
+    adapter = build_adapter(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    vocab = load_processor(str(folder)).tokenizer.get_vocab()
+    prompt = _prompts(folder)[1]
+    collapsed, runs = adapter.vllm_collapse(prompt.input_ids, vocab)
+    assert collapsed.count(adapter.image_token_id) == 1
+    assert runs == [[adapter.image_token_id] * (int(prompt.image_grid_thw[0].prod()) // 4)]
+    assert adapter.vllm_expand(collapsed, runs, vocab) == prompt.input_ids
+    assert adapter.vllm_processor_kwargs(3136, 12544) == {
+        "size": {"shortest_edge": 3136, "longest_edge": 12544}, "do_resize": False}
+    assert "qwen3_5" in VLLM_UNVERIFIED and not adapter.batch_with_padding and adapter.tool_format is None

@@ -149,7 +149,7 @@ class Rollouts:
             else:
                 gens = self._generate(engine, [e.engine_input() for e in live], replace(turn_params, n=1))
             turn += 1
-            calls = self._end_turn(live, gens, allowed, turn)
+            calls = self._end_turn(live, gens, allowed, turn, budget)
             if calls:
                 self._run_tools(prompts, calls)
             live = [e for e in live if not e.done]
@@ -163,8 +163,8 @@ class Rollouts:
         inputs, params, start = self.engine_group.gather(inputs, params)
         return self.engine_group.own(engine.generate(inputs, params), start, count)
 
-    def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int],
-                  turn: int) -> list[tuple[Episode, str]]:
+    def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int], turn: int,
+                  budget: int) -> list[tuple[Episode, str]]:
         """Append each live episode's turn; finish the ones that end here; the tool calls of the rest."""
         calls: list[tuple[Episode, str]] = []
         for e, g, cap in zip(live, gens, allowed):
@@ -182,7 +182,7 @@ class Rollouts:
                 e.finish_reason = "answered"
             elif turn >= self.cfg.rollout.max_turns:
                 e.finish_reason = "max_turns"
-            elif e.model_tokens >= self.cfg.rollout.max_new_tokens:
+            elif e.model_tokens >= budget:
                 e.finish_reason = "max_tokens"
             else:
                 calls += [(e, raw) for raw in found]

@@ -185,3 +185,222 @@ def test_loss_mask_and_packing_keep_model_tokens_and_images(tiny_model):
     assert mb.image_group == [0, 1, 0, 2, 3, 2]
     assert int((mb.input_ids == adapter.image_token_id).sum()) == sum(
         adapter.image_token_count(g) for e in episodes for g in e.image_grid_thw())
+
+
+FAILURES = {
+    "malformed_json": '<tool_call>{"name": "image_zoom_in_tool", </tool_call><|im_end|>',
+    "unknown_tool": _call({"name": "no_such_tool", "arguments": {}}),
+    "bad_arguments": _call({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 500, 500]}}),
+    "tool_exception": _call({"name": "episode_crash", "arguments": {}}),
+    "timeout": _call({"name": "episode_nap", "arguments": {"seconds": 30}}),
+    None: _call({"name": "calculator", "arguments": {"expression": "20 + 3"}}),
+}
+
+
+def test_each_tool_failure_is_counted_and_the_episode_goes_on(tiny_model, user_module):
+    processor = load_processor(str(tiny_model))
+    cfg = _cfg(tiny_model, "rollout.tools=[image_zoom_in_tool,calculator,episode_nap,episode_crash]",
+               f"rollout.tools_module={user_module}", "rollout.tool_timeout_s=1", "rollout.tool_workers=6")
+    engine = ScriptedEngine(processor.tokenizer, [list(FAILURES.values()), ["<answer>3</answer><|im_end|>"]])
+    rollouts = _rollouts(cfg, processor, engine)
+    try:
+        _, episodes, _ = rollouts.generate_and_score(engine, [_prompt(processor)], rollouts_params(n=len(FAILURES)))
+        metrics = rollouts.metrics(episodes, "cpu")
+    finally:
+        rollouts.close()
+    for kind, e in zip(FAILURES, episodes):
+        assert e.finish_reason == "answered" and len(e.turns) == 2 and e.tool_calls == 1, kind
+        assert e.tool_errors == ({} if kind is None else {kind: 1})
+        # the model sees the error (or the result) as the tool's answer, then answers
+        shown = processor.tokenizer.decode([t for t, s in zip(e.token_ids, e.sources) if s == TOOL])
+        assert "<tool_response>" in shown and ("23" in shown if kind is None else len(shown) > 40), (kind, shown)
+    for kind in FAILURES:
+        if kind:
+            assert metrics[f"agent/tool_errors_{kind}"] == 1, kind
+    assert metrics["agent/tool_calls"] == 6 and metrics["agent/tool_errors"] == 5
+    assert metrics["agent/finish_answered"] == 1.0 and metrics["agent/turns_mean"] == 2.0
+
+
+def _run(tiny_model, script, *extra, n=1):
+    processor = load_processor(str(tiny_model))
+    engine = ScriptedEngine(processor.tokenizer, script)
+    cfg = _cfg(tiny_model, *extra)
+    rollouts = _rollouts(cfg, processor, engine)
+    params = rollouts_params(n=n, max_new_tokens=cfg.rollout.max_new_tokens)
+    try:
+        return rollouts.generate_and_score(engine, [_prompt(processor)], params)[1], processor
+    finally:
+        rollouts.close()
+
+
+def test_limits_end_episodes_with_their_reason(tiny_model):
+    answer = "<answer>3</answer><|im_end|>"
+    (e,), _ = _run(tiny_model, [[_call(ZOOM)], [_call(ZOOM)]], "rollout.max_turns=2")
+    assert (e.finish_reason, len(e.turns), e.tool_images) == ("max_turns", 2, 1)
+    (e,), _ = _run(tiny_model, [[_call(ZOOM)], [_call(ZOOM)], [answer]], "rollout.max_tool_images=1")
+    assert (e.finish_reason, len(e.turns), e.tool_images) == ("max_tool_images", 2, 1)
+    (e,), _ = _run(tiny_model, [[FAILURES["unknown_tool"]]], "rollout.max_tool_errors=1")
+    assert (e.finish_reason, len(e.turns), e.errors) == ("tool_error_limit", 1, 1)
+    (e,), processor = _run(tiny_model, [[answer]], "rollout.max_new_tokens=3")
+    assert (e.finish_reason, e.model_tokens, e.engine_finish) == ("max_tokens", 3, "length")
+    # max_new_tokens is a budget over all turns: the second turn gets what the first left
+    first = len(processor.tokenizer.encode(_call(ZOOM), add_special_tokens=False))
+    (e,), _ = _run(tiny_model, [[_call(ZOOM)], [answer]], f"rollout.max_new_tokens={first + 2}")
+    assert (e.finish_reason, e.model_tokens, len(e.turns)) == ("max_tokens", first + 2, 2)
+    # a tool result that would leave no room for another model token ends the episode unappended
+    prompt_len = _prompt(processor).input_ids.numel()
+    (e,), _ = _run(tiny_model, [[_call(ZOOM)], [answer]], "data.max_prompt_tokens=100",
+                   f"rollout.max_context_tokens={prompt_len + first + 20}")
+    assert (e.finish_reason, len(e.turns), e.tool_images, len(e.token_ids)) == ("max_tokens", 1, 0, prompt_len + first)
+
+
+def test_without_tools_an_episode_is_one_turn(tiny_model):
+    processor = load_processor(str(tiny_model))
+    cfg = load_config(None, [f"model.path={tiny_model}", "data.task=clevr"])
+    engine = ScriptedEngine(processor.tokenizer, [[_call(ZOOM), "<answer>3</answer>"]])
+    rollouts = _rollouts(cfg, processor, engine)
+    _, episodes, infos = rollouts.generate_and_score(engine, [_prompt(processor)], rollouts_params(n=2))
+    assert len(engine.calls) == 1 and rollouts.metrics(episodes, "cpu") == {}
+    assert [(e.finish_reason, len(e.turns)) for e in episodes] == [("answered", 1), ("max_tokens", 1)]
+    assert infos[1].accuracy == 1.0
+
+
+def _hf_model(path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _hf_logprobs(model, ids: list[int], pixels, grid, start: int) -> torch.Tensor:
+    """Logprobs of ids[start:] from transformers' forward on the whole sequence, at the positions of the
+    model's own `get_rope_index`."""
+    import inspect
+
+    t = torch.tensor([ids])
+    kwargs = {}
+    if "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters:
+        mm = (t == model.config.image_token_id).int()
+        kwargs["position_ids"], _ = model.model.get_rope_index(t, mm_token_type_ids=mm, image_grid_thw=grid)
+    logits = model(input_ids=t, pixel_values=pixels, image_grid_thw=grid, **kwargs).logits[0].float()
+    return torch.log_softmax(logits[start - 1:-1], -1).gather(1, t[0, start:, None])[:, 0]
+
+
+def _zoom_episode(tiny_model):
+    (e,), processor = _run(tiny_model, [[_call(ZOOM)], ["<answer>3</answer><|im_end|>"]])
+    assert len(e.images) == 2
+    return e, processor
+
+
+def test_positions_over_several_images_match_the_reference(tiny_model):
+    import inspect
+
+    e, _ = _zoom_episode(tiny_model)
+    model = _hf_model(tiny_model)
+    inner = model.model
+    if "mm_token_type_ids" not in inspect.signature(inner.get_rope_index).parameters:
+        pytest.skip("this transformers version computes rope indices with another signature")
+    adapter = FAMILIES["qwen2_5_vl"].adapter(model.config)
+    ids = torch.tensor(e.token_ids)
+    grid = e.image_grid_thw()
+    ours = episode_batch([e], adapter)["position_ids"].items[0]
+    mm = (ids == adapter.image_token_id).int()[None]
+    ref, _ = inner.get_rope_index(ids[None], mm_token_type_ids=mm, image_grid_thw=grid)
+    assert grid.shape[0] == 2 and torch.equal(ref[:, 0], ours[1:])
+    assert torch.equal(ours[0], torch.arange(ids.numel()))
+
+
+def test_the_built_in_engine_continues_an_episode_with_several_images(tiny_model):
+    from rollout.base import SamplingParams
+    from rollout.torch_engine import TorchEngine
+
+    e, _ = _zoom_episode(tiny_model)
+    start, _ = e.turns[1]
+    prompt = e.engine_input()
+    prompt.input_ids = e.token_ids[:start]  # the episode as turn 2 got it: two images, a tool message
+    engine = TorchEngine(str(tiny_model))
+    (g,) = engine.generate([prompt], SamplingParams(n=1, max_new_tokens=5, seed=1))
+    ref = _hf_logprobs(engine.model, prompt.input_ids + g.token_ids, prompt.pixel_values, prompt.image_grid_thw,
+                       start)
+    assert len(g.token_ids) == 5 and torch.allclose(torch.tensor(g.logprobs), ref, atol=1e-5)
+
+
+class TeacherEngine:
+    """Writes fixed texts and reports the model's own logprobs of them (transformers' forward on the
+    whole sequence): per prompt, sample 0 zooms and then answers, sample 1 writes no answer."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self.calls = model, tokenizer, 0
+
+    def generate(self, prompts, params):
+        turn, self.calls = self.calls, self.calls + 1
+        out = []
+        for i, p in enumerate(prompts):
+            for j in range(params.n):
+                text = ["<answer>1</answer><|im_end|>", _call(ZOOM) if j == 0 else "no idea<|im_end|>"][turn == 0]
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                lps = _hf_logprobs(self.model, list(p.input_ids) + ids, p.pixel_values, p.image_grid_thw,
+                                   len(p.input_ids))
+                out.append(Generation(i, ids, lps.tolist(), "stop"))
+        return out
+
+
+def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp_path):
+    """Episodes of two turns (a zoom) and of one turn train in one step; the policy's packed logprobs
+    of the model tokens, with the tool images, equal transformers' on each whole episode."""
+    from grpo.trainer import Trainer
+    from models.parallel import init_distributed
+
+    init_distributed()
+    cfg = load_config(None, [
+        "trainer.mode=grpo", f"model.path={tiny_model}", f"data.train_path={clevr_parquet}", "rollout.engine=torch",
+        "rollout.n=2", "data.prompts_per_step=2", "data.min_pixels=3136", "data.max_pixels=3136",
+        f"trainer.run_dir={tmp_path / 'run'}", "logging.tensorboard=false", "checkpoint.resume=never",
+        "optim.max_tokens_per_microbatch=200", "rollout.tools=[image_zoom_in_tool]", "rollout.max_turns=2",
+        "rollout.max_new_tokens=200", "algorithm.tool_error_penalty=0.5",
+    ])
+    trainer = Trainer(cfg)
+    engine = TeacherEngine(_hf_model(tiny_model), trainer.tokenizer)
+    trainer.rollouts.generating = lambda: awake(engine)
+    try:
+        m = trainer.grpo_step(2)
+    finally:
+        trainer.rollouts.close()
+    assert engine.calls == 2  # two turns, each one engine call
+    assert m["agent/turns_mean"] == 1.5 and m["agent/tool_calls"] == 2 and m["agent/images_per_episode"] == 1.5
+    assert {k: v for k, v in m.items() if k.startswith("agent/finish_")} == {
+        "agent/finish_answered": 1.0, "agent/finish_max_turns": 0.0, "agent/finish_max_tool_images": 0.0,
+        "agent/finish_max_tokens": 0.0, "agent/finish_tool_error_limit": 0.0}
+    assert m["agent/tool_errors"] == 0
+    assert 1.0 <= m["fidelity/token_mult_prob_error"] <= 1.0001, m["fidelity/token_mult_prob_error"]
+    assert m["reward/std"] > 0 and m["loss/grad_norm"] > 0
+
+
+def test_vllm_gets_an_episode_with_several_images_and_its_limit(tiny_model, monkeypatch):
+    """Without vLLM: the engine's request for a two-image episode, and the image limit the factory sets."""
+    from types import SimpleNamespace
+
+    import rollout.factory as factory
+    import rollout.vllm_engine as vllm_engine
+
+    e, processor = _zoom_episode(tiny_model)
+    engine = object.__new__(vllm_engine.VLLMEngine)
+    engine.adapter, engine.family = FAMILIES["qwen2_5_vl"].adapter(_model_config(tiny_model)), "qwen2_5_vl"
+    engine._vocab = processor.tokenizer.get_vocab()
+    engine.max_images_per_prompt = 5
+    request = engine._vllm_prompt(0, e.engine_input())
+    pad = engine.adapter.image_token_id
+    assert request["multi_modal_data"]["image"] == e.images and request["prompt_token_ids"].count(pad) == 2
+    engine.max_images_per_prompt = 1
+    with pytest.raises(ValueError, match="2 images.*max_images_per_prompt"):
+        engine._vllm_prompt(0, e.engine_input())
+
+    built = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: built.update(kw))
+    monkeypatch.setattr(factory, "resolve_engine_name", lambda name, family=None: "vllm")
+    policy = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type="qwen2_5_vl")),
+                             dtype=torch.bfloat16, adapter=engine.adapter)
+    factory.build_engine(_cfg(tiny_model, "rollout.max_tool_images=3", "rollout.max_context_tokens=4000"), policy)
+    assert built["max_images_per_prompt"] == 4 and built["max_model_len"] == 4000
+    factory.build_engine(load_config(None, [f"model.path={tiny_model}"]), policy)
+    assert built["max_images_per_prompt"] == 1 and built["max_model_len"] == 2048 + 64

@@ -18,9 +18,10 @@ grow with the dataset's pixel count. A bad row raises BadSample from `get` and i
 and counted by `iter_samples`. A cell of the wrong type (`images` as a number, an image's
 `bytes` as a number, ...) makes its row "wrong_type". `VLDataset.bound_rows` bounds the number of
 images and the problem's and answer's length; rows over the bounds are skipped ("too_many_images",
-"prompt_too_long", "answer_too_long") before any image is decoded. Text that is not valid UTF-8
-(a JSONL line, or a parquet text column stored as binary) makes its row "invalid_text"; it does
-not fail the file.
+"prompt_too_long", "answer_too_long") before any image is decoded; an images cell's count and
+each image's encoded size (`max_image_bytes`) are read from arrow before the cell is converted.
+Text that is not valid UTF-8 (a JSONL line, or a parquet text column stored as binary) makes its
+row "invalid_text"; it does not fail the file.
 
 CLI: python -m data.datasets inspect FILE --task T [--model DIR] [--max-rows N]
 prints one JSON object (rows, loaded, skipped, skip_reasons, first_prompt). With --model
@@ -41,10 +42,11 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image
 
-from data.images import DEFAULT_MAX_IMAGE_PIXELS, BadSample, canonicalize_image, decode_image
+from data.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, BadSample, canonicalize_image, decode_image
 from data.prompts import IMAGE_TAG, build_messages, check_task, render_messages_plain
 from data.trajectories import MessageRows, messages_layout
 
@@ -293,6 +295,7 @@ class VLDataset:
         min_pixels: int = 28 * 28,
         max_pixels: int = 512 * 28 * 28,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         max_images: int | None = None,
         max_text_chars: int | None = None,
     ):
@@ -303,6 +306,7 @@ class VLDataset:
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         self.max_image_pixels = max_image_pixels
+        self.max_image_bytes = max_image_bytes
         self.max_images: int | None = None
         self.max_text_chars: int | None = None
         self.bound_rows(max_images, max_text_chars)
@@ -332,23 +336,33 @@ class VLDataset:
     def _cell(self, canonical: str, index: int) -> Any:
         return self._table.column(self._columns[canonical])[index].as_py()
 
-    def _check_image_count(self, index: int) -> None:
-        """A list cell's length, read from arrow without converting it (a row may list millions)."""
-        if self.max_images is None:
-            return
+    def _check_image_cell(self, index: int) -> None:
+        """The images cell's count and encoded sizes, read from arrow before it is converted.
+
+        Converting copies every image's bytes out of the table at once; a row listing millions
+        of entries, or holding an image over `max_image_bytes`, is refused before that copy.
+        """
         scalar = self._table.column(self._columns["images"])[index]
-        if isinstance(scalar, (pa.ListScalar, pa.LargeListScalar)) and scalar.is_valid:
-            count = len(scalar.values)
-            if count > self.max_images:
-                raise BadSample("too_many_images", f"{count} images > {self.max_images} (each image takes at least "
-                                                   "one token of data.max_prompt_tokens)")
+        if not isinstance(scalar, (pa.ListScalar, pa.LargeListScalar)) or not scalar.is_valid:
+            return
+        values = scalar.values
+        if self.max_images is not None and len(values) > self.max_images:
+            raise BadSample("too_many_images", f"{len(values)} images > {self.max_images} (each image takes at least "
+                                               "one token of data.max_prompt_tokens)")
+        if pa.types.is_struct(values.type) and values.type.get_field_index("bytes") >= 0:
+            values = values.field("bytes")
+        if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
+            largest = pc.max(pc.binary_length(values)).as_py() if len(values) else None
+            if largest is not None and largest > self.max_image_bytes:
+                raise BadSample("image_too_large", f"an image of {largest} bytes > max_image_bytes="
+                                                   f"{self.max_image_bytes}")
 
     def _load_image(self, data: bytes | None, path: str | None) -> Image.Image:
         if data:
-            img = decode_image(data, max_image_pixels=self.max_image_pixels)
+            img = decode_image(data, max_image_pixels=self.max_image_pixels, max_image_bytes=self.max_image_bytes)
         elif path:
             full = Path(path) if Path(path).is_absolute() else self._base_dir / path
-            img = decode_image(full, max_image_pixels=self.max_image_pixels)
+            img = decode_image(full, max_image_pixels=self.max_image_pixels, max_image_bytes=self.max_image_bytes)
         else:
             raise BadSample("missing_image", "image entry has neither bytes nor path")
         return canonicalize_image(img, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
@@ -363,7 +377,7 @@ class VLDataset:
                 raise BadSample("invalid_text", invalid)
         if self._messages is not None:
             return self._messages.get(index, self)
-        self._check_image_count(index)
+        self._check_image_cell(index)
         refs = _image_refs(self._cell("images", index))
         if self.max_images is not None and len(refs) > self.max_images:
             raise BadSample("too_many_images", f"{len(refs)} images > {self.max_images}")

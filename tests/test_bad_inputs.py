@@ -360,3 +360,17 @@ def test_wrong_cell_types_are_skipped_and_counted_at_run_time(tmp_path, processo
     assert feeder.stats.as_dict() == {"wrong_type": 1}
     with pytest.raises(BadSample, match=r"wrong_type: images\[0\]\.bytes is int; expected binary"):
         dataset(path).get(1)
+
+
+def test_an_image_over_max_image_bytes_is_refused_before_the_cell_is_converted(tmp_path, monkeypatch):
+    path = tmp_path / "big.parquet"
+    good, padded = {"bytes": GOOD, "path": None}, {"bytes": GOOD + b"\0" * 5000, "path": None}
+    images = pa.array([[good, padded], [good]], type=IMAGE_STRUCTS)
+    pq.write_table(pa.table({"images": images, "problem": [Q + Q, Q], "answer": ["3", "3"]}), path)
+    ds = VLDataset(path, "clevr", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_image_bytes=len(GOOD) + 100)
+    real_cell = VLDataset._cell
+    monkeypatch.setattr(VLDataset, "_cell", lambda self, name, i: pytest.fail("converted") if name == "images"
+                        and i == 0 else real_cell(self, name, i))
+    with pytest.raises(BadSample, match=rf"image_too_large: an image of {len(GOOD) + 5000} bytes > max_image_bytes"):
+        ds.get(0)
+    assert len(ds.get(1).images) == 1

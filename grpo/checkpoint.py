@@ -19,8 +19,9 @@ adds `.metadata`, trainer state and side files). `load_checkpoint` and `load_ful
 verify a checkpoint before reading it: sizes first, then hashes, the files split across ranks.
 The manifest covers exactly the files of the folder: a file it does not list, a listed file
 that is missing or is not a regular file (a symbolic link, a folder), and an entry that is not a
-plain file name (absolute, `..`, a subfolder) are errors. sha256 runs at about 1.2 GB/s per core, so a save or resume costs one read of each rank's own
-share (a 7B model with AdamW state over 8 ranks: about 10 GB and 9 s per rank). A damaged or
+plain file name (absolute, `..`, a subfolder) are errors. sha256 runs at about 1.2 GB/s per core,
+so a save or resume costs one read of each rank's own share (a 7B model with AdamW state over 8
+ranks: about 10 GB and 9 s per rank). A damaged or
 incomplete checkpoint raises CheckpointError naming the folder, the file and what to do.
 
 Loading never runs pickled code: DCP keeps its `.metadata` as a pickle and reads non-tensor items
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import errno
 import hashlib
 import importlib
 import io

@@ -264,6 +264,12 @@ _ConfigSafeLoader.yaml_implicit_resolvers = {
 _ConfigSafeLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
+def _short(value: Any, limit: int = 160) -> str:
+    """repr(value), cut to `limit` characters: an error message stays one readable line whatever the value."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _yaml_error(exc: yaml.YAMLError, where: str) -> ConfigError:
     """A YAML error as `where, line L, column C: problem` (lines and columns count from 1)."""
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
@@ -359,7 +365,7 @@ def _base_names(value: Any, path: Path) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
-    raise ConfigError(f"config file {path}: 'base' must name a YAML file (or a list of them), got {value!r}")
+    raise ConfigError(f"config file {path}: 'base' must name a YAML file (or a list of them), got {_short(value)}")
 
 
 def _file_layers(path: Path, chain: tuple[Path, ...] = ()) -> list[tuple[str, dict]]:
@@ -387,26 +393,26 @@ def _override_value(text: str, raw: str) -> Any:
     if not stripped:
         return ""
     try:
-        _check_yaml_shape(stripped, f"command-line override {text!r}")
+        _check_yaml_shape(stripped, f"command-line override {_short(text)}")
         node = yaml.compose(stripped, Loader=_ConfigSafeLoader)
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, f"command-line override {text!r}") from None
+        raise _yaml_error(exc, f"command-line override {_short(text)}") from None
     if node is None or stripped[node.end_mark.index:].strip():
         # YAML reads `#` after a space as a comment: take the whole value as written instead.
         return stripped
     try:
         return yaml.load(stripped, Loader=_ConfigSafeLoader)
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, f"command-line override {text!r}") from None
+        raise _yaml_error(exc, f"command-line override {_short(text)}") from None
 
 
 def _split_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+        raise ConfigError(f"override {_short(text)} is not of the form key.sub=value")
     dotted, raw = text.split("=", 1)
     dotted = dotted.strip()
     if not dotted or any(not part for part in dotted.split(".")):
-        raise ConfigError(f"override {text!r}: {dotted!r} is not a dotted key like trainer.max_steps")
+        raise ConfigError(f"override {_short(text)}: {_short(dotted)} is not a dotted key like trainer.max_steps")
     return dotted, _override_value(text, raw)
 
 
@@ -459,19 +465,22 @@ def _leaf_type(dotted: str) -> Any:
 
 
 _KEY_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+MAX_INTERPOLATED_CHARS = 4096  # a value holding ${...}: the length of a path (PATH_MAX) is plenty
+MAX_INTERPOLATIONS = 32  # ${...} in one value
 _ONLY_KEYS = ("only ${section.key} references to other config keys are expanded, never an environment "
               "variable or a resolver; write \\${...} to keep the text as written")
 
 
 def _check_reference(target: str, key: str, source: str) -> None:
     """`target` (the inside of one `${...}`) must name a leaf config key such as `trainer.seed`."""
+    shown = target if len(target) <= 160 else f"{target[:160]}..."
     if not (_KEY_PATH.fullmatch(target) and target.split(".")[0] in _fields(Config)):
-        raise ConfigError(f"config key '{key}' ({source}): ${{{target}}} is not a config key; {_ONLY_KEYS}")
+        raise ConfigError(f"config key '{key}' ({source}): ${{{shown}}} is not a config key; {_ONLY_KEYS}")
     if _leaf_type(target) is None:
         section, _, name = target.rpartition(".")
         parent = _annotation(section)
         hint = _closest(name, list(_fields(parent))) if dataclasses.is_dataclass(parent) else ""
-        raise ConfigError(f"config key '{key}' ({source}): ${{{target}}} names no config key{hint}")
+        raise ConfigError(f"config key '{key}' ({source}): ${{{shown}}} names no config key{hint}")
 
 
 def _check_interpolations(value: str, key: str, source: str) -> None:
@@ -483,10 +492,14 @@ def _check_interpolations(value: str, key: str, source: str) -> None:
     """
     if "${" not in value:  # OmegaConf parses a string for interpolations only when it holds "${"
         return
+    if len(value) > MAX_INTERPOLATED_CHARS or value.count("${") > MAX_INTERPOLATIONS:
+        raise ConfigError(f"config key '{key}' ({source}): a value with ${{...}} in it may be at most "
+                          f"{MAX_INTERPOLATED_CHARS} characters with {MAX_INTERPOLATIONS} of them (OmegaConf's "
+                          f"parser is slow on more), got {len(value)} with {value.count('${')}")
     try:
         tree = parse_interpolation(value)
     except Exception as exc:  # noqa: BLE001 - GrammarParseError, or RecursionError from deep nesting
-        raise ConfigError(f"config key '{key}' ({source}): {value[:200]!r} is not a valid ${{...}} reference "
+        raise ConfigError(f"config key '{key}' ({source}): {_short(value)} is not a valid ${{...}} reference "
                           f"({type(exc).__name__}); {_ONLY_KEYS}") from None
     stack = [tree]
     while stack:
@@ -501,10 +514,11 @@ def _check_interpolations(value: str, key: str, source: str) -> None:
 
 
 def _strings(value: Any) -> Iterator[str]:
-    """Every string in a YAML value, inside lists and mappings too (keys included)."""
+    """Every string in a YAML value, inside lists and mappings too (keys included; `!!omap`, `!!pairs` and
+    `!!set` build tuples and sets)."""
     if isinstance(value, str):
         yield value
-    elif isinstance(value, list):
+    elif isinstance(value, (list, tuple, set, frozenset)):
         for v in value:
             yield from _strings(v)
     elif isinstance(value, dict):
@@ -517,7 +531,7 @@ def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
     """Checks OmegaConf does not make for one leaf value, and the interpolation check on its strings."""
     if isinstance(value, dict):
         raise ConfigError(f"config key '{key}' ({source}) is a value, not a section; expected "
-                          f"{_type_name(tp)}, got a mapping {value!r}")
+                          f"{_type_name(tp)}, got a mapping {_short(value)}")
     if tp is str and isinstance(value, bool):
         raise ConfigError(f"config key '{key}' ({source}): expected a string, got the boolean {value!r}; "
                           "quote it if you mean the text")
@@ -537,7 +551,7 @@ def _leaves(data: dict, cls: type, prefix: str, source: str) -> Iterator[tuple[s
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"config key '{key}' ({source}) is a section; expected a mapping of its "
-                                  f"keys ({', '.join(_fields(tp))}), got {value!r}")
+                                  f"keys ({', '.join(_fields(tp))}), got {_short(value)}")
             yield from _leaves(value, tp, f"{key}.", source)
         else:
             yield key, _prepare(key, value, tp, source)
@@ -550,7 +564,7 @@ def _set(conf: Any, key: str, value: Any, source: str) -> None:
     except OmegaConfBaseException as exc:
         note = " (a command-line value with ' #' is kept whole, not cut at the '#')" if " #" in str(value) else ""
         raise ConfigError(f"config key '{key}' ({source}): expected {_type_name(_leaf_type(key))}, "
-                          f"got {type(value).__name__} {value!r}{note}") from None
+                          f"got {type(value).__name__} {_short(value)}{note}") from None
 
 
 def _first_line(exc: Exception) -> str:
@@ -574,7 +588,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     """Build the root config from an optional YAML file and `a.b=v` overrides, validating every key."""
     layers = _file_layers(Path(path)) if path else []
     for text in overrides or []:
-        layers.append((f"command line {text!r}", parse_override(text)))
+        layers.append((f"command line {_short(text)}", parse_override(text)))
     conf = OmegaConf.structured(Config)
     for source, data in layers:
         for key, value in _leaves(data, Config, "", source):

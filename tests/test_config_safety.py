@@ -66,6 +66,8 @@ def test_command_line_resolvers_are_refused_naming_the_key(probe, value):
     assert "'model.lora.targets'" in message
     message = _refused([f"model.lora.targets=[[x, [{{k: {json.dumps(value)}}}]]]"])  # deeper than the type allows
     assert "'model.lora.targets'" in message
+    message = _refused([f"model.lora.targets=!!omap [{{k: {json.dumps(value)}}}]"])  # a list of tuples
+    assert "'model.lora.targets'" in message and "never an environment variable" in message
     assert probe == []
 
 
@@ -104,6 +106,15 @@ def test_key_references_still_resolve():
     cfg = load_config(None, ["trainer.run_dir=runs/${data.task}_${trainer.seed}", "trainer.seed=4",
                              "trainer.eval_every=${checkpoint.every_steps}", "checkpoint.every_steps=2"])
     assert cfg.trainer.run_dir == "runs/clevr_4" and cfg.trainer.eval_every == 2
+
+
+def test_long_values_give_short_errors_quickly():
+    start = time.perf_counter()
+    for value in ("${trainer.seed}" * 5000, "${oc.select:" * 3000 + "}" * 3000, "${" + "a." * 20000 + "b}"):
+        assert len(_refused([f"model.path={value}"])) < 1000
+    assert len(_refused(["model.lora.targets=" + "x" * 100_000])) < 1000  # a type error quotes the value, cut
+    assert time.perf_counter() - start < 10
+    assert load_config(None, ["model.path=" + "${trainer.seed}/" * 32]).model.path == "0/" * 32
 
 
 def _billion_laughs(levels: int = 9) -> str:

@@ -31,7 +31,7 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 def _read_json(path: Path, key: str, value: str) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting
         raise ConfigError(f"{key}={value!r}: {path.name} is not valid JSON ({exc}); restore it from the source "
                           "checkpoint") from exc
     if not isinstance(data, dict):

@@ -220,3 +220,13 @@ def test_good_model_dtypes_pass_the_model_check(tiny_model, tmp_path):
     with pytest.raises(ConfigError, match="data.train_path"):  # past the model folder, on to the data
         preflight(load_config(None, [f"model.path={folder}"]))
     assert os.path.islink(folder / "model.safetensors")
+
+
+def test_deeply_nested_model_config_json_is_one_line(tiny_model, tmp_path):
+    from grpo.preflight import preflight
+
+    folder = _model_copy(tiny_model, tmp_path / "m")
+    (folder / "config.json").write_text('{"model_type": "qwen2_5_vl", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match=r"config.json is not valid JSON \(maximum recursion depth") as info:
+        preflight(load_config(None, [f"model.path={folder}"]))
+    assert "\n" not in str(info.value)

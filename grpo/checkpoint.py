@@ -262,7 +262,10 @@ def _finish(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict, 
             lora: dict | None = None) -> None:
     """Rank 0: trainer state, LoRA description and side files, then make the checkpoint visible (rename, pointer)."""
     _fault_point("after_dcp", step)
-    _write_durable(tmp / "trainer_state.json", json.dumps({**trainer_state, "step": step}, indent=1))
+    # "manifest" records that this checkpoint has one: deleting manifest.json cannot pass it off as
+    # a checkpoint from before manifests, which loads unverified with a warning
+    _write_durable(tmp / "trainer_state.json", json.dumps({**trainer_state, "step": step, "manifest": MANIFEST},
+                                                          indent=1))
     if lora is not None:
         _write_durable(tmp / LORA_FILE, json.dumps(lora, indent=1))
     for name in ("config.json", *_SIDE_FILES):
@@ -396,6 +399,13 @@ def _read_manifest(folder: Path) -> dict | None:
     return entries
 
 
+def _written_with_manifest(folder: Path) -> bool:
+    try:
+        return json.loads((folder / "trainer_state.json").read_text()).get("manifest") == MANIFEST
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _unlisted(folder: Path, manifest: dict) -> list[str]:
     """Entries of the checkpoint folder that its manifest does not list (files, folders, links)."""
     return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and p.name not in manifest)
@@ -418,13 +428,18 @@ def verify_checkpoint(folder: str | Path) -> dict:
     Collective when a process group is up: every rank checks all sizes and hashes its share of the
     files (round robin), and all ranks learn the result, so all raise the same message. Without a
     group (the merge tool) one process checks everything. Returns {files, bytes, seconds}.
-    A checkpoint written before manifests existed is loaded with a warning that names it.
+    A checkpoint written before manifests existed is loaded with a warning that names it; one
+    whose trainer_state.json says it was written with a manifest, but has none, is an error.
     A checkpoint that passes is remembered as verified for pruning (`_prune`).
     """
     folder = Path(folder)
     t0 = time.monotonic()
     manifest = _read_manifest(folder)
     if manifest is None:
+        if _written_with_manifest(folder):
+            raise CheckpointError(f"checkpoint {folder} is damaged: {MANIFEST} is missing, although trainer_state.json "
+                                  "says the checkpoint was written with one, so its files cannot be verified. It was "
+                                  f"not loaded; {_advice(folder)}")
         log.warning("checkpoint %s has no %s (written by an older vlrl): its files cannot be verified", folder, MANIFEST)
         return {"files": 0, "bytes": 0, "seconds": 0.0}
     names = sorted(manifest)

@@ -284,9 +284,15 @@ def test_manifest_covers_every_file_and_damage_is_named(trained, tiny_model, tmp
         load_checkpoint(first, policy.model, optimizer)
 
 
-def test_checkpoint_without_manifest_loads_with_a_warning(trained, tiny_model, tmp_path, caplog):
+def test_checkpoint_without_manifest_loads_with_a_warning_only_if_written_before_manifests(
+        trained, tiny_model, tmp_path, caplog):
     first = save(tmp_path / "run", 1, trained, tiny_model)
-    (first / ckpt.MANIFEST).unlink()
+    (first / ckpt.MANIFEST).unlink()  # written with a manifest: its loss is damage, not age
+    with pytest.raises(ckpt.CheckpointError, match=r"manifest.json is missing, although trainer_state.json says"):
+        load_checkpoint(first, trained[0].model, trained[1])
+    state = json.loads((first / "trainer_state.json").read_text())
+    del state["manifest"]  # as an older vlrl wrote it
+    (first / "trainer_state.json").write_text(json.dumps(state))
     with caplog.at_level("WARNING", logger="vlrl"):
         load_checkpoint(first, trained[0].model, trained[1])
     assert f"checkpoint {first} has no manifest.json" in caplog.text

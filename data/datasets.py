@@ -229,6 +229,25 @@ def _image_refs(value: Any) -> list[tuple[bytes | None, str | None]]:
     return refs
 
 
+def _images_type_problem(kind: pa.DataType) -> str | None:
+    """What is wrong with an images column of arrow type `kind` (None when every row can be read)."""
+    item = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else kind
+    if pa.types.is_dictionary(item):
+        item = item.value_type
+    binary = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_null)
+    text = (pa.types.is_string, pa.types.is_large_string, pa.types.is_null)
+    if any(check(item) for check in binary + text):
+        return None
+    if not pa.types.is_struct(item):
+        return (f"images has arrow type {kind}; expected a list of {{bytes, path}} structs, one such struct, "
+                "or path strings")
+    for name, allowed, want in (("bytes", binary, "binary"), ("path", text, "a string")):
+        index = item.get_field_index(name)
+        if index >= 0 and not any(check(item.field(index).type) for check in allowed):
+            return f"images' {name} field has arrow type {item.field(index).type}; expected {want}"
+    return None
+
+
 def _check_length(text: str, field: str, max_chars: int | None, reason: str) -> None:
     if max_chars is not None and len(text) > max_chars:
         raise BadSample(reason, f"{field} has {len(text)} characters > {max_chars} (data.max_prompt_tokens × the "
@@ -315,6 +334,8 @@ class VLDataset:
         layout = messages_layout(self._table)
         self._messages = MessageRows(self._table, layout, self.path) if layout else None
         self._columns = resolve_columns(self._table, self.path) if layout is None else {}
+        self._images_column = self._columns.get("images", "images")
+        self._images_problem = _images_type_problem(self._table.schema.field(self._images_column).type)
         self._base_dir = self.path.resolve().parent
 
     def __len__(self) -> int:
@@ -342,7 +363,10 @@ class VLDataset:
         Converting copies every image's bytes out of the table at once; a row listing millions
         of entries, or holding an image over `max_image_bytes`, is refused before that copy.
         """
-        scalar = self._table.column(self._columns["images"])[index]
+        if self._images_problem and self._messages is not None:
+            # data/trajectories.py reads such rows' images without checking each value's type
+            raise BadSample("wrong_type", self._images_problem)
+        scalar = self._table.column(self._images_column)[index]
         if not isinstance(scalar, (pa.ListScalar, pa.LargeListScalar)) or not scalar.is_valid:
             return
         values = scalar.values
@@ -356,6 +380,26 @@ class VLDataset:
             if largest is not None and largest > self.max_image_bytes:
                 raise BadSample("image_too_large", f"an image of {largest} bytes > max_image_bytes="
                                                    f"{self.max_image_bytes}")
+
+    def _check_text_cells(self, index: int) -> None:
+        """The problem's (or conversation's) and the answer's stored size, read before they are converted.
+
+        UTF-8 takes at most 4 bytes a character, so a cell of more than 4 × max_text_chars bytes
+        (plus a little for a nested cell's offsets) holds more characters than any prompt can.
+        """
+        if self.max_text_chars is None:
+            return
+        if self._messages is None:
+            cells = [(self._columns["problem"], "prompt_too_long"), (self._columns["answer"], "answer_too_long")]
+        else:
+            cells = [(self._messages.layout, "prompt_too_long")]
+            cells += [("answer", "answer_too_long")] if "answer" in self._table.column_names else []
+        limit = 4 * self.max_text_chars + 4096
+        for name, reason in cells:
+            size = self._table.column(name).slice(index, 1).nbytes
+            if size > limit:
+                raise BadSample(reason, f"{name} holds {size} bytes, more than {self.max_text_chars} characters "
+                                        "(data.max_prompt_tokens × the longest token's characters) can take")
 
     def _load_image(self, data: bytes | None, path: str | None) -> Image.Image:
         if data:
@@ -375,9 +419,10 @@ class VLDataset:
             invalid = self._table.column(INVALID_TEXT_COLUMN)[index].as_py()
             if invalid:
                 raise BadSample("invalid_text", invalid)
+        self._check_image_cell(index)
+        self._check_text_cells(index)
         if self._messages is not None:
             return self._messages.get(index, self)
-        self._check_image_cell(index)
         refs = _image_refs(self._cell("images", index))
         if self.max_images is not None and len(refs) > self.max_images:
             raise BadSample("too_many_images", f"{len(refs)} images > {self.max_images}")

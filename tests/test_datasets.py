@@ -428,3 +428,30 @@ def test_row_bounds_tighten_and_are_checked(tmp_path):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_images must be a positive integer"):
             dataset.bound_rows(max_images=bad)
+
+
+def test_trajectory_rows_get_the_same_size_and_type_checks(tmp_path):
+    """A `messages` file (read by data/trajectories.py): image count, image field types and the
+    conversation's size are checked from arrow before the row is converted."""
+    turn = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+    def write(name, images, image_type=IMAGE_TYPE, text="<image> How many?"):
+        messages = [[{"role": "user", "content": text}, {"role": "assistant", "content": "<answer>3</answer>"}]]
+        table = pa.table({"messages": pa.array(messages, type=pa.list_(turn)),
+                          "images": pa.array([images], type=image_type), "answer": ["3"]})
+        pq.write_table(table, tmp_path / name)
+        return VLDataset(tmp_path / name, "generic")
+
+    good = {"bytes": png_bytes(), "path": None}
+    assert len(write("good.parquet", [good]).get(0).images) == 1
+    int_bytes = pa.list_(pa.struct([("bytes", pa.int64()), ("path", pa.string())]))
+    with pytest.raises(BadSample, match="wrong_type: images' bytes field has arrow type int64; expected binary"):
+        write("types.parquet", [{"bytes": 5, "path": None}], int_bytes).get(0)
+    many = write("many.parquet", [good] * 3, text="<image>" * 3 + " How many?")
+    many.bound_rows(max_images=2)
+    with pytest.raises(BadSample, match="too_many_images: 3 images > 2"):
+        many.get(0)
+    long = write("long.parquet", [good], text="<image> " + "count " * 2000)
+    long.bound_rows(max_text_chars=100)
+    with pytest.raises(BadSample, match=r"prompt_too_long: messages holds \d+ bytes, more than 100 characters"):
+        long.get(0)

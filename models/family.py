@@ -135,6 +135,12 @@ class FamilyAdapter:
                 return re.sub(pattern, repl, name, count=1)
         return name
 
+    def weight_parts(self, name: str) -> list[list[str]] | None:
+        """The checkpoint names (canonical) that make up the model tensor `name` when checkpoint files
+        store it in parts (hub MoE checkpoints: one tensor per expert): per row of the result, the
+        names concatenated along dim 0, the rows then stacked. None: the files hold it whole."""
+        return None
+
     # --- images -----------------------------------------------------------------------------
     def image_token_count(self, grid_row: torch.Tensor) -> int:
         """Placeholder tokens one image (one `image_grid_thw` row) takes in the prompt."""

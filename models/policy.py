@@ -109,16 +109,24 @@ def load_safetensors_into(model: nn.Module, path: str, adapter: FamilyAdapter | 
         getattr(model.config, "tie_word_embeddings", False)
     )
     missing = []
+
+    def read(name: str) -> torch.Tensor:
+        file, key = where[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt")
+        return handles[file].get_tensor(key)
+
     for name, tensor in model.state_dict().items():
-        if name not in where:
+        parts = adapter.weight_parts(name) if adapter is not None and name not in where else None
+        if parts and all(p in where for row in parts for p in row):
+            full = torch.stack([torch.cat([read(p) for p in row]) for row in parts])
+        elif name not in where:
             if tied and name.endswith("lm_head.weight"):
                 continue
             missing.append(name)
             continue
-        file, key = where[name]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt")
-        full = handles[file].get_tensor(key)
+        else:
+            full = read(name)
         if tuple(full.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(tensor.shape)}")
         with torch.no_grad():

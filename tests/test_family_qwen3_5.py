@@ -30,6 +30,13 @@ def folder(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("qwen3_5") / "tiny", family="qwen3_5", size="tiny", seed=0)
 
 
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe") / "tiny", family="qwen3_5_moe", size="tiny", seed=0)
+
+
 def _policy(folder):
     init_distributed()
     return build_policy(ModelConfig(path=str(folder), dtype="float32", attn_implementation="sdpa"),
@@ -60,7 +67,9 @@ def _logprobs_and_grads(policy, batch, bins):
     return [out[i] for i in sorted(out)], grads
 
 
-def test_packed_row_equals_each_sequence_alone(folder, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_packed_row_equals_each_sequence_alone(family, request, monkeypatch):
+    folder = request.getfixturevalue("folder" if family == "qwen3_5" else "moe_folder")
     policy = _policy(folder)
     prompts, gens = _prompts(folder), _generations()
     batch = generation_batch(policy.adapter, prompts, gens)
@@ -164,3 +173,42 @@ def test_prompts_collapse_to_what_vllm_expands(folder):
     assert adapter.vllm_processor_kwargs(3136, 12544) == {
         "size": {"shortest_edge": 3136, "longest_edge": 12544}, "do_resize": False}
     assert "qwen3_5" in VLLM_UNVERIFIED and not adapter.batch_with_padding and adapter.tool_format is None
+
+
+def test_moe_hub_files_load_per_expert_into_fused_experts(moe_folder):
+    """Hub files hold one tensor per expert; the policy stacks them into transformers' fused experts."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    with safe_open(str(moe_folder / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        gate = f.get_tensor("model.language_model.layers.1.mlp.experts.2.gate_proj.weight")
+    assert "model.language_model.layers.1.mlp.experts.gate_up_proj" not in keys
+    policy = _policy(moe_folder)
+    assert policy.adapter.num_experts == 4
+    ours = dict(policy.full_state_dict())
+    fused = ours["model.language_model.layers.1.mlp.experts.gate_up_proj"]
+    assert fused.shape == (4, 64, 64) and torch.equal(fused[2, :32], gate)
+    theirs = AutoModelForImageTextToText.from_pretrained(str(moe_folder), dtype=torch.float32).state_dict()
+    for name in ("model.language_model.layers.0.mlp.experts.gate_up_proj",
+                 "model.language_model.layers.1.mlp.experts.down_proj", "model.language_model.layers.0.mlp.gate.weight"):
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+@pytest.mark.parametrize("hf_name, vllm_name, shard", [
+    ("model.language_model.layers.0.mlp.experts.gate_up_proj", "language_model.model.layers.0.mlp.experts.w13_weight",
+     None),
+    ("model.language_model.layers.1.mlp.experts.down_proj", "language_model.model.layers.1.mlp.experts.w2_weight",
+     None),
+    ("model.language_model.layers.1.mlp.experts.3.up_proj.weight",
+     "language_model.model.layers.1.mlp.experts.w13_weight", None),
+    ("model.language_model.layers.0.mlp.gate.weight", "language_model.model.layers.0.mlp.gate.weight", None),
+    ("model.language_model.layers.0.mlp.shared_expert.gate_proj.weight",
+     "language_model.model.layers.0.mlp.shared_expert.gate_up_proj.weight", 0),
+    ("model.language_model.layers.0.mlp.shared_expert_gate.weight",
+     "language_model.model.layers.0.mlp.shared_expert_gate.weight", None),
+    ("model.language_model.layers.0.linear_attn.in_proj_z.weight",
+     "language_model.model.layers.0.linear_attn.in_proj_qkvz.weight", 3),
+])
+def test_moe_vllm_names(hf_name, vllm_name, shard):
+    assert vllm_param_for("qwen3_5_moe", hf_name) == (vllm_name, shard)

@@ -35,6 +35,7 @@ as Qwen-VL's do. Not yet run on a GPU.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 
 import torch
@@ -274,18 +275,90 @@ def write_both_head_counts(vision_config, heads: int) -> None:
     vision_config.__dict__["num_attention_heads"] = heads
 
 
+def _tiny_moe_config(size: SizeSpec, tokenizer):
+    """Qwen3.5-MoE: every decoder layer's MLP is 4 routed experts (2 per token, 32 wide) plus a
+    gated shared expert."""
+    image, video, start, end = token_ids(tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                         "<|vision_end|>")
+    text = tiny_text_config(size, tokenizer, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32)
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=text, vision_config=tiny_vision_config(size), image_token_id=image, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+    )
+    write_both_head_counts(config.vision_config, size.vision_heads)
+    return config
+
+
+@dataclass
+class Qwen3_5MoeAdapter(Qwen3_5Adapter):
+    """Qwen3.5's adapter; the MLPs are expert blocks (router, fused experts, shared expert).
+
+    transformers 5 holds each layer's experts fused (`experts.gate_up_proj` (E, 2·I, H),
+    `experts.down_proj` (E, H, I)); hub checkpoints store one tensor per expert and projection,
+    which loading stacks (`weight_parts`).
+    """
+
+    num_experts: int = 0
+
+    def weight_parts(self, name: str) -> list[list[str]] | None:
+        match = re.match(r"^(.*\.mlp\.experts\.)(gate_up_proj|down_proj)$", name)
+        if match is None:
+            return None
+        prefix, fused = match.groups()
+        members = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+        return [[f"{prefix}{e}.{m}.weight" for m in members] for e in range(self.num_experts)]
+
+    def tp_plan(self) -> dict[str, str]:
+        return {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                "self_attn.o_proj": "rowwise"}
+
+
+def _qwen3_5_moe_adapter(config) -> Qwen3_5MoeAdapter:
+    add_cache_batch_ops()
+    adapter = _qwen_adapter(config, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", Qwen3_5MoeAdapter)
+    adapter.num_experts = config.text_config.num_experts
+    return adapter
+
+
 QWEN3_5_EXTRA_TOKENS = QWEN2_5_EXTRA_TOKENS + (("<think>", False), ("</think>", False))
 # Gated DeltaNet projections vLLM 0.26 fuses (its `packed_modules_mapping`), inside the decoder.
 DECODER = ("language_model.model.layers.",)
+# vLLM's FusedMoE holds each layer's experts as w13_weight (E, 2·I, H: gate rows, then up) and
+# w2_weight (E, H, I), the layout of transformers 5's fused gate_up_proj and down_proj; its loader
+# takes the fused tensors by their transformers names. The router (`mlp.gate`), the shared expert
+# (gate/up stacked into gate_up_proj) and its gate keep transformers' paths.
+_EXPERTS = (
+    (r"^model\.language_model\.(layers\.\d+\.mlp\.experts\.)gate_up_proj$", r"language_model.model.\1w13_weight"),
+    (r"^model\.language_model\.(layers\.\d+\.mlp\.experts\.)down_proj$", r"language_model.model.\1w2_weight"),
+    (r"^model\.(layers\.\d+\.mlp\.experts\.)gate_up_proj$", r"language_model.model.\1w13_weight"),
+    (r"^model\.(layers\.\d+\.mlp\.experts\.)down_proj$", r"language_model.model.\1w2_weight"),
+    # Hub files' per-expert tensors: each is a slice of the same vLLM parameter.
+    (r"^model\.(?:language_model\.)?(layers\.\d+\.mlp\.experts\.)\d+\.(gate|up)_proj\.weight$",
+     r"language_model.model.\1w13_weight"),
+    (r"^model\.(?:language_model\.)?(layers\.\d+\.mlp\.experts\.)\d+\.down_proj\.weight$",
+     r"language_model.model.\1w2_weight"),
+)
+_UNVERIFIED = "vLLM path written from vLLM's qwen3_5.py ({}); not yet run on a GPU"
 
 register(Family(
     model_type="qwen3_5",
     adapter=_qwen3_5_adapter,
     image_rules={"Qwen3VLProcessor": QwenImages},
     vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=DECODER,
-                   unverified="vLLM path written from vLLM's qwen3_5.py (Qwen3_5ForConditionalGeneration); "
-                              "not yet run on a GPU"),
+                   unverified=_UNVERIFIED.format("Qwen3_5ForConditionalGeneration")),
     tiny=TinySpec(model_class="Qwen3_5ForConditionalGeneration", processor_class="Qwen3VLProcessor",
                   config=_tiny_config, image_processor=_tiny_image_processor("qwen3_vl"),
+                  extra_tokens=QWEN3_5_EXTRA_TOKENS),
+))
+register(Family(
+    model_type="qwen3_5_moe",
+    adapter=_qwen3_5_moe_adapter,
+    image_rules={"Qwen3VLProcessor": QwenImages},
+    vllm=VLLMNames(prefixes=_EXPERTS + _PREFIXES, stacking_scopes=DECODER,
+                   unverified=_UNVERIFIED.format("Qwen3_5MoeForConditionalGeneration")),
+    tiny=TinySpec(model_class="Qwen3_5MoeForConditionalGeneration", processor_class="Qwen3VLProcessor",
+                  config=_tiny_moe_config, image_processor=_tiny_image_processor("qwen3_vl"),
                   extra_tokens=QWEN3_5_EXTRA_TOKENS),
 ))

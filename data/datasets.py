@@ -396,7 +396,15 @@ class VLDataset:
             cells += [("answer", "answer_too_long")] if "answer" in self._table.column_names else []
         limit = 4 * self.max_text_chars + 4096
         for name, reason in cells:
-            size = self._table.column(name).slice(index, 1).nbytes
+            column = self._table.column(name)
+            kind = column.type
+            if any(check(kind) for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
+                                              pa.types.is_large_binary)):
+                size = pc.max(pc.binary_length(column.slice(index, 1))).as_py() or 0
+            elif pa.types.is_nested(kind):
+                size = column.slice(index, 1).nbytes  # the slice's own share of the buffers
+            else:  # numbers are small; a dictionary's values are shared by every row (checked once converted)
+                continue
             if size > limit:
                 raise BadSample(reason, f"{name} holds {size} bytes, more than {self.max_text_chars} characters "
                                         "(data.max_prompt_tokens × the longest token's characters) can take")

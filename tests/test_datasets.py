@@ -455,3 +455,18 @@ def test_trajectory_rows_get_the_same_size_and_type_checks(tmp_path):
     long.bound_rows(max_text_chars=100)
     with pytest.raises(BadSample, match=r"prompt_too_long: messages holds \d+ bytes, more than 100 characters"):
         long.get(0)
+
+
+def test_size_checks_count_only_the_row(tmp_path):
+    """40 problems of 2 kB: the column holds 80 kB, each row is within a 5,000-character bound
+    (also dictionary-encoded, as pandas categoricals are stored, where every row shares the values)."""
+    problems = [f"<image> how many {i}? " + "x" * 2000 for i in range(40)]
+    images = pa.array([img(png_bytes())] * 40, type=IMAGE_TYPE)
+    for name, column in (("plain", pa.array(problems)), ("dictionary", pa.array(problems).dictionary_encode())):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"images": images, "problem": column, "answer": ["3"] * 40}), path)
+        dataset = VLDataset(path, "generic", max_text_chars=5000)
+        assert dataset.get(17).problem == problems[17]
+        dataset.bound_rows(max_text_chars=1000)
+        with pytest.raises(BadSample, match="prompt_too_long"):
+            dataset.get(17)

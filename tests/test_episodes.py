@@ -361,12 +361,13 @@ def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp
     ])
     trainer = Trainer(cfg)
     engine = TeacherEngine(_hf_model(tiny_model), trainer.tokenizer)
-    trainer.rollouts.generating = lambda: awake(engine)
+    wakes = []
+    trainer.rollouts.generating = lambda: wakes.append(1) or awake(engine)
     try:
         m = trainer.grpo_step(2)
     finally:
         trainer.rollouts.close()
-    assert engine.calls == 2  # two turns, each one engine call
+    assert engine.calls == 2 and len(wakes) == 1  # two turns, each one engine call, the engine awake once
     assert m["agent/turns_mean"] == 1.5 and m["agent/tool_calls"] == 2 and m["agent/images_per_episode"] == 1.5
     assert {k: v for k, v in m.items() if k.startswith("agent/finish_")} == {
         "agent/finish_answered": 1.0, "agent/finish_max_turns": 0.0, "agent/finish_max_tool_images": 0.0,

@@ -552,15 +552,16 @@ class Trainer:
 
     # --- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, max_samples: int | None = None) -> dict:
-        """Greedy accuracy on the held-out split (this rank's shard of the first N rows)."""
+    def evaluate(self, max_samples: int | None = None, use_tools: bool = True) -> dict:
+        """Greedy accuracy on the held-out split (this rank's shard of the first N rows); with
+        `use_tools=False` the model answers in one turn even when rollout.tools is set."""
         if self.eval_feeder is None:
             return {}
         n = min(max_samples or self.cfg.trainer.eval_samples, len(self.eval_feeder.dataset))
         self.eval_feeder.stream.position, self.eval_feeder.stream.epoch = 0, 0
         per_rank = max(n // self.dims.dp, 1)
         greedy = self.sampling_params(greedy=True, max_new_tokens=self.cfg.trainer.eval_max_new_tokens)
-        _, _, infos = self.rollouts.evaluate(self.eval_feeder.next(per_rank), greedy)
+        _, _, infos = self.rollouts.evaluate(self.eval_feeder.next(per_rank), greedy, use_tools)
         acc, fmt, cnt = all_reduce_sum([sum(r.accuracy for r in infos), sum(r.format for r in infos), len(infos)],
                                        self.policy.device)
         return {"eval/accuracy": acc / max(cnt, 1), "eval/format": fmt / max(cnt, 1), "eval/samples": cnt}

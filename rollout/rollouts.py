@@ -106,13 +106,14 @@ class Rollouts:
                     return keep_p, keep_e, keep_i
                 prompts, episodes, infos = self.generate_and_score(engine, feeder.next(need), params)
 
-    def evaluate(self, prompts, params: SamplingParams):
-        """(prompts, episodes, reward infos) of one round, the engine awake for it."""
+    def evaluate(self, prompts, params: SamplingParams, use_tools: bool = True):
+        """(prompts, episodes, reward infos) of one round, the engine awake for it; `use_tools=False`
+        answers in one turn even when tools are configured (for comparing with and without them)."""
         with self.generating() as engine:
-            return self.generate_and_score(engine, prompts, params)
+            return self.generate_and_score(engine, prompts, params, use_tools)
 
-    def generate_and_score(self, engine, prompts, params: SamplingParams):
-        episodes = self.run_episodes(engine, prompts, params)
+    def generate_and_score(self, engine, prompts, params: SamplingParams, use_tools: bool = True):
+        episodes = self.run_episodes(engine, prompts, params, use_tools)
         return prompts, episodes, self.score(prompts, episodes)
 
     def score(self, prompts, episodes: list[Episode]) -> list:
@@ -124,9 +125,10 @@ class Rollouts:
         return out
 
     # --- turns -------------------------------------------------------------------------------
-    def run_episodes(self, engine, prompts, params: SamplingParams) -> list[Episode]:
-        """n episodes per prompt, prompt-major, each run to its finish reason."""
+    def run_episodes(self, engine, prompts, params: SamplingParams, use_tools: bool = True) -> list[Episode]:
+        """n episodes per prompt, prompt-major, each run to its finish reason (one turn without tools)."""
         budget = params.max_new_tokens
+        tools = bool(self.tools) and use_tools
         episodes = [Episode.start(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
         live = list(episodes)
         turn = 0
@@ -149,7 +151,7 @@ class Rollouts:
             else:
                 gens = self._generate(engine, [e.engine_input() for e in live], replace(turn_params, n=1))
             turn += 1
-            calls = self._end_turn(live, gens, allowed, turn, budget)
+            calls = self._end_turn(live, gens, allowed, turn, budget, tools)
             if calls:
                 self._run_tools(prompts, calls)
             live = [e for e in live if not e.done]
@@ -164,7 +166,7 @@ class Rollouts:
         return self.engine_group.own(engine.generate(inputs, params), start, count)
 
     def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int], turn: int,
-                  budget: int) -> list[tuple[Episode, str]]:
+                  budget: int, tools: bool) -> list[tuple[Episode, str]]:
         """Append each live episode's turn; finish the ones that end here; the tool calls of the rest."""
         calls: list[tuple[Episode, str]] = []
         for e, g, cap in zip(live, gens, allowed):
@@ -176,7 +178,7 @@ class Rollouts:
                 e.finish_reason = "max_tokens"
                 continue
             found = []
-            if self.tools and g.token_ids and g.token_ids[-1] == self.end_id:
+            if tools and g.token_ids and g.token_ids[-1] == self.end_id:
                 found = self.format.calls(self.tokenizer.decode(g.token_ids, skip_special_tokens=False))
             if not found:
                 e.finish_reason = "answered"

@@ -405,3 +405,35 @@ def test_vllm_gets_an_episode_with_several_images_and_its_limit(tiny_model, monk
     assert built["max_images_per_prompt"] == 4 and built["max_model_len"] == 4000
     factory.build_engine(load_config(None, [f"model.path={tiny_model}"]), policy)
     assert built["max_images_per_prompt"] == 1 and built["max_model_len"] == 2048 + 64
+
+
+class ListFeeder:
+    def __init__(self, prompts):
+        self.prompts, self.taken = prompts, 0
+
+    def next(self, k):
+        out = self.prompts[self.taken:self.taken + k]
+        self.taken += k
+        return out
+
+
+def test_dynamic_sampling_refills_inside_one_wake(tiny_model):
+    """Groups whose episodes all score the same are dropped and refilled; the engine wakes once."""
+    processor = load_processor(str(tiny_model))
+    cfg = _cfg(tiny_model, "algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2")
+    texts = ["<answer>3</answer><|im_end|>", "<answer>4</answer><|im_end|>"]
+    engine = ScriptedEngine(processor.tokenizer, [texts] * 3 + [[_call(ZOOM)]])
+    wakes = []
+    rollouts = _rollouts(cfg, processor, engine)
+    rollouts.generating = lambda: wakes.append(1) or awake(engine)
+    feeder = ListFeeder([_prompt(processor, i, answer=a) for i, a in enumerate(["5", "3", "5", "4"])])
+    try:
+        prompts, episodes, infos = rollouts.collect(feeder, 2, rollouts_params(n=2))
+        # without tools in use, the same configuration answers in one turn
+        _, single, _ = rollouts.evaluate([_prompt(processor)], rollouts_params(n=1), use_tools=False)
+    finally:
+        rollouts.close()
+    assert [p.answer for p in prompts] == ["3", "4"] and len(wakes) == 2 and len(engine.calls) == 4
+    assert [e.prompt_index for e in episodes] == [0, 0, 1, 1]
+    assert [r.accuracy for r in infos] == [1.0, 0.0, 0.0, 1.0]
+    assert len(single[0].turns) == 1

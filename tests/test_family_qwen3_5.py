@@ -37,10 +37,10 @@ def moe_folder(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe") / "tiny", family="qwen3_5_moe", size="tiny", seed=0)
 
 
-def _policy(folder):
+def _policy(folder, activation_checkpointing=False):
     init_distributed()
-    return build_policy(ModelConfig(path=str(folder), dtype="float32", attn_implementation="sdpa"),
-                        build_parallel_dims())
+    return build_policy(ModelConfig(path=str(folder), dtype="float32", attn_implementation="sdpa",
+                                    activation_checkpointing=activation_checkpointing), build_parallel_dims())
 
 
 def _generations():
@@ -82,6 +82,11 @@ def test_packed_row_equals_each_sequence_alone(family, request, monkeypatch):
     assert linear and set(packed_grad) == set(single_grad)
     for name in packed_grad:
         assert torch.allclose(packed_grad[name], single_grad[name], rtol=1e-4, atol=1e-5), name
+    # Activation checkpointing recomputes each layer in backward, after the packed row's block closed.
+    recomputed = _policy(folder, activation_checkpointing=True)
+    _, recomputed_grad = _logprobs_and_grads(recomputed, batch, everything)
+    for name in packed_grad:
+        assert torch.allclose(recomputed_grad[name], single_grad[name], rtol=1e-4, atol=1e-5), name
     # Without the packed path, transformers' layer carries state across sequences: the row differs.
     from models.families import qwen3_5
 

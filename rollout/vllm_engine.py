@@ -272,7 +272,8 @@ def _full_tensor(module, attr: str, data: torch.Tensor, shard) -> torch.Tensor:
         return _qkv_part(module, data, shard, tp)
     if isinstance(module, MergedColumnParallelLinear) and shard is not None:
         sizes = [s // tp for s in module.output_sizes]
-        return _gather(data.narrow(0, sum(sizes[:shard]), sizes[shard]), 0, tp)
+        parts = shard if isinstance(shard, tuple) else (shard,)  # Qwen3.5's in_proj_qkv fills (0, 1, 2)
+        return torch.cat([_gather(data.narrow(0, sum(sizes[:p]), sizes[p]), 0, tp) for p in parts])
     if isinstance(module, RowParallelLinear):
         return _gather(data, 1, tp) if attr == "weight" else data
     if isinstance(module, ColumnParallelLinear):

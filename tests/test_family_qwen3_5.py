@@ -217,3 +217,26 @@ def test_moe_hub_files_load_per_expert_into_fused_experts(moe_folder):
 ])
 def test_moe_vllm_names(hf_name, vllm_name, shard):
     assert vllm_param_for("qwen3_5_moe", hf_name) == (vllm_name, shard)
+
+
+def test_read_back_of_the_stacked_gated_deltanet_projections(monkeypatch):
+    """in_proj_qkv fills three of in_proj_qkvz's four blocks (shard (0, 1, 2)); reading it back takes
+    those three, in_proj_z the fourth. vLLM's layer classes are stood in for (no vLLM on CPU)."""
+    import sys
+    import types
+
+    from rollout.vllm_engine import _full_tensor
+
+    linear = types.ModuleType("vllm.model_executor.layers.linear")
+    for name in ("ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear"):
+        setattr(linear, name, type(name, (), {}))
+    linear.MergedColumnParallelLinear = type("MergedColumnParallelLinear", (), {"tp_size": 1})
+    embedding = types.ModuleType("vllm.model_executor.layers.vocab_parallel_embedding")
+    embedding.VocabParallelEmbedding = type("VocabParallelEmbedding", (), {})
+    monkeypatch.setitem(sys.modules, linear.__name__, linear)
+    monkeypatch.setitem(sys.modules, embedding.__name__, embedding)
+    qkvz = linear.MergedColumnParallelLinear()
+    qkvz.output_sizes = [4, 4, 6, 6]
+    data = torch.arange(20.0).unsqueeze(1)
+    assert torch.equal(_full_tensor(qkvz, "weight", data, (0, 1, 2)), data[:14])
+    assert torch.equal(_full_tensor(qkvz, "weight", data, 3), data[14:])

@@ -26,6 +26,7 @@ Row i depends only on (seed, i).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import random
@@ -49,8 +50,8 @@ CHECKS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
 BACKGROUND = (200, 200, 200)
 FRAME = (0, 0, 0)
 CHECK_SIZE = 2  # canvas pixels; any view shrunk 2x or more averages the checks to grey
-QUESTION = ("What colour are the fine checks in the framed square: red, green, blue or black? "
-            "Zoom in if needed. Answer in <answer> </answer>.")
+# Short on purpose: every token of it is in every prompt and trajectory of the CPU demo.
+QUESTION = "What colour are the checks in the framed square? Zoom in, then answer in <answer> </answer>."
 SYSTEM = "You are a helpful assistant."
 
 IMAGE_TYPE = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
@@ -88,9 +89,7 @@ def draw_canvas(size: int, colours: list[str], framed: int) -> Image.Image:
     pixels = np.empty((size, size, 3), dtype=np.uint8)
     pixels[:] = BACKGROUND
     for k, (x1, y1, x2, y2) in enumerate(cells(size)):
-        ys, xs = np.mgrid[0:y2 - y1, 0:x2 - x1]
-        first = ((xs // CHECK_SIZE + ys // CHECK_SIZE) % 2 == 0)[..., None]
-        pixels[y1:y2, x1:x2] = np.where(first, CHECKS[colours[k]][0], CHECKS[colours[k]][1])
+        pixels[y1:y2, x1:x2] = _checkerboard(colours[k], x2 - x1)
     image = Image.fromarray(pixels, "RGB")
     frame = max(2, size // 56)
     x1, y1, x2, y2 = cells(size)[framed]
@@ -99,15 +98,23 @@ def draw_canvas(size: int, colours: list[str], framed: int) -> Image.Image:
     return image
 
 
+@functools.lru_cache(maxsize=16)
+def _checkerboard(colour: str, side: int) -> np.ndarray:
+    ys, xs = np.mgrid[0:side, 0:side]
+    first = ((xs // CHECK_SIZE + ys // CHECK_SIZE) % 2 == 0)[..., None]
+    return np.where(first, np.array(CHECKS[colour][0], np.uint8), np.array(CHECKS[colour][1], np.uint8))
+
+
 def _png(image: Image.Image) -> bytes:
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
+    image.save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 
 def tool_call_text(box: list[int]) -> str:
     """The assistant turn that calls the zoom tool on `box` (Qwen's Hermes-style call markers)."""
-    return "<tool_call>\n" + json.dumps({"name": TOOL_NAME, "arguments": {"bbox_2d": box}}) + "\n</tool_call>"
+    call = json.dumps({"name": TOOL_NAME, "arguments": {"bbox_2d": box}}, separators=(",", ":"))
+    return "<tool_call>\n" + call + "\n</tool_call>"
 
 
 def make_row(rng: random.Random, index: int, size: int, min_pixels: int, max_pixels: int, sft: bool,

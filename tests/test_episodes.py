@@ -327,7 +327,8 @@ def test_the_built_in_engine_continues_an_episode_with_several_images(tiny_model
 
 class TeacherEngine:
     """Writes fixed texts and reports the model's own logprobs of them (transformers' forward on the
-    whole sequence): per prompt, sample 0 zooms and then answers, sample 1 writes no answer."""
+    whole sequence): per prompt, sample 0 zooms and then answers, sample 1 calls a tool that does not
+    exist and then writes no answer."""
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer, self.calls = model, tokenizer, 0
@@ -337,7 +338,8 @@ class TeacherEngine:
         out = []
         for i, p in enumerate(prompts):
             for j in range(params.n):
-                text = ["<answer>1</answer><|im_end|>", _call(ZOOM) if j == 0 else "no idea<|im_end|>"][turn == 0]
+                later = "<answer>1</answer><|im_end|>" if j == 0 else "no idea<|im_end|>"
+                text = (_call(ZOOM) if j == 0 else FAILURES["unknown_tool"]) if turn == 0 else later
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
                 lps = _hf_logprobs(self.model, list(p.input_ids) + ids, p.pixel_values, p.image_grid_thw,
                                    len(p.input_ids))
@@ -346,8 +348,9 @@ class TeacherEngine:
 
 
 def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp_path):
-    """Episodes of two turns (a zoom) and of one turn train in one step; the policy's packed logprobs
-    of the model tokens, with the tool images, equal transformers' on each whole episode."""
+    """Episodes with a zoom and with a failed call train in one step; the policy's packed logprobs of
+    the model tokens, with the tool images, equal transformers' on each whole episode; each failed
+    call costs algorithm.tool_error_penalty."""
     from grpo.trainer import Trainer
     from models.parallel import init_distributed
 
@@ -363,16 +366,22 @@ def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp
     engine = TeacherEngine(_hf_model(tiny_model), trainer.tokenizer)
     wakes = []
     trainer.rollouts.generating = lambda: wakes.append(1) or awake(engine)
+    collect, seen = trainer.rollouts.collect, []
+    trainer.rollouts.collect = lambda *a: seen.append(collect(*a)) or seen[-1]
     try:
         m = trainer.grpo_step(2)
     finally:
         trainer.rollouts.close()
     assert engine.calls == 2 and len(wakes) == 1  # two turns, each one engine call, the engine awake once
-    assert m["agent/turns_mean"] == 1.5 and m["agent/tool_calls"] == 2 and m["agent/images_per_episode"] == 1.5
+    assert m["agent/turns_mean"] == 2.0 and m["agent/tool_calls"] == 4 and m["agent/images_per_episode"] == 1.5
     assert {k: v for k, v in m.items() if k.startswith("agent/finish_")} == {
         "agent/finish_answered": 1.0, "agent/finish_max_turns": 0.0, "agent/finish_max_tool_images": 0.0,
         "agent/finish_max_tokens": 0.0, "agent/finish_tool_error_limit": 0.0}
-    assert m["agent/tool_errors"] == 0
+    assert m["agent/tool_errors"] == 2 and m["agent/tool_errors_unknown_tool"] == 2
+    _, episodes, infos = seen[0]
+    penalized = [r.score - 0.5 * e.errors for e, r in zip(episodes, infos)]
+    assert [e.errors for e in episodes] == [0, 1, 0, 1]
+    assert abs(m["reward/mean"] - sum(penalized) / 4) < 1e-6
     assert 1.0 <= m["fidelity/token_mult_prob_error"] <= 1.0001, m["fidelity/token_mult_prob_error"]
     assert m["reward/std"] > 0 and m["loss/grad_norm"] > 0
 

@@ -91,7 +91,7 @@ class Trainer:
             offload=cfg.parallel.offload_during_generate, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             agree=lambda v: all_reduce_max_int(v, self.policy.device), is_main=self.dims.is_main,
         )
-        # episodes (turns, tools, rewards, dynamic sampling) come from rollout/; the engine is awake for each step's
+        # episodes (turns, tools, rewards, dynamic sampling) come from rollout/, the engine awake once per step
         self.rollouts = Rollouts(cfg, self.adapter, self.processor, self.colocation.generating, self.engine_group,
                                  lambda v: all_reduce_max_int(v, self.policy.device), alg.dynamic_sampling_keep)
         self._peak_tflops = peak_tflops(self.policy.device)
@@ -332,7 +332,7 @@ class Trainer:
         """rollout → score → experience (pack once, logprobs, advantages) → update → refit."""
         timings = {}
         t = time.monotonic()
-        prompts, episodes, rewards_info = self.rollouts.collect(self.feeder, per_rank, self.sampling_params())
+        _, episodes, rewards_info = self.rollouts.collect(self.feeder, per_rank, self.sampling_params())
         timings["perf/gen_s"] = time.monotonic() - t
         gen_detail = dict(self.colocation.timings)
 

@@ -113,10 +113,21 @@ def _saved_config(run_dir: Path) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def _row_step(raw: bytes) -> int | None:
+    """The integer `step` of one metrics.jsonl line, or None when the line is not such a row."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def _truncate_after(path: Path, step: int) -> None:
     """Drop rows past the resume point so a resumed run does not duplicate steps.
 
-    A line that is not a JSON row with a step (torn by a crash mid-write, binary junk) is dropped
+    A line that is not a JSON row with an integer step (torn by a crash mid-write, binary junk,
+    `{"step": Infinity}`) is dropped
     with a warning naming the file and its line numbers, and appended to `metrics.jsonl.bad` so
     nothing is lost. The file is rewritten through a temporary name and an atomic rename.
     """
@@ -126,9 +137,8 @@ def _truncate_after(path: Path, step: int) -> None:
     for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
         if not raw.strip():
             continue
-        try:
-            row_step = int(json.loads(raw.decode("utf-8"))["step"])
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
+        row_step = _row_step(raw)
+        if row_step is None:
             bad.append((number, raw))
             continue
         if row_step <= step:
@@ -138,7 +148,8 @@ def _truncate_after(path: Path, step: int) -> None:
         with aside.open("ab") as f:
             f.write(b"".join(raw + b"\n" for _, raw in bad))
         lines = ", ".join(str(n) for n, _ in bad[:10]) + (" ..." if len(bad) > 10 else "")
-        log.warning("%s: %d unreadable line(s) (line %s: torn by a crash or not JSON) dropped and kept in %s",
+        log.warning("%s: %d unreadable line(s) (line %s: torn by a crash, not JSON or no integer step) dropped and "
+                    "kept in %s",
                     path, len(bad), lines, aside)
     draft = path.with_name(path.name + ".tmp")
     draft.write_bytes(b"".join(raw + b"\n" for raw in keep))

@@ -3,9 +3,12 @@
 `build_trackers` turns `logging.backends` into tracker objects for rank 0's `MetricsLogger`
 (which writes the stdout line and ``metrics.jsonl`` itself). Every tracker gets the same
 namespaced metric names (``loss/total``, ``reward/mean``, ...) at the same step, and the run's
-resolved config once. A resumed run continues the same tracker run:
+resolved config once. A resumed run continues the same tracker run; ``checkpoint.resume=overwrite``
+deletes ``RUN/trackers.json`` (grpo/run_folder.py), so the new run gets new tracker runs:
 
-- ``tensorboard``: event files in ``RUN/tensorboard``; steps after the resume point are purged.
+- ``tensorboard``: event files in ``RUN/tensorboard``; steps after the resume point are purged. The
+  name of each event file the writer creates is recorded in ``RUN/trackers.json``, so that
+  ``overwrite`` deletes those files and no others.
 - ``wandb``: project ``$WANDB_PROJECT`` or ``vlrl``, files under ``RUN/wandb``. Without
   ``WANDB_API_KEY`` (and no ``WANDB_MODE`` set) it runs offline; ``wandb sync RUN/wandb/offline-*``
   uploads later. The run id is kept in ``RUN/trackers.json`` and resumed with ``resume="allow"``.
@@ -15,12 +18,15 @@ resolved config once. A resumed run continues the same tracker run:
   is kept in ``RUN/trackers.json``; the config goes in as parameters and ``config.yaml``.
 
 wandb and mlflow are optional: ``pip install -e '.[wandb]'`` / ``'.[mlflow]'``. Naming one that
-is not installed fails at start with that command; a tracker that fails mid-run is warned about
-once and dropped, so a tracking outage never stops training.
+is not installed, or an unknown backend, fails at start in one line (``check_trackers``, before
+any model is built); a tracker that fails mid-run is warned about once and dropped, so a
+tracking outage never stops training. After ``overwrite`` the old wandb and MLflow runs stay in
+their stores (``RUN/wandb``, ``RUN/mlflow``) as runs of their own.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -34,7 +40,7 @@ log = logging.getLogger("vlrl")
 
 BACKENDS = ("tensorboard", "jsonl", "wandb", "mlflow")
 _EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}
-_IDS_FILE = "trackers.json"
+IDS_FILE = "trackers.json"
 
 
 class Tracker(Protocol):
@@ -57,20 +63,47 @@ def check_backends(backends: Sequence[str]) -> list[str]:
     return names
 
 
-def _load_ids(run_dir: Path) -> dict[str, str]:
-    path = run_dir / _IDS_FILE
+def check_trackers(backends: Sequence[str], tensorboard: bool = True) -> list[str]:
+    """`check_backends`, and each chosen tracker's package installed (found, not imported), so a
+    missing one fails at start, before any model is built. `tensorboard=False` drops that backend."""
+    names = [b for b in check_backends(backends) if tensorboard or b != "tensorboard"]
+    found = {"tensorboard": lambda: importlib.util.find_spec("tensorboard"),
+             "wandb": lambda: importlib.util.find_spec("wandb"),
+             "mlflow": lambda: importlib.util.find_spec("mlflow")}
+    for name in names:
+        if name in found and found[name]() is None:
+            raise _missing(name)
+    return names
+
+
+def _load_ids(run_dir: Path) -> dict:
+    """trackers.json: the wandb and MLflow run ids of this run folder, and the TensorBoard event files
+    vlrl's writer created in it (under "tensorboard_files"); {} when absent or unreadable."""
+    path = run_dir / IDS_FILE
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError):
         return {}
+    return ids if isinstance(ids, dict) else {}
 
 
-def _save_id(run_dir: Path, backend: str, run_id: str) -> None:
+def _run_id(run_dir: Path, backend: str) -> str | None:
+    run_id = _load_ids(run_dir).get(backend)
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def tensorboard_files(run_dir: str | Path) -> list[str]:
+    """The names of the event files in RUN/tensorboard that vlrl's writer created."""
+    names = _load_ids(Path(run_dir)).get("tensorboard_files", [])
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def _save_id(run_dir: Path, backend: str, run_id) -> None:
     ids = _load_ids(run_dir)
     ids[backend] = run_id
-    draft = run_dir / (_IDS_FILE + ".tmp")
+    draft = run_dir / (IDS_FILE + ".tmp")
     draft.write_text(json.dumps(ids, indent=1) + "\n")
-    os.replace(draft, run_dir / _IDS_FILE)
+    os.replace(draft, run_dir / IDS_FILE)
 
 
 def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
@@ -86,9 +119,9 @@ def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _missing(backend: str) -> RuntimeError:
+    install = f"pip install -e '.[{_EXTRAS[backend]}]'" if backend in _EXTRAS else f"pip install {backend}"
     return RuntimeError(f"config key 'logging.backends' names {backend!r} but the {backend} package "
-                        f"is not installed: pip install -e '.[{_EXTRAS[backend]}]', or drop it from "
-                        f"logging.backends")
+                        f"is not installed: {install}, or drop it from logging.backends")
 
 
 class TensorBoardTracker:
@@ -97,7 +130,12 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, start_step: int, config: dict | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        folder = run_dir / "tensorboard"
+        before = set(os.listdir(folder)) if folder.is_dir() else set()
+        self.writer = SummaryWriter(str(folder), purge_step=start_step + 1)
+        # the event file this writer created, recorded so checkpoint.resume=overwrite deletes exactly it
+        created = sorted(set(os.listdir(folder)) - before)
+        _save_id(run_dir, "tensorboard_files", sorted({*tensorboard_files(run_dir), *created}))
         if config and start_step == 0:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", 0)
 
@@ -119,7 +157,7 @@ class WandbTracker:
         except ImportError:
             raise _missing("wandb") from None
         offline = not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE")
-        run_id = _load_ids(run_dir).get(self.name) or uuid.uuid4().hex[:12]
+        run_id = _run_id(run_dir, self.name) or uuid.uuid4().hex[:12]
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "vlrl"), name=run_dir.name, id=run_id,
             resume="allow", dir=str(run_dir), config=config or {},
@@ -147,7 +185,7 @@ class MlflowTracker:
         store.mkdir(parents=True, exist_ok=True)
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{store.resolve() / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=uri)
-        self.run_id = _load_ids(run_dir).get(self.name) or self._create_run(run_dir, store, config)
+        self.run_id = _run_id(run_dir, self.name) or self._create_run(run_dir, store, config)
         _save_id(run_dir, self.name, self.run_id)
 
     def _create_run(self, run_dir: Path, store: Path, config: dict | None) -> str:

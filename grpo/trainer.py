@@ -25,7 +25,7 @@ from grpo.config import Config, config_to_dict
 from grpo.metrics import MetricsLogger
 from grpo.preemption import PreemptionGuard
 from grpo.preflight import preflight
-from grpo.run_folder import claim_run_folder
+from grpo.run_folder import check_resume_data, claim_run_folder, write_config
 from grpo.update import (
     PackedStep, all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, packed_logprobs,
 )
@@ -68,7 +68,7 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         if self.dims.is_main:
             print(f"parallel: {self.dims.describe()}", flush=True)
-        # lock the folder, refuse to write over an earlier run unless told, write config.yaml (collective)
+        # lock the folder, refuse to write over an earlier run unless told (collective)
         self.run_lock = claim_run_folder(cfg, self.run_dir, self.dims.is_main)
         torch.manual_seed(cfg.trainer.seed + self.dims.rank)
         self.engine_group = EngineGroup.build(cfg.rollout.tensor_parallel_size, self.dims.world_size, self.dims.rank,
@@ -100,6 +100,7 @@ class Trainer:
         self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0, "reward_failures": 0}
         self._nonfinite_in_row = 0
         self._resume()
+        write_config(cfg, self.run_dir, self.dims.is_main)  # only once resume has succeeded (collective)
         self.logger = MetricsLogger(
             self.run_dir, enabled=self.dims.is_main, total_steps=cfg.trainer.max_steps, start_step=self.step,
             tensorboard=cfg.logging.tensorboard, stdout=cfg.logging.stdout, progress=cfg.trainer.progress,
@@ -169,6 +170,7 @@ class Trainer:
         path = resolve_resume(self.cfg.checkpoint.resume, self.run_dir)
         if path is None:
             return
+        check_resume_data(path, len(self.feeder.dataset), self.cfg.data.train_path)
         state = load_checkpoint(path, self.policy.model, self.optimizer)
         self.step = int(state["step"])
         self.feeder.stream.load_state_dict(state["data"]["stream"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,6 @@ from grpo.run_folder import LOCK_NAME, RunFolderError, RunLock, check_resume, cl
 from tests.conftest import ROOT
 
 
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def write_lock(run: Path, pid: int, host: str | None = None) -> None:
-    run.mkdir(parents=True, exist_ok=True)
-    (run / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(), "started": "earlier"}))
-
-
 def make_run(run: Path, rows: int = 3, steps=("step_1",)) -> None:
     """An earlier run's traces: metrics rows and (not necessarily complete) step folders."""
     run.mkdir(parents=True, exist_ok=True)
@@ -44,41 +32,7 @@ def make_run(run: Path, rows: int = 3, steps=("step_1",)) -> None:
         (run / "checkpoints" / name).mkdir(parents=True)
 
 
-# --- the lock ---------------------------------------------------------------------------------
-def test_a_live_holder_is_named_and_a_dead_one_taken_over(tmp_path, caplog):
-    run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        write_lock(run, holder.pid)
-        with pytest.raises(RunFolderError) as info:
-            RunLock.acquire(run)
-        message = str(info.value)
-        assert f"trainer.run_dir={run} is in use by PID {holder.pid} on host {socket.gethostname()}" in message
-        assert str(run / LOCK_NAME) in message
-    finally:
-        holder.kill()
-        holder.wait()
-    gone = dead_pid()
-    write_lock(run, gone)
-    with caplog.at_level("WARNING", logger="vlrl"):
-        lock = RunLock.acquire(run)
-    assert f"taking over the lock of PID {gone}" in caplog.text
-    assert json.loads((run / LOCK_NAME).read_text())["pid"] == os.getpid()
-    assert RunLock.acquire(run).holder["pid"] == os.getpid()  # this process again: its own lock
-    lock.release()
-    assert not (run / LOCK_NAME).exists()
-
-
-def test_a_lock_from_another_host_is_never_assumed_dead(tmp_path):
-    run = tmp_path / "run"
-    write_lock(run, dead_pid(), host="node-elsewhere")
-    with pytest.raises(RunFolderError, match="in use by PID .* on host node-elsewhere.*If that process is gone"):
-        RunLock.acquire(run)
-    (run / LOCK_NAME).write_text("\x00garbage")
-    with pytest.raises(RunFolderError, match=f"{LOCK_NAME} is not a lock this trainer wrote"):
-        RunLock.acquire(run)
-
-
+# --- the lock (more in tests/test_run_folder.py) --------------------------------------------
 def test_a_second_process_cannot_take_a_held_folder(tmp_path):
     run = tmp_path / "run"
     lock = RunLock.acquire(run)
@@ -140,8 +94,7 @@ def test_claim_refuses_before_writing_config_and_releases_the_lock(tmp_path):
     assert (run / "config.yaml").read_text() == "the earlier run's config\n" and not (run / LOCK_NAME).exists()
     fresh = tmp_path / "fresh"
     lock = claim_run_folder(load_config(None, [f"trainer.run_dir={fresh}"]), fresh, is_main=True)
-    assert "run_dir" in (fresh / "config.yaml").read_text() and (fresh / LOCK_NAME).is_file()
-    assert not list(fresh.glob("*.tmp"))
+    assert (fresh / LOCK_NAME).is_file() and not list(fresh.glob("*.tmp"))
     lock.release()
 
 
@@ -243,6 +196,29 @@ def test_never_overwrite_and_auto_on_a_used_folder(tiny_model, clevr_parquet, tm
     assert "__1_0.distcp does not match" in proc.stderr
     assert f"checkpoint.resume={run / 'checkpoints' / 'step_1'}" in proc.stderr
     assert (run / "metrics.jsonl").read_bytes() == metrics
+
+
+@pytest.mark.slow
+def test_resume_with_a_changed_model_or_dataset_names_the_key(tiny_model, clevr_parquet, tmp_path):
+    """One line naming model.path (before the model is built) or data.train_path; config.yaml stays the run's."""
+    from tools.make_dataset import make_dataset
+    from tools.make_tiny_model import make_tiny_model
+
+    run = tmp_path / "run"
+    proc = run_cmd(sft_cmd(tiny_model, clevr_parquet, run, 1, "checkpoint.every_steps=1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = (run / "config.yaml").read_bytes()
+    other_model = make_tiny_model(tmp_path / "qwen2_vl", family="qwen2_vl", size="tiny", seed=0)
+    fewer_rows = make_dataset("clevr", 40, 0, tmp_path / "fewer.parquet", size=(56, 56), max_objects=4)
+    for model, data, key in ((other_model, clevr_parquet, f"model.path={other_model}"),
+                             (tiny_model, fewer_rows, f"data.train_path={fewer_rows} has 40 rows")):
+        proc = run_cmd(sft_cmd(model, data, run, 2))
+        assert proc.returncode != 0
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {key}"), proc.stderr[-3000:]
+        assert f'File "{ROOT / "grpo"}' not in proc.stderr  # no worker traceback (torchrun prints its own)
+        assert (run / "config.yaml").read_bytes() == config
+    assert steps_logged(run) == [1]
 
 
 @pytest.mark.slow

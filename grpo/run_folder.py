@@ -11,9 +11,12 @@
   3. checks `checkpoint.resume` against what the folder holds: `never` refuses a folder that
      already holds a run (metrics rows or step folders), `auto` refuses step folders of which
      none is complete, `overwrite` deletes the files vlrl wrote for the old run (see
-     `overwrite_run`) and starts at step 0 with new tracker runs.
-`write_config` writes the resolved `config.yaml` once resume has succeeded, so a refused or
-failed start leaves the earlier run's config as it was.
+     `overwrite_run`) and starts at step 0 with new tracker runs; a value that is neither one of
+     these nor an existing path is refused with the list of values;
+  4. refuses a checkpoint to resume whose config.json differs from `model.path`'s.
+The trainer's resume refuses a data position saved for a dataset of another size
+(`check_resume_data`), and `write_config` writes the resolved `config.yaml` once resume has
+succeeded, so a refused or failed start leaves the earlier run's config as it was.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ RUN_FILES = ("metrics.jsonl", "metrics.jsonl.bad", "metrics.jsonl.tmp", IDS_FILE
 # What a save writes in `checkpoints/`: step folders, their temporary names, the `latest` pointer.
 _CHECKPOINT_FOLDER = re.compile(r"^step_\d+((\.old)?\.tmp)?$")
 _CHECKPOINT_FILE = re.compile(r"^latest(\.tmp)?$")
+# In `tensorboard/`, besides the event files the writer recorded: tools/plot_metrics.py's default output.
+_TENSORBOARD_FILES = ("curves.png",)
 _LOCK_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -266,7 +271,8 @@ def overwrite_plan(run_dir: Path) -> tuple[list[Path], list[str]]:
     """What `checkpoint.resume=overwrite` deletes, and the entries that stop it.
 
     vlrl's own: the RUN_FILES, and in `checkpoints/` the step folders, their temporary names and the
-    `latest` pointer, and in `tensorboard/` the event files vlrl's writer recorded in trackers.json.
+    `latest` pointer, and in `tensorboard/` the event files vlrl's writer recorded in trackers.json
+    and the plot tools/plot_metrics.py writes there (curves.png).
     Anything else in those two folders, and any of these names that is a symbolic link or of the
     wrong kind, stops it. `wandb/` and `mlflow/` stay: they are tracker stores in which the new run
     is a run of its own. Other files at the top of the folder are not touched.
@@ -281,7 +287,7 @@ def overwrite_plan(run_dir: Path) -> tuple[list[Path], list[str]]:
     def checkpoint_entry(entry: str) -> bool | None:
         return True if _CHECKPOINT_FOLDER.match(entry) else False if _CHECKPOINT_FILE.match(entry) else None
 
-    recorded = set(tensorboard_files(run_dir))
+    recorded = {*tensorboard_files(run_dir), *_TENSORBOARD_FILES}
     for name, own in (("checkpoints", checkpoint_entry),
                       ("tensorboard", lambda entry: False if entry in recorded else None)):
         more, other = _folder_plan(run_dir, name, own)

@@ -219,6 +219,7 @@ def test_overwrite_refuses_foreign_files_and_then_deletes_exactly_vlrl_s(tmp_pat
     (run / "wandb").mkdir()
     (run / "wandb" / "offline-run-1").mkdir()
     recorded = sorted(p.name for p in (run / "tensorboard").iterdir())
+    (run / "tensorboard" / "curves.png").write_bytes(b"png")  # tools/plot_metrics.py's default output
     foreign = {"checkpoints/my_model.pt": b"user weights", "checkpoints/export.tmp": b"user temp",
                "tensorboard/other_tool.tfevents": b"x",
                "tensorboard/events.out.tfevents.1.otherhost.7.0": b"another writer's events"}

@@ -84,6 +84,9 @@ class ModelConfig:
     compile: bool = False
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # MoE families: weight of the routers' load-balancing loss (Switch Transformer's, as the family's
+    # transformers model defines it), added to the update's loss; 0: off
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclass
@@ -609,6 +612,7 @@ AT_LEAST_ONE = (
 )
 AT_LEAST_ZERO = (
     "trainer.seed", "trainer.eval_every", "model.lora.rank", "trainer.max_nonfinite_in_row",
+    "model.router_aux_loss_coef",
     "rollout.temperature", "rollout.max_tool_images", "rollout.max_tool_errors", "rollout.max_context_tokens",
     "algorithm.tool_error_penalty",
     "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef", "algorithm.tis_cap",

@@ -175,6 +175,10 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
             lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
             loss, m = loss_fn(lp, mb, denominators)
             sums.setdefault("loss/entropy_sum", []).append(ent.detach().float().sum())
+            if policy.router_aux is not None:  # MoE: each micro-batch's share of the step's scored tokens
+                aux = policy.router_aux * (mb.num_targets / denominators["tokens"])
+                loss = loss + policy.router_aux_coef * aux
+                sums.setdefault("loss/router_aux_sum", []).append(aux.detach())
         else:
             lp, _ = policy.logprobs(mb, temperature=temperature)
             loss, m = lp.sum() * 0.0, {}

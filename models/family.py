@@ -237,6 +237,16 @@ class FamilyAdapter:
     def embed_tokens(self, model: nn.Module) -> nn.Module:
         return self.language_model(model).embed_tokens
 
+    def routers(self, model: nn.Module) -> list[nn.Module]:
+        """The MoE router of each decoder layer that has one (its forward returns the router logits
+        (tokens, experts) first); empty for a dense family."""
+        return []
+
+    @property
+    def experts_per_token(self) -> int:
+        """How many experts the routers pick per token (0 for a dense family)."""
+        return 0
+
     def tp_plan(self) -> dict[str, str]:
         """Per-decoder-block tensor-parallel plan (submodule → 'colwise' | 'rowwise')."""
         return {

@@ -25,6 +25,7 @@ from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
 from models.lora import (
     adapters_detached, apply_lora, init_lora_weights, is_adapter_name, lora_module_names, lora_modules, merged_weight,
 )
+from models.moe import load_balancing_loss
 from models.packing import PackedMicrobatch
 from models.parallel import ParallelDims, apply_parallelism
 
@@ -203,6 +204,11 @@ class Policy:
         self.dtype = dtype
         self.device = dims.device
         self._dummy_vision = None
+        # MoE: weight of the routers' load-balancing loss (model.router_aux_loss_coef); with it set,
+        # every forward that builds a graph leaves that loss in `router_aux` for the update to add.
+        self.router_aux_coef = 0.0
+        self.router_aux: torch.Tensor | None = None
+        self._router_logits: list[torch.Tensor] | None = None
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -283,8 +289,33 @@ class Policy:
         mb = mb.to(self.device)
         return self.model(mb, temperature, with_entropy)
 
+    def watch_routers(self, coef: float) -> None:
+        """Collect the MoE routers' logits in every forward that builds a graph and leave their
+        load-balancing loss in `router_aux` (the update adds `coef` times it to the loss)."""
+        routers = self.adapter.routers(self.model)
+        if not routers or not self.adapter.experts_per_token:
+            raise ValueError(f"config key 'model.router_aux_loss_coef' is {coef}, but model family "
+                             f"'{self.adapter.name}' has no MoE router; set it to 0")
+
+        def keep(module, args, output):
+            if self._router_logits is not None:  # not in activation checkpointing's recompute
+                self._router_logits.append(output[0])
+
+        for router in routers:
+            router.register_forward_hook(keep)
+        self.router_aux_coef = coef
+
     def _forward(self, mb: PackedMicrobatch, temperature: float, with_entropy: bool):
-        hidden = self.hidden_states(mb)
+        collect = self.router_aux_coef > 0 and torch.is_grad_enabled()
+        self._router_logits = [] if collect else None
+        try:
+            hidden = self.hidden_states(mb)
+            if collect:
+                self.router_aux = load_balancing_loss(self._router_logits, self.adapter.experts_per_token)
+            else:
+                self.router_aux = None
+        finally:
+            self._router_logits = None
         picked = hidden.index_select(0, mb.target_positions)
         head = self.adapter.lm_head(self.model)
         lps, ents = [], []
@@ -427,6 +458,10 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
 
     config = load_model_config(cfg_model.path, cfg_model.trust_remote_code)
     adapter = build_adapter(config)
+    coef = getattr(cfg_model, "router_aux_loss_coef", 0.0)
+    if trainable and coef > 0 and not adapter.experts_per_token:
+        raise ValueError(f"config key 'model.router_aux_loss_coef' is {coef}, but model family '{adapter.name}' "
+                         "has no MoE router; set it to 0")
     if getattr(cfg_model, "liger_kernel", False):
         apply_liger_kernels(config.model_type, dims.device_type)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
@@ -462,6 +497,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         model.requires_grad_(False)
     policy = Policy(model, adapter, dims, cfg_model.path, dtype)
     model._vlrl_policy = policy
+    if trainable and coef > 0:
+        policy.watch_routers(coef)
     return policy
 
 

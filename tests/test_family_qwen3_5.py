@@ -196,7 +196,8 @@ def test_moe_hub_files_load_per_expert_into_fused_experts(moe_folder):
     assert fused.shape == (4, 64, 64) and torch.equal(fused[2, :32], gate)
     theirs = AutoModelForImageTextToText.from_pretrained(str(moe_folder), dtype=torch.float32).state_dict()
     for name in ("model.language_model.layers.0.mlp.experts.gate_up_proj",
-                 "model.language_model.layers.1.mlp.experts.down_proj", "model.language_model.layers.0.mlp.gate.weight"):
+                 "model.language_model.layers.1.mlp.experts.down_proj",
+                 "model.language_model.layers.0.mlp.gate.weight"):
         assert torch.equal(ours[name], theirs[name]), name
 
 
@@ -240,3 +241,66 @@ def test_read_back_of_the_stacked_gated_deltanet_projections(monkeypatch):
     data = torch.arange(20.0).unsqueeze(1)
     assert torch.equal(_full_tensor(qkvz, "weight", data, (0, 1, 2)), data[:14])
     assert torch.equal(_full_tensor(qkvz, "weight", data, 3), data[14:])
+
+
+def test_load_balancing_loss_is_transformers_own():
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+
+    from models.moe import load_balancing_loss
+
+    g = torch.Generator().manual_seed(2)
+    logits = [torch.randn(11, 6, generator=g) * 3 for _ in range(3)]
+    ours = load_balancing_loss(logits, top_k=2)
+    theirs = load_balancing_loss_func(tuple(logits), num_experts=6, top_k=2)
+    assert torch.allclose(ours, theirs, atol=1e-6) and ours > 2.0  # 2 (= top_k) only when balanced
+
+
+def test_router_aux_loss_reaches_the_update(moe_folder, folder):
+    """model.router_aux_loss_coef: the policy's aux loss equals the model's own (transformers'
+    output_router_logits) on a sequence, and the update adds it (router gradients change)."""
+    from transformers import AutoModelForImageTextToText
+
+    from grpo.config import ConfigError, load_config
+    from grpo.update import optimizer_step
+
+    with pytest.raises(ConfigError, match="model.router_aux_loss_coef"):
+        load_config(None, ["model.router_aux_loss_coef=-0.1"])
+    init_distributed()
+    with pytest.raises(ValueError, match="'model.router_aux_loss_coef' is 0.5, but model family 'qwen3_5' has no"):
+        build_policy(ModelConfig(path=str(folder), dtype="float32", router_aux_loss_coef=0.5), build_parallel_dims())
+
+    policy = build_policy(ModelConfig(path=str(moe_folder), dtype="float32", attn_implementation="sdpa",
+                                      router_aux_loss_coef=0.5), build_parallel_dims())
+    prompts = _prompts(moe_folder)
+    gens = [Generation(2, [5, 6, 7, 8, 9], [0.0] * 5, "length")]  # the text-only prompt
+    batch = generation_batch(policy.adapter, prompts, gens)
+    policy.logprobs(pack(batch, [0]))
+    hf = AutoModelForImageTextToText.from_pretrained(str(moe_folder), dtype=torch.float32)
+    ids = batch["input_ids"].items[0].unsqueeze(0)
+    theirs = hf(input_ids=ids, output_router_logits=True).aux_loss
+    assert torch.allclose(policy.router_aux.detach(), theirs, atol=1e-5)
+
+    def loss_fn(lp, mb, den):
+        return -lp.sum() / den["tokens"], {}
+
+    def router_grads(coef):
+        policy.router_aux_coef = coef
+        policy.model.zero_grad(set_to_none=True)
+        optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+        grads, clear = [], optimizer.zero_grad
+
+        def zero_grad(set_to_none=True):  # read the router gradients before the step clears them
+            grads.append([p.grad.full_tensor().clone() for r in policy.adapter.routers(policy.model)
+                          for p in r.parameters() if p.grad is not None])
+            clear(set_to_none=set_to_none)
+
+        optimizer.zero_grad = zero_grad
+        out = optimizer_step(policy, optimizer, batch, loss_fn, max_tokens=4096, grad_clip=0.0,
+                             denominators={"tokens": 4})
+        assert grads[0] == [] and len(grads[-1]) == 2  # none before the step, both routers' after
+        return out, grads[-1]
+
+    with_aux, grads_aux = router_grads(0.5)
+    assert with_aux["loss/router_aux_sum"] > 0
+    _, grads_plain = router_grads(1e-12)
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(grads_aux, grads_plain))

@@ -301,6 +301,14 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter):
     """
 
     num_experts: int = 0
+    top_k: int = 0
+
+    def routers(self, model: nn.Module) -> list[nn.Module]:
+        return [layer.mlp.gate for layer in self.decoder_layers(model)]
+
+    @property
+    def experts_per_token(self) -> int:
+        return self.top_k
 
     def weight_parts(self, name: str) -> list[list[str]] | None:
         match = re.match(r"^(.*\.mlp\.experts\.)(gate_up_proj|down_proj)$", name)
@@ -319,6 +327,7 @@ def _qwen3_5_moe_adapter(config) -> Qwen3_5MoeAdapter:
     add_cache_batch_ops()
     adapter = _qwen_adapter(config, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", Qwen3_5MoeAdapter)
     adapter.num_experts = config.text_config.num_experts
+    adapter.top_k = config.text_config.num_experts_per_tok
     return adapter
 
 

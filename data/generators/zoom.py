@@ -2,11 +2,11 @@
 
 Each canvas (448x448 by default) holds four squares, one per quadrant, each a fine checkerboard
 (2-pixel checks) of one colour and its complement: red/cyan, green/magenta, blue/yellow or
-black/white. One square has a black frame around it. The question asks for the checks' colour in
+black/white. One square has a black frame around it: its whole quadrant is black. The question asks for the checks' colour in
 the framed square. Every pair averages to the same grey, and a checkerboard (unlike stripes) still
 averages to it where it meets the background, so once the image rule shrinks the canvas to the
 model's view (data.max_pixels: 112x112 for 12544) the four squares are the same grey (up to 5 of
-255 at their corners) and the colour cannot be read there; the 8-pixel frame stays visible. Zooming into the framed square with
+255 at their corners) and the colour cannot be read there, while the black quadrant is plain to see. Zooming into the framed square with
 `image_zoom_in_tool` (data/zoom.py: the box is in the seen image's coordinates and the crop comes
 from the full-resolution canvas) shows the checks at full resolution. Choosing the box is a
 four-way choice, which a tiny model can learn.
@@ -91,10 +91,15 @@ def draw_canvas(size: int, colours: list[str], framed: int) -> Image.Image:
     for k, (x1, y1, x2, y2) in enumerate(cells(size)):
         pixels[y1:y2, x1:x2] = _checkerboard(colours[k], x2 - x1)
     image = Image.fromarray(pixels, "RGB")
-    frame = max(2, size // 56)
+    # The frame fills the framed square's quadrant around it: a large dark area that even an untrained
+    # vision tower sees at the model's view, so learning which box to zoom is quick.
+    q = size // 2
     x1, y1, x2, y2 = cells(size)[framed]
-    ImageDraw.Draw(image).rectangle((x1 - frame, y1 - frame, x2 - 1 + frame, y2 - 1 + frame), outline=FRAME,
-                                    width=frame)
+    qx, qy = (x1 // q) * q, (y1 // q) * q
+    draw = ImageDraw.Draw(image)
+    for box in ((qx, qy, qx + q - 1, y1 - 1), (qx, y2, qx + q - 1, qy + q - 1),
+                (qx, y1, x1 - 1, y2 - 1), (x2, y1, qx + q - 1, y2 - 1)):
+        draw.rectangle(box, fill=FRAME)
     return image
 
 

@@ -114,9 +114,14 @@ class RunLock:
         """This process holds the lock on `fd`: note what the file said, then write this holder in it."""
         previous = _read_fd(fd)
         me = cls.me()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+            os.fsync(fd)
+        except OSError as exc:
+            os.close(fd)
+            raise RunFolderError(f"{path}: writing the lock file failed ({exc.strerror}); choose a trainer.run_dir "
+                                 "this user can write, on a disk with space") from None
         if previous.strip():
             log.warning("%s: taking over the lock left by %s, which is no longer running (the kernel released "
                         "its lock)", path, _describe_holder(previous))

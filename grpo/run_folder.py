@@ -123,8 +123,8 @@ class RunLock:
             raise RunFolderError(f"{path}: writing the lock file failed ({exc.strerror}); choose a trainer.run_dir "
                                  "this user can write, on a disk with space") from None
         if previous.strip():
-            log.warning("%s: taking over the lock left by %s, which is no longer running (the kernel released "
-                        "its lock)", path, _describe_holder(previous))
+            log.warning("%s: taking over the lock left by %s, which ended without removing it (no process holds "
+                        "it)", path, _describe_holder(previous))
         lock = cls(path, fd, me)
         _HELD[os.path.realpath(path)] = lock
         return lock

@@ -446,3 +446,20 @@ def test_dynamic_sampling_refills_inside_one_wake(tiny_model):
     assert [e.prompt_index for e in episodes] == [0, 0, 1, 1]
     assert [r.accuracy for r in infos] == [1.0, 0.0, 0.0, 1.0]
     assert len(single[0].turns) == 1
+
+
+def test_qwen3_vl_tool_results_use_its_tool_role(tmp_path):
+    """Qwen3-VL's tool result is a message of the template's tool role, its image on Qwen3's 32-pixel grid."""
+    from data.processing import VLProcessor
+    from rollout.episode import ToolResultEncoder
+    from tools.make_tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "qwen3", family="qwen3_vl", size="tiny", seed=0)
+    processor = VLProcessor(str(path))
+    encoder = ToolResultEncoder(processor, FAMILIES["qwen3_vl"].tool_format, "<|im_end|>", 3136, 3136)
+    ids, pixels, grid, images = encoder.encode([("zoomed", [Image.new("RGB", (40, 90), "red")]), ("error: x", [])])
+    text = processor.tokenizer.decode(ids)
+    assert text.startswith("\n<|im_start|>tool\n<|vision_start|><|image_pad|>")
+    assert text.endswith("zoomed<|im_end|>\n<|im_start|>tool\nerror: x<|im_end|>\n<|im_start|>assistant\n")
+    assert images[0].width % 32 == 0 and images[0].height % 32 == 0 and grid.shape == (1, 3)
+    assert ids.count(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == int(grid.prod()) // 4

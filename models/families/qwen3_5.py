@@ -21,8 +21,9 @@ Outside a packed row (the built-in engine, with its cache) the layer runs as tra
 The built-in engine generates one prompt at a time (`batch_with_padding`): right padding would
 run the recurrent state through the pad slots.
 
-vLLM 0.26: `Qwen3_5ForConditionalGeneration` (vllm/model_executor/models/qwen3_5.py; read at
-commit 00def4f) is Qwen3-VL's multimodal class over a Qwen3-Next-style decoder. Its mapper is
+vLLM: `Qwen3_5ForConditionalGeneration` (vllm/model_executor/models/qwen3_5.py as read at vLLM commit
+00def4f, not checked against the 0.26.0 tag) is Qwen3-VL's multimodal class over a Qwen3-Next-style
+decoder. Its mapper is
 Qwen3-VL's (`model.language_model.` → `language_model.model.`, `model.visual.` → `visual.`,
 `lm_head.` → `language_model.lm_head.`). It stacks the decoder's q/k/v into qkv_proj and gate/up
 into gate_up_proj, and the Gated DeltaNet's in_proj_qkv and in_proj_z into in_proj_qkvz (shards

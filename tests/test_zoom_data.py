@@ -168,6 +168,14 @@ def test_zoom_reward():
     assert score("zoom", "<answer>red</answer> and more", "red").score == pytest.approx(0.8)
 
 
+def test_places_limits_which_square_is_framed():
+    boxes = {n: {json.loads(r["extra_info"]["bbox_2d"])[0:2].__repr__() for r in generate(40, 0, places=n, **PIXELS)}
+             for n in (1, 2, 4)}
+    assert [len(boxes[n]) for n in (1, 2, 4)] == [1, 2, 4]
+    with pytest.raises(ValueError, match="places"):
+        generate(1, 0, places=3)
+
+
 def test_make_dataset_cli_for_zoom(tmp_path, capsys):
     out = tmp_path / "z.parquet"
     assert make_dataset_main(["--kind", "zoom_sft", "--n", "2", "--seed", "3", "--out", str(out),

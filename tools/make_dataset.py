@@ -101,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-objects", type=int, default=None, help="clevr only")
     parser.add_argument("--min-pixels", type=int, default=None, help="zoom only: data.min_pixels of the run")
     parser.add_argument("--max-pixels", type=int, default=None, help="zoom only: data.max_pixels of the run")
+    parser.add_argument("--places", type=int, default=None, help="zoom only: 1, 2 or 4 squares that can be framed")
     args = parser.parse_args(argv)
     options = {}
     if args.size is not None:
         options["size"] = args.size
-    for key in ("min_pixels", "max_pixels"):
+    for key in ("min_pixels", "max_pixels", "places"):
         if getattr(args, key) is not None:
             if args.kind not in SCHEMAS:
                 parser.error(f"--{key.replace('_', '-')} applies to --kind zoom and zoom_sft only")

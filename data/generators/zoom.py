@@ -1,15 +1,16 @@
 """A zoom-in task in DeepEyes-47k's parquet schema, and SFT trajectories that solve it with the tool.
 
 Each canvas (448x448 by default) holds four squares, one per quadrant, each a fine checkerboard
-(2-pixel checks) of one colour and its complement: red/cyan, green/magenta, blue/yellow or
-black/white. One square has a black frame around it: its whole quadrant is black. The question asks for the checks' colour in
-the framed square. Every pair averages to the same grey, and a checkerboard (unlike stripes) still
-averages to it where it meets the background, so once the image rule shrinks the canvas to the
-model's view (data.max_pixels: 112x112 for 12544) the four squares are the same grey (up to 5 of
-255 at their corners) and the colour cannot be read there, while the black quadrant is plain to see. Zooming into the framed square with
-`image_zoom_in_tool` (data/zoom.py: the box is in the seen image's coordinates and the crop comes
-from the full-resolution canvas) shows the checks at full resolution. Choosing the box is a
-four-way choice, which a tiny model can learn.
+(1-pixel checks) of one colour and its complement: red/cyan, green/magenta, blue/yellow or
+black/white. One square is framed: its whole quadrant around it is black. The question asks for
+the checks' colour in the framed square. Every pair averages to the same grey, and a checkerboard
+(unlike stripes) still averages to it where it meets its surroundings, so once the image rule
+shrinks the canvas to the model's view (data.max_pixels: 112x112 for 12544) the four squares are
+the same grey (within 2 of 255 at their corners): the colour cannot be read there, while the
+black quadrant is plain to see. Zooming into the framed square with `image_zoom_in_tool`
+(data/zoom.py: the box is in the seen image's coordinates, the crop comes from the full-resolution
+canvas) shows the checks at full resolution. Choosing the box is a choice among `places` (1, 2 or
+4) fixed boxes, which a tiny model can learn.
 
 Rows, as DeepEyes-47k (verl's RL parquet layout): `data_source`, `prompt` (chat messages: system,
 then user with the question and one `<image>`), `images` (list of {bytes, path}), `ability`,
@@ -49,7 +50,10 @@ CHECKS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
 }
 BACKGROUND = (200, 200, 200)
 FRAME = (0, 0, 0)
-CHECK_SIZE = 2  # canvas pixels; any view shrunk 2x or more averages the checks to grey
+# Canvas pixels. One-pixel checks average to grey in any view shrunk 2x or more, and in a view at the
+# canvas's own scale (a zoom of a 112-pixel square to 112x112) every 14-pixel patch holds the same
+# whole number of periods, so the colour is the same feature in every patch the model reads.
+CHECK_SIZE = 1
 # Short on purpose: every token of it is in every prompt and trajectory of the CPU demo.
 QUESTION = "What colour are the checks in the framed square? Zoom in, then answer in <answer> </answer>."
 SYSTEM = "You are a helpful assistant."
@@ -122,10 +126,14 @@ def tool_call_text(box: list[int]) -> str:
     return "<tool_call>\n" + call + "\n</tool_call>"
 
 
+# Which squares may be the framed one, for `places` = 1, 2 or 4 (the 4 squares are drawn in every case).
+PLACES = {1: (3,), 2: (0, 3), 4: (0, 1, 2, 3)}
+
+
 def make_row(rng: random.Random, index: int, size: int, min_pixels: int, max_pixels: int, sft: bool,
-             split: str) -> dict:
+             split: str, places: int = 4) -> dict:
     colours = [rng.choice(list(CHECKS)) for _ in range(4)]
-    framed = rng.randrange(4)
+    framed = rng.choice(PLACES[places])
     answer = colours[framed]
     canvas = draw_canvas(size, colours, framed)
     seen = seen_size(size, min_pixels, max_pixels)
@@ -155,9 +163,12 @@ def make_row(rng: random.Random, index: int, size: int, min_pixels: int, max_pix
 
 
 def generate(n: int, seed: int, *, size: int | tuple[int, int] = 448, min_pixels: int = 3136,
-             max_pixels: int = 12544, sft: bool = False, split: str = "train") -> list[dict]:
+             max_pixels: int = 12544, sft: bool = False, split: str = "train", places: int = 4) -> list[dict]:
     """`n` rows (DeepEyes schema, or SFT trajectories with `sft`); boxes are in the coordinates of the
-    canvas as seen under min_pixels/max_pixels, so generate with the data.min/max_pixels of the run."""
+    canvas as seen under min_pixels/max_pixels, so generate with the data.min/max_pixels of the run.
+    `places` (1, 2 or 4) is how many squares can be the framed one: the boxes the model chooses among."""
+    if places not in PLACES:
+        raise ValueError(f"places must be one of {sorted(PLACES)}, got {places}")
     if isinstance(size, tuple):
         if size[0] != size[1]:
             raise ValueError(f"zoom canvases are square, got --size {size[0]}x{size[1]}")
@@ -168,7 +179,8 @@ def generate(n: int, seed: int, *, size: int | tuple[int, int] = 448, min_pixels
     if seen[0] * 2 > size:
         raise ValueError(f"a {size}x{size} canvas is seen at {seen[0]}x{seen[1]} under max_pixels={max_pixels}: "
                          f"the checks stay readable without zooming; use a canvas at least twice as large")
-    return [make_row(random.Random(f"{seed}:{i}"), i, size, min_pixels, max_pixels, sft, split) for i in range(n)]
+    return [make_row(random.Random(f"{seed}:{i}"), i, size, min_pixels, max_pixels, sft, split, places)
+            for i in range(n)]
 
 
 def generate_sft(n: int, seed: int, **options) -> list[dict]:

@@ -72,6 +72,7 @@ class Rollouts:
             self.runner = ToolRunner(self.tools, max_workers=r.tool_workers, timeout_s=r.tool_timeout_s)
             atexit.register(self.runner.close)
         self.context = context_tokens(cfg)
+        self.prefix = [0, 0]  # prompt tokens the engine got this step, and those its prefix cache served
 
     def close(self) -> None:
         if self.runner is not None:
@@ -83,6 +84,7 @@ class Rollouts:
         groups, refilled from the feeder for up to algorithm.max_refill_rounds more rounds."""
         cfg = self.cfg
         G = params.n
+        self.prefix = [0, 0]
         with self.generating() as engine:
             prompts, episodes, infos = self.generate_and_score(engine, feeder.next(per_rank), params)
             if not cfg.algorithm.dynamic_sampling:
@@ -163,7 +165,12 @@ class Rollouts:
             return []
         count = len(inputs)
         inputs, params, start = self.engine_group.gather(inputs, params)
-        return self.engine_group.own(engine.generate(inputs, params), start, count)
+        gens = engine.generate(inputs, params)
+        stats = getattr(engine, "last_stats", None) or {}
+        if "cached_prompt_tokens" in stats:  # vLLM: its prefix cache's share of the prompt tokens
+            self.prefix[0] += stats["prompt_tokens"]
+            self.prefix[1] += stats["cached_prompt_tokens"]
+        return self.engine_group.own(gens, start, count)
 
     def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int], turn: int,
                   budget: int, tools: bool) -> list[tuple[Episode, str]]:
@@ -231,12 +238,14 @@ class Rollouts:
 
     # --- metrics -----------------------------------------------------------------------------
     def metrics(self, episodes: list[Episode], device) -> dict:
-        """agent/* over all ranks: turns, tool calls and errors by kind, images, finish fractions."""
+        """agent/* over all ranks: turns, tool calls and errors by kind, images, finish fractions, and
+        (vLLM) the share of prompt tokens the prefix cache served in the step's engine calls."""
         if not self.tools:
             return {}
         local = [float(len(episodes)), float(sum(len(e.turns) for e in episodes)),
                  float(sum(e.tool_calls for e in episodes)), float(sum(len(e.images) for e in episodes)),
-                 float(sum(e.model_tokens for e in episodes)), float(sum(len(e.token_ids) for e in episodes))]
+                 float(sum(e.model_tokens for e in episodes)), float(sum(len(e.token_ids) for e in episodes)),
+                 float(self.prefix[0]), float(self.prefix[1])]
         local += [float(sum(e.tool_errors.get(k, 0) for e in episodes)) for k in ERROR_KINDS]
         local += [float(sum(e.finish_reason == f for e in episodes)) for f in FINISH_REASONS]
         t = torch.tensor(local, dtype=torch.float64, device=device)
@@ -246,10 +255,12 @@ class Rollouts:
         n = max(v[0], 1.0)
         out = {"agent/turns_mean": v[1] / n, "agent/tool_calls": v[2], "agent/images_per_episode": v[3] / n,
                "agent/model_tokens_mean": v[4] / n, "agent/episode_tokens_mean": v[5] / n}
-        errors = v[6:6 + len(ERROR_KINDS)]
+        if v[6] > 0:
+            out["agent/prefix_cache_hit"] = v[7] / v[6]
+        errors = v[8:8 + len(ERROR_KINDS)]
         out["agent/tool_errors"] = sum(errors)
         out.update({f"agent/tool_errors_{k}": x for k, x in zip(ERROR_KINDS, errors)})
-        out.update({f"agent/finish_{f}": x / n for f, x in zip(FINISH_REASONS, v[6 + len(ERROR_KINDS):])})
+        out.update({f"agent/finish_{f}": x / n for f, x in zip(FINISH_REASONS, v[8 + len(ERROR_KINDS):])})
         return out
 
 

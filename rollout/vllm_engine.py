@@ -416,6 +416,7 @@ class VLLMEngine(Engine):
         self.sleep_level = sleep_level
         self._seed = seed
         self._calls = 0
+        self.last_stats: dict[str, int] = {}
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
         _ensure_launcher_env()
         for patch in vllm_compat(self.family):
@@ -514,6 +515,9 @@ class VLLMEngine(Engine):
             outputs = self._llm.generate(requests, sampling, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        # prompt tokens served from the prefix cache (a multi-turn episode's earlier turns)
+        self.last_stats = {"prompt_tokens": sum(len(p.input_ids) for p in prompts),
+                           "cached_prompt_tokens": sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)}
         generations = []
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
             self._check_prompt_ids(i, prompt, out.prompt_token_ids)

@@ -80,6 +80,9 @@ class ScriptedEngine:
     def generate(self, prompts, params):
         texts = self.script[len(self.calls)]
         self.calls.append(([list(p.input_ids) for p in prompts], params))
+        # as vLLM reports its prefix cache: here, say, half of each prompt
+        self.last_stats = {"prompt_tokens": sum(len(p.input_ids) for p in prompts),
+                           "cached_prompt_tokens": sum(len(p.input_ids) // 2 for p in prompts)}
         out = []
         for i, _ in enumerate(prompts):
             for j in range(params.n):
@@ -219,6 +222,8 @@ def test_each_tool_failure_is_counted_and_the_episode_goes_on(tiny_model, user_m
             assert metrics[f"agent/tool_errors_{kind}"] == 1, kind
     assert metrics["agent/tool_calls"] == 6 and metrics["agent/tool_errors"] == 5
     assert metrics["agent/finish_answered"] == 1.0 and metrics["agent/turns_mean"] == 2.0
+    given = [ids for call_ids, _ in engine.calls for ids in call_ids]
+    assert metrics["agent/prefix_cache_hit"] == sum(len(i) // 2 for i in given) / sum(len(i) for i in given)
 
 
 def _run(tiny_model, script, *extra, n=1):

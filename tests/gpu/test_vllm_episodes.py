@@ -8,6 +8,7 @@ mismatch over model tokens must stay within 1.01. Skipped without CUDA or vllm.
 
 import inspect
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,15 +33,21 @@ ZOOM = json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0,
 
 
 class ZoomFirst:
-    """Turn 1: every sample writes the same zoom call; later turns: the vLLM engine samples."""
+    """Turn 1: vLLM reads the prompts (one token, as a real first turn would fill its prefix cache) and
+    every sample writes the same zoom call; later turns: the vLLM engine samples."""
 
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer, self.turn = engine, tokenizer, 0
+
+    @property
+    def last_stats(self):
+        return self.engine.last_stats
 
     def generate(self, prompts, params):
         self.turn += 1
         if self.turn > 1:
             return self.engine.generate(prompts, params)
+        self.engine.generate(prompts, replace(params, max_new_tokens=1))
         ids = self.tokenizer.encode(f"<tool_call>{ZOOM}</tool_call><|im_end|>", add_special_tokens=False)
         return [Generation(i, ids, [0.0] * len(ids), "stop") for i in range(len(prompts)) for _ in range(params.n)]
 
@@ -81,6 +88,7 @@ def test_vllm_samples_the_second_turn_of_two_image_episodes(tmp_path):
                             seed=0)
     try:
         _, episodes, _ = rollouts.collect(type("F", (), {"next": lambda self, k: prompts[:k]})(), 4, params)
+        hit = rollouts.metrics(episodes, "cpu")["agent/prefix_cache_hit"]
     finally:
         rollouts.close()
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).cuda().eval()
@@ -93,5 +101,7 @@ def test_vllm_samples_the_second_turn_of_two_image_episodes(tmp_path):
         errors += float(torch.exp((engine_lp - ref).abs()).sum())
         count += end - start
     value = errors / count
-    print(f"vLLM two-image episodes: token_mult_prob_error {value:.6f} over {count} second-turn tokens")
+    print(f"vLLM two-image episodes: token_mult_prob_error {value:.6f} over {count} second-turn tokens; "
+          f"prefix cache hit {hit:.3f}")
     assert count > 0 and value <= 1.01
+    assert hit > 0  # turn 2's prompts begin with turn 1's, which the prefix cache holds

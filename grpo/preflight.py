@@ -18,7 +18,7 @@ import torch
 from data.datasets import SkipStats, VLDataset
 from data.images import BadSample
 from grpo.config import Config, ConfigError
-from models.family import ADAPTERS
+from models.family import ADAPTERS, FAMILIES
 from models.policy import check_config_dtypes
 from rollout.factory import resolve_engine_name
 
@@ -143,6 +143,10 @@ def _check_engine(cfg: Config) -> None:
     if cfg.trainer.mode != "grpo" and not cfg.data.eval_path:
         return
     family = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type")
+    if cfg.rollout.tools and FAMILIES[family].tool_format is None:
+        with_tools = sorted(k for k, spec in FAMILIES.items() if spec.tool_format is not None)
+        raise ConfigError(f"rollout.tools={list(cfg.rollout.tools)}: model family '{family}' has no tool-call format "
+                          f"(families with one: {', '.join(with_tools)}); set rollout.tools=[]")
     try:
         name = resolve_engine_name(cfg.rollout.engine, family)
     except RuntimeError as exc:

@@ -49,3 +49,14 @@ def test_more_turns_without_tools_is_refused():
         load_config("configs/demo.yaml", ["rollout.max_turns=3"])
     cfg = load_config("configs/demo.yaml", ["rollout.tools=[image_zoom_in_tool]", "rollout.max_turns=3"])
     assert cfg.rollout.tools == ["image_zoom_in_tool"] and cfg.rollout.max_turns == 3
+
+
+def test_preflight_refuses_tools_for_a_family_without_a_tool_format(tmp_path):
+    from grpo.preflight import _check_engine
+
+    (tmp_path / "config.json").write_text('{"model_type": "llava"}')
+    cfg = load_config(None, ["trainer.mode=grpo", f"model.path={tmp_path}", "rollout.engine=torch",
+                             "rollout.tools=[calculator]"])
+    with pytest.raises(ConfigError, match=r"rollout.tools=\['calculator'\]: model family 'llava' has no tool-call"):
+        _check_engine(cfg)
+    _check_engine(load_config(None, ["trainer.mode=grpo", f"model.path={tmp_path}", "rollout.engine=torch"]))

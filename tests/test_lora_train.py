@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 import grpo.trainer as trainer_module
+import rollout.rollouts as rollouts_module
 from data.rewards import RewardResult
 from grpo.config import LoraConfig, ModelConfig, OptimConfig, load_config
 from grpo.update import build_optimizer
@@ -52,7 +53,7 @@ def check_only_adapters_moved(trainer, base, run_dir):
 
 
 def test_grpo_step_with_lora(tiny_model, clevr_parquet, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "score", varied_reward)
+    monkeypatch.setattr(rollouts_module, "score", varied_reward)
     run = tmp_path / "grpo"
     trainer, base = run_trainer("configs/demo.yaml", [
         f"model.path={tiny_model}", f"data.train_path={clevr_parquet}", "data.eval_path=", f"trainer.run_dir={run}",

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
 ARTIFACTS ?= artifacts
 ARGS ?=
 
-.PHONY: install test test-fast demo demo-gpu clean sft-tiny clevr geo3k merge
+.PHONY: install test test-fast demo demo-gpu demo-agent clean sft-tiny clevr geo3k merge
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ demo: install
 # about 3 minutes on one H200.
 demo-gpu: install
 	$(PY) tools/demo.py --nproc 1 rollout.engine=vllm $(ARGS)
+
+# The agent demo on CPU: the demo-size Qwen2.5-VL learns to call image_zoom_in_tool on generated zoom data
+# (SFT on tool-using trajectories, then GRPO with the tool); prints the held-out accuracy without and with tools.
+demo-agent: install
+	$(PY) tools/demo_agent.py --nproc $(NPROC) $(ARGS)
 
 sft-tiny: install
 	$(PY) tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $(ARTIFACTS)/tiny_qwen2_5_vl --overwrite

@@ -98,3 +98,17 @@ def test_prompts_collapse_to_what_vllm_expands(glm4v):
     assert adapter.vllm_expand(collapsed, blocks, vocab) == ours
     assert adapter.vllm_processor_kwargs(3136, 12544) == {
         "size": {"shortest_edge": 3136, "longest_edge": 12544}, "do_resize": False}
+
+
+def test_auto_runs_glm4v_on_vllm(monkeypatch):
+    """Measured on an H200 (token_mult_prob_error max 1.0042 <= 1.01): auto picks vLLM, without a warning."""
+    import warnings
+
+    from rollout import factory
+
+    monkeypatch.setattr(factory, "vllm_available", lambda: True)
+    assert "glm4v" not in factory.VLLM_UNVERIFIED
+    assert factory.resolve_engine_name("auto", "glm4v") == "vllm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert factory.resolve_engine_name("vllm", "glm4v") == "vllm"

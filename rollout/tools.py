@@ -16,7 +16,9 @@ fresh one takes its place, so a stuck tool never holds a worker or a CPU after i
 
 Workers are plain `python -c` subprocesses that import this module (not the trainer's main
 script, as multiprocessing's spawn would), so one starts in about a tenth of a second; calls and
-results cross a pipe as length-prefixed pickles between the trainer and its own children.
+calls and results cross a pipe as length-prefixed JSON with the images' raw bytes after it (nothing is
+unpickled). A worker finds its tools by importing the module of each tool's class, which registers it,
+so a tool must be registered when its module is imported.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import importlib
 import json
 import math
 import os
-import pickle
 import select
 import signal
 import struct
@@ -354,10 +355,57 @@ def parse_call(raw: str, tools: dict) -> tuple[str, dict] | ToolOutcome:
 _HEADER = struct.Struct(">Q")
 
 
+def _encode(obj) -> bytes:
+    """One message: its JSON (each `bytes` value replaced by a reference) and then the bytes values,
+    framed by the JSON's and the blobs' lengths. Tuples arrive as lists."""
+    blobs: list[bytes] = []
+
+    def strip(value):
+        if isinstance(value, (bytes, bytearray)):
+            blobs.append(bytes(value))
+            return {"__blob__": len(blobs) - 1, "n": len(value)}
+        if isinstance(value, (list, tuple)):
+            return [strip(v) for v in value]
+        if isinstance(value, dict):
+            if "__blob__" in value or "__esc__" in value:  # a value that could be read as a marker
+                return {"__esc__": [[k, strip(v)] for k, v in value.items()]}
+            return {k: strip(v) for k, v in value.items()}
+        return value
+
+    text = json.dumps(strip(obj), separators=(",", ":")).encode()
+    body = b"".join(blobs)
+    return _HEADER.pack(len(text)) + _HEADER.pack(len(body)) + text + body
+
+
+def _decode(text: bytes, body: bytes):
+    """The inverse of `_encode` for one message's JSON and blobs."""
+    offsets = []
+
+    def restore(value):
+        if isinstance(value, dict):
+            if set(value) == {"__blob__", "n"}:  # blobs follow in the order the JSON names them
+                start = offsets[-1] if offsets else 0
+                offsets.append(start + value["n"])
+                return body[start:start + value["n"]]
+            if set(value) == {"__esc__"}:
+                return {k: restore(v) for k, v in value["__esc__"]}
+            return {k: restore(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [restore(v) for v in value]
+        return value
+
+    return restore(json.loads(text))
+
+
 def _write_message(stream, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
+    stream.write(_encode(obj))
     stream.flush()
+
+
+def _read_message(stream):
+    (text_len,) = _HEADER.unpack(_read_exact(stream, _HEADER.size))
+    (body_len,) = _HEADER.unpack(_read_exact(stream, _HEADER.size))
+    return _decode(_read_exact(stream, text_len), _read_exact(stream, body_len))
 
 
 def _read_exact(stream, n: int) -> bytes:
@@ -405,8 +453,7 @@ def _worker_main() -> None:
     sys.stdout = sys.stderr
     requests = sys.stdin.buffer
     try:
-        (length,) = _HEADER.unpack(_read_exact(requests, _HEADER.size))
-        tools = pickle.loads(_read_exact(requests, length))
+        tools = _import_tools(_read_message(requests))
     except Exception as err:
         _write_message(reply, ("start_error", one_line(f"{type(err).__name__}: {err}")))
         return
@@ -414,10 +461,9 @@ def _worker_main() -> None:
     cache = _WorkerImages()
     while True:
         try:
-            (length,) = _HEADER.unpack(_read_exact(requests, _HEADER.size))
+            name, arguments, ctx = _read_message(requests)
         except EOFError:
             return
-        name, arguments, ctx = pickle.loads(_read_exact(requests, length))
         outcome = _call_tool(tools[name], arguments, cache.context(ctx))
         if outcome[0] == "ok":
             outcome = ("ok", (outcome[1].text, [_pack_image(im) for im in outcome[1].images]))
@@ -439,9 +485,9 @@ def _pack_image(image: Image.Image) -> tuple:
     return image.mode, image.size, image.tobytes()
 
 
-def _unpack_image(packed: tuple) -> Image.Image:
+def _unpack_image(packed) -> Image.Image:
     mode, size, data = packed
-    return Image.frombytes(mode, size, data)
+    return Image.frombytes(mode, tuple(size), data)
 
 
 class _WorkerImages:
@@ -516,12 +562,15 @@ class _Worker:
         """The next reply, None past `deadline`; EOFError if the worker died."""
         fd = self.proc.stdout.fileno()
         while True:
-            if len(self._buffer) >= _HEADER.size:
-                (length,) = _HEADER.unpack_from(self._buffer)
-                if len(self._buffer) >= _HEADER.size + length:
-                    data = self._buffer[_HEADER.size: _HEADER.size + length]
-                    self._buffer = self._buffer[_HEADER.size + length:]
-                    return pickle.loads(data)
+            if len(self._buffer) >= 2 * _HEADER.size:
+                (text_len,) = _HEADER.unpack_from(self._buffer)
+                (body_len,) = _HEADER.unpack_from(self._buffer, _HEADER.size)
+                end = 2 * _HEADER.size + text_len + body_len
+                if len(self._buffer) >= end:
+                    text = self._buffer[2 * _HEADER.size: 2 * _HEADER.size + text_len]
+                    body = self._buffer[2 * _HEADER.size + text_len: end]
+                    self._buffer = self._buffer[end:]
+                    return _decode(text, body)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
@@ -546,17 +595,27 @@ class _Worker:
 
 
 def _worker_payload(tools: dict) -> bytes:
-    """The first message a worker reads: the tools, pickled. A worker unpickles a tool by importing
-    its class's module, so a class defined in a script run as __main__ cannot be used."""
+    """The first message a worker reads: each tool's name and the module of its class. The worker
+    imports those modules, which register the tools, so a tool must be registered at import time and
+    a class defined in a script run as __main__ cannot be used."""
     for name, tool in tools.items():
         if type(tool).__module__ == "__main__":
             raise ValueError(f"rollout.tools: tool {name!r} is defined in the __main__ script; define it in a "
                              f"module named by rollout.tools_module so the tool workers can import it")
-    try:
-        message = pickle.dumps(tools, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as err:
-        raise ValueError(f"rollout.tools: a tool cannot be sent to a worker process: {err}") from err
-    return _HEADER.pack(len(message)) + message
+    return _encode({name: [type(tool).__module__, type(tool).__qualname__] for name, tool in tools.items()})
+
+
+def _import_tools(modules: dict) -> dict:
+    """In a worker: the tools of `_worker_payload`, found in the registry once their modules are imported."""
+    tools = {}
+    for name, (module, qualname) in modules.items():
+        importlib.import_module(module)
+        tool = _REGISTRY.get(name)
+        if tool is None or type(tool).__qualname__ != qualname:
+            raise ValueError(f"tool {name!r} ({module}.{qualname}) is not registered when {module} is imported; "
+                             f"call register_tool at the module's top level")
+        tools[name] = tool
+    return tools
 
 
 class ToolRunner:

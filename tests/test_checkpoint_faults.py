@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 import grpo.checkpoint as ckpt
@@ -426,9 +426,11 @@ def test_metadata_naming_a_shard_outside_the_folder_is_refused(trained, tiny_mod
     shutil.copyfile(shard, tmp_path / "outside.distcp")  # a readable shard, so only the check can refuse it
     with open(step / ".metadata", "rb") as f:
         metadata = ckpt._MetadataUnpickler(f).load()
-    metadata.storage_data = {k: dataclasses.replace(v, relative_path="../../../outside.distcp")
-                             for k, v in metadata.storage_data.items()}
-    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    # DCP's own writer rewrites .metadata, with every shard entry pointing outside the folder
+    results = [[WriteResult(index=k, size_in_bytes=v.length,
+                            storage_data=dataclasses.replace(v, relative_path="../../../outside.distcp"))
+                for k, v in metadata.storage_data.items()]]
+    FileSystemWriter(step, sync_files=False).finish(metadata, results)
     with pytest.raises(RuntimeError, match=r"names the shard '\.\./\.\./\.\./outside\.distcp', which is not a file of"):
         ckpt.load_dcp({"model": trained[0].model.state_dict()}, step, no_dist=True)
 

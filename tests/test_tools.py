@@ -225,3 +225,16 @@ def test_registry_errors(user_module):
 
     with pytest.raises(ValueError, match="already registered"):
         register_tool(Other())
+
+
+def test_the_worker_pipe_carries_json_and_raw_bytes_only():
+    """Calls and results cross the pipe as JSON plus raw image bytes; a model's arguments that look like the
+    format's own markers arrive unchanged."""
+    from rollout.tools import _HEADER, _decode, _encode
+    message = ["ok", ["text", [["RGB", [2, 1], b"abcdef"]]], {"__blob__": 0, "n": 3}, {"__esc__": [1, {"__blob__": 1}]}]
+    data = _encode(message)
+    text_len, body_len = _HEADER.unpack_from(data)[0], _HEADER.unpack_from(data, _HEADER.size)[0]
+    assert len(data) == 2 * _HEADER.size + text_len + body_len and body_len == 6
+    text = data[2 * _HEADER.size: 2 * _HEADER.size + text_len]
+    assert _decode(text, data[2 * _HEADER.size + text_len:]) == message
+    json.loads(text)  # the header part is plain JSON

@@ -322,9 +322,7 @@ class Trainer:
         """Responses from the engine, awake for the call and asleep after it (see Colocation)."""
         inputs = [PromptInput(p.input_ids.tolist(), p.images, p.pixel_values, p.image_grid_thw) for p in prompts]
         with self.colocation.generating() as engine:
-            # a tensor-parallel engine serves its group's prompts together; each rank keeps its own
-            inputs, params, start = self.engine_group.gather(inputs, params)
-            return self.engine_group.own(engine.generate(inputs, params), start, len(prompts))
+            return self.rollouts.generate(engine, inputs, params)
 
     def refit(self) -> float:
         """Stream the policy's weights into the engine; returns seconds."""

@@ -149,9 +149,9 @@ class Rollouts:
                 turn_params.seed = params.seed + turn * TURN_SEED_STRIDE
             if turn == 0:
                 inputs = [e.engine_input() for e in episodes[::params.n]] if live else []
-                gens = self._generate(engine, inputs, turn_params)
+                gens = self.generate(engine, inputs, turn_params)
             else:
-                gens = self._generate(engine, [e.engine_input() for e in live], replace(turn_params, n=1))
+                gens = self.generate(engine, [e.engine_input() for e in live], replace(turn_params, n=1))
             turn += 1
             calls = self._end_turn(live, gens, allowed, turn, budget, tools)
             if calls:
@@ -159,7 +159,7 @@ class Rollouts:
             live = [e for e in live if not e.done]
         return episodes
 
-    def _generate(self, engine, inputs, params: SamplingParams) -> list[Generation]:
+    def generate(self, engine, inputs, params: SamplingParams) -> list[Generation]:
         """One engine call; a tensor-parallel group's members serve their prompts together."""
         if not inputs and self.engine_group.size == 1:
             return []

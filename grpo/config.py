@@ -114,7 +114,8 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # ranks per engine (node-local groups of consecutive ranks; rollout/groups.py)
     enforce_eager: bool = False
     # vLLM sleep level between generations: 1 copies the weights to host memory and back; 2 drops them
-    # (the refit after every update rewrites them all), saving that copy; off the default until measured
+    # (the refit after every update rewrites them all), saving that copy; 2 ran the 3B loop on an H200 with
+    # level 1's mismatch (docs/engines.md), but no same-machine speed comparison yet, so 1 stays the default
     sleep_level: int = 1
     # Multi-turn episodes with tools (docs/agents.md). No tools: single-turn, one model turn per episode.
     tools: list[str] = field(default_factory=list)  # names from the tool registry (rollout/tools.py)

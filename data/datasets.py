@@ -37,7 +37,7 @@ import logging
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -71,6 +71,7 @@ class Sample:
     images: list[Image.Image]
     problem: str
     answer: str
+    videos: list = field(default_factory=list)  # data.video.Video, one per <video> tag
 
 
 class SkipStats:

@@ -34,6 +34,7 @@ families add three m-rope rows (R = 4); 1-D families have R = 1.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -59,6 +60,20 @@ class ToolFormat:
     result_role: str
     result_prefix: str = ""
     result_suffix: str = ""
+    # The tools' schemas in the system turn, for a chat template that does not take `tools=`: the
+    # system text (`default_system` when the conversation has none), "\n\n", `tools_intro`, each schema
+    # as JSON on its own line, then `tools_outro`: what the family's own template writes when it does.
+    tools_intro: str = ""
+    tools_outro: str = ""
+    default_system: str = ""
+
+    def system_with_tools(self, system: str, schemas: list[dict]) -> str:
+        """The system turn's text with `schemas` (OpenAI function schemas) rendered into it."""
+        if not self.tools_intro:
+            raise ValueError("this tool format does not say how tool schemas enter the system turn")
+        system = system or self.default_system
+        listed = "".join("\n" + json.dumps(s, ensure_ascii=False) for s in schemas)  # jinja's tojson
+        return (system + "\n\n" if system else "") + self.tools_intro + listed + self.tools_outro
 
     def calls(self, text: str) -> list[str]:
         """The raw text of each call in `text`, in order; an unclosed call is its text up to the end."""

@@ -64,10 +64,20 @@ class QwenImages(ImageRule):
 
 # Tool calls as Qwen2/2.5-VL write them (Hermes style, the tokenizer's <tool_call> tokens); a tool's
 # answer comes back as a user turn wrapped in <tool_response>, images first, as DeepEyes does.
+# The schemas go into the system turn as Qwen2.5's and Qwen3-VL's templates write them for `tools=`
+# (used when a checkpoint's template does not take `tools=`, as Qwen2-VL's does not).
+QWEN_TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+QWEN_TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                    "\"arguments\": <args-json-object>}\n</tool_call>")
 QWEN_TOOLS = ToolFormat(call_start="<tool_call>", call_end="</tool_call>", result_role="user",
-                        result_prefix="<tool_response>", result_suffix="</tool_response>")
+                        result_prefix="<tool_response>", result_suffix="</tool_response>",
+                        tools_intro=QWEN_TOOLS_INTRO, tools_outro=QWEN_TOOLS_OUTRO,
+                        default_system="You are a helpful assistant.")
 # Qwen3-VL's chat template has a `tool` role and wraps its content in <tool_response> itself.
-QWEN3_TOOLS = ToolFormat(call_start="<tool_call>", call_end="</tool_call>", result_role="tool")
+QWEN3_TOOLS = ToolFormat(call_start="<tool_call>", call_end="</tool_call>", result_role="tool",
+                         tools_intro=QWEN_TOOLS_INTRO, tools_outro=QWEN_TOOLS_OUTRO)
 
 
 @dataclass

@@ -117,6 +117,8 @@ class RolloutConfig:
     # (the refit after every update rewrites them all), saving that copy; 2 ran the 3B loop on an H200 with
     # level 1's mismatch (docs/engines.md), but no same-machine speed comparison yet, so 1 stays the default
     sleep_level: int = 1
+    # host memory (GiB) for vLLM's cache of processed images, keyed by content; 0 turns it off
+    processor_cache_gb: float = 4.0
     # Multi-turn episodes with tools (docs/agents.md). No tools: single-turn, one model turn per episode.
     tools: list[str] = field(default_factory=list)  # names from the tool registry (rollout/tools.py)
     tools_module: str = ""  # a module that registers user tools; importing it runs the user's code
@@ -614,7 +616,7 @@ AT_LEAST_ONE = (
 AT_LEAST_ZERO = (
     "trainer.seed", "trainer.eval_every", "model.lora.rank", "trainer.max_nonfinite_in_row",
     "model.router_aux_loss_coef",
-    "rollout.temperature", "rollout.max_tool_images", "rollout.max_tool_errors", "rollout.max_context_tokens",
+    "rollout.temperature", "rollout.processor_cache_gb", "rollout.max_tool_images", "rollout.max_tool_errors", "rollout.max_context_tokens",
     "algorithm.tool_error_penalty",
     "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef", "algorithm.tis_cap",
     "algorithm.max_refill_rounds", "algorithm.overlong_buffer", "algorithm.overlong_penalty",

@@ -305,6 +305,10 @@ class FamilyAdapter:
         """The prompt vLLM 0.26 runs for a collapsed prompt: image i's target becomes replacements[i]."""
         return replace_targets(ids, self.vllm_target(vocab), replacements)
 
+    def vllm_engine_kwargs(self) -> dict:
+        """Extra `vllm.LLM(...)` arguments the family's vLLM module needs (default: none)."""
+        return {}
+
     def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict:
         """`mm_processor_kwargs` that make vLLM's HF processor see the images as the trainer's does.
 

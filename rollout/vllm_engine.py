@@ -30,9 +30,11 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
 - Images: the images the trainer's processor saw (already at the family's size) go to vLLM with
   the processor kwargs the trainer used (`FamilyAdapter.vllm_processor_kwargs`: Qwen's min/max
   pixels and `do_resize=False`, SmolVLM's splitting after a size-keeping resize, Gemma3 without
-  pan-and-scan), so both sides compute identical pixel values. The multimodal processor cache is off
-  (`mm_processor_cache_gb=0`); the encoder cache, the processor cache and the prefix cache are
-  cleared after every refit and wake, so no vision features or KV blocks of old weights are reused.
+  pan-and-scan), so both sides compute identical pixel values. The multimodal processor cache
+  (`rollout.processor_cache_gb`, default 4 GiB of host memory per engine) keeps those pixel values by
+  image content, so an episode's earlier images are not processed again each turn; they do not
+  depend on the weights; the turns of one step share it. It, the encoder cache and the prefix cache
+  are emptied at every wake, so no vision features or KV blocks of old weights are reused.
 - Logprobs: `logprobs_mode="processed_logprobs"` returns log_softmax of the fp32 logits after
   vLLM's logit processors and temperature (V1 `Sampler`: bias → logits / T → top-k/top-p →
   log_softmax). With top_p=1 and top_k off this is the trainer's log_softmax(logits / T) over
@@ -384,6 +386,7 @@ class VLLMEngine(Engine):
         async_scheduling: bool | None = None,
         max_num_seqs: int | None = None,
         sleep_level: int = 1,
+        processor_cache_gb: float = 4.0,
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -414,6 +417,9 @@ class VLLMEngine(Engine):
         if sleep_level not in (1, 2):
             raise ValueError(f"VLLMEngine: sleep_level must be 1 or 2, got {sleep_level}")
         self.sleep_level = sleep_level
+        if processor_cache_gb < 0:
+            raise ValueError(f"VLLMEngine: processor_cache_gb must be >= 0, got {processor_cache_gb}")
+        self._processor_cache_gb = processor_cache_gb
         self._seed = seed
         self._calls = 0
         self.last_stats: dict[str, int] = {}
@@ -459,7 +465,9 @@ class VLLMEngine(Engine):
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # no sampling defaults from the checkpoint's generation_config.json
             mm_processor_kwargs=self.adapter.vllm_processor_kwargs(min_pixels, max_pixels),
-            mm_processor_cache_gb=0,
+            # the HF processor's outputs by image content: a multi-turn episode re-sends its earlier
+            # images every turn, and pixel values do not depend on the weights, so a refit leaves them valid
+            mm_processor_cache_gb=self._processor_cache_gb,
             limit_mm_per_prompt={"image": self.max_images_per_prompt, "video": 0},
             # Tensor-parallel all-reduce through NCCL, not vLLM's CUDA-IPC kernel: with it, a TP=2
             # engine hung in warm-up on the lent 2xH200 VM (colocated RL trainers disable it too).
@@ -467,6 +475,7 @@ class VLLMEngine(Engine):
             **self._kv_cache_kwargs(gpu_memory_utilization, dtype),
             **self._batch_kwargs(enforce_eager),
             **({} if self._async_scheduling is None else {"async_scheduling": self._async_scheduling}),
+            **self.adapter.vllm_engine_kwargs(),
         )
 
     def _kv_cache_kwargs(self, gpu_memory_utilization: float, dtype: str) -> dict:

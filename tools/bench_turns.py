@@ -57,6 +57,7 @@ def main(argv=None) -> dict:
     p.add_argument("--turn-tokens", type=int, default=128)
     p.add_argument("--side", type=int, default=448)
     p.add_argument("--text-tools", action="store_true", help="tool messages hold text only (no crop)")
+    p.add_argument("--processor-cache-gb", type=float, default=4.0, help="vLLM's processed-image cache; 0: off")
     p.add_argument("--json-out", default="")
     args = p.parse_args(argv)
 
@@ -76,7 +77,8 @@ def main(argv=None) -> dict:
     context = longest + args.turns * (args.turn_tokens + 64 + pixels // 784)
     engine = VLLMEngine(args.model, gpu_memory_utilization=0.5, max_model_len=context, seed=0, dtype="bfloat16",
                         min_pixels=784, max_pixels=pixels, image_pad_id=adapter.image_token_id,
-                        adapter=adapter, max_images_per_prompt=args.turns, max_num_seqs=args.prompts * args.n)
+                        adapter=adapter, max_images_per_prompt=args.turns, max_num_seqs=args.prompts * args.n,
+                        processor_cache_gb=args.processor_cache_gb)
     encoder = ToolResultEncoder(processor, adapter.tool_format, adapter.end_of_turn, 784, pixels)
     banned = adapter.banned_token_ids
     whole = SamplingParams(n=args.n, max_new_tokens=args.turns * args.turn_tokens, banned_token_ids=banned, seed=1)
@@ -115,6 +117,7 @@ def main(argv=None) -> dict:
     result = {
         "multi_turn": True, "model": Path(args.model).name, "prompts": args.prompts, "n": args.n,
         "turns": args.turns, "turn_tokens": args.turn_tokens, "image_side": args.side,
+        "processor_cache_gb": args.processor_cache_gb,
         "single_turn_tokens": single_tokens, "single_turn_s": round(single_s, 3),
         "single_turn_tokens_per_s": round(single_tokens / single_s, 1),
         "multi_turn_tokens": multi_tokens, "multi_turn_s": round(multi_s, 3),

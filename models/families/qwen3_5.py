@@ -179,6 +179,11 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
         out = self.vision_tower(model)(pixels, grid_thw=grid)
         return [out.pooler_output]
 
+    def vllm_engine_kwargs(self) -> dict:
+        # vLLM picks FlashInfer's Gated DeltaNet prefill on SM90 by default; its Triton kernels need no
+        # extra package (engine start-up JIT-compiles them: about two minutes on an H200)
+        return {"additional_config": {"gdn_prefill_backend": "triton"}}
+
     def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
         decoder = self.language_model(model)
         apply_packed_linear_attention(decoder)

@@ -50,3 +50,15 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     assert result["grpo_token_mult_prob_error"] <= 1.0001
     profile = (tmp_path / "prof.txt").read_text()
     assert profile.startswith("profiled step:") and "aten::" in profile
+
+
+def test_current_table_reads_the_recipe_as_shipped():
+    from tools.bench import current_table
+
+    shipped = {"loop_step_s": 11.0, "mfu_llm": 0.25, "command": "loop", "date": "d1", "device": "H200"}
+    variant = {"loop_step_s": 7.0, "mfu_llm": 0.40, "command": "loop lora", "date": "d2", "device": "H200",
+               "overrides": "model.lora.rank=16"}
+    table = current_table([shipped, variant])
+    step_line = next(line for line in table.splitlines() if "GRPO step through train.py" in line)
+    assert "| 11.00 |" in step_line and "7.00" not in table
+    assert "25.0%" in table and "40.0%" not in table

@@ -12,6 +12,7 @@
 # A session's calls, after `bash ../shared/gpu/build_vllm_bundle.sh` and `bash tools/gpu_batch.sh wheels` here and a
 # snapshot of the last commit (`rm -rf .gpu/src && mkdir -p .gpu/src && git archive HEAD | tar -x -C .gpu/src`):
 #   1. carry .gpu/chunk-1 .gpu/chunk-2:       mkdir -p /opt/vb && cp .gpu/chunk-1/part-1 .gpu/chunk-2/part-2 /opt/vb/
+#      (a WITH_MOE=1 bundle has five chunks: carry chunk-3 and chunk-4 the same way in a second call)
 #   2. carry .gpu/chunk-3 .whl .gpu/src:      bash .gpu/src/tools/gpu_batch.sh setup && . /opt/vb/env.sh && cd .gpu/src
 #        && BUDGET_S=500 bash tools/gpu_batch.sh run $OUT base:loop:STEPS=6 sl2:loop:STEPS=6,LOOP_ARGS=rollout.sleep_level=2
 #   3. carry .gpu/src:  . /opt/vb/env.sh && cd .gpu/src && bash tools/gpu_batch.sh run $OUT
@@ -35,7 +36,7 @@ wheels)
   ;;
 setup)
   set -e
-  [ -d .gpu/chunk-3 ] && cp .gpu/chunk-*/part-* /opt/vb/
+  for part in .gpu/chunk-*/part-*; do [ -f "$part" ] && cp "$part" /opt/vb/; done  # the chunks this call carries
   (cd /opt/vb && cat part-* | tar -x && bash install.sh)
   if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .whl/*.whl; fi
   . /opt/vb/env.sh

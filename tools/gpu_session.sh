@@ -19,6 +19,8 @@
 #   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED (FAMS, default
 #             "idefics3 gemma3 llava"; then e.g. FAMS="qwen2_vl qwen3_vl qwen2_5_vl" in a second call;
 #             up to FAM_S=150 s each; DTYPE=float32 for a second pass without bf16 rounding)
+#   turns     tools/bench_turns.py on the 3B shape: 3-turn episodes against single-turn generation, zoom
+#             crops with vLLM's processed-image cache off and on (CACHES="0 4"), then text tool messages
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS)
 set -u
 STAGE=$1
@@ -160,6 +162,16 @@ families)
     rc=$?; echo "families $f $d rc=$rc"
     [ $rc = 0 ] || grep -v "^INFO\|^\[rank" "$OUT/fam_${f}_$d.log" | tail -6
   done
+  ;;
+turns)
+  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
+    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+  for c in ${CACHES:-0 4}; do
+    timeout 200 $PY tools/bench_turns.py --model $M --processor-cache-gb $c --json-out "$OUT/turns_zoom_c$c.json" \
+      > "$OUT/turns_zoom_c$c.log" 2>&1; echo "turns zoom cache=$c rc=$? $(tail -c 600 "$OUT/turns_zoom_c$c.json" 2>/dev/null)"
+  done
+  timeout 200 $PY tools/bench_turns.py --model $M --text-tools --json-out "$OUT/turns_text.json" > "$OUT/turns_text.log" 2>&1
+  echo "turns text rc=$? $(tail -c 600 "$OUT/turns_text.json" 2>/dev/null)"
   ;;
 op_diff)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null

@@ -3,6 +3,12 @@
 MFU here counts the language model's FLOPs the way EasyR1 and veRL count them: 6·N·tokens with
 N the dense parameters (attention and MLP projections of every layer, embedding and lm_head),
 plus 12·Σ seqlen²·head_dim·heads·layers for attention, over the device's dense bf16 peak.
+
+Hybrid decoders (Qwen3.5: `layer_types` of linear_attention / full_attention) count each layer's
+own projections: Gated DeltaNet's in_proj_qkvz, in_proj_ba and out_proj for a linear layer (its
+chunked recurrence and short convolution are left out, as veRL leaves them out), and the quadratic
+term for full-attention layers only; `attn_output_gate` doubles q_proj. MoE layers count the experts
+a token goes through (top-k routed plus the shared expert) and the router.
 """
 
 from __future__ import annotations
@@ -22,11 +28,27 @@ def llm_flops(config, seqlens: list[int]) -> float:
     t = text_config(config)
     h, heads = t.hidden_size, t.num_attention_heads
     kv = getattr(t, "num_key_value_heads", None) or heads
-    head_dim = getattr(t, "head_dim", None) or h // heads
-    mlp = 3 * h * t.intermediate_size
-    attn_linear = h * (heads * head_dim + 2 * kv * head_dim + heads * head_dim)
-    dense = (mlp + attn_linear) * t.num_hidden_layers + 2 * t.vocab_size * h
-    attn = 12 * sum(s * s for s in seqlens) * head_dim * heads * t.num_hidden_layers
+    try:
+        head_dim = getattr(t, "head_dim", None) or h // heads
+    except RuntimeError:  # a per-layer attribute (Gemma4's heads differ by layer type): the first layer's
+        head_dim = t.per_layer_config[0].head_dim
+    layers = t.num_hidden_layers
+    kinds = list(getattr(t, "layer_types", None) or ["full_attention"] * layers)
+    full = sum(1 for k in kinds if k != "linear_attention")
+    q = heads * head_dim * (2 if getattr(t, "attn_output_gate", False) else 1)
+    attn_proj = h * (q + 2 * kv * head_dim + heads * head_dim)
+    linear_proj = 0
+    if full < layers:
+        nk, nv = t.linear_num_key_heads, t.linear_num_value_heads
+        kd, vd = t.linear_key_head_dim, t.linear_value_head_dim
+        linear_proj = h * (2 * nk * kd + 2 * nv * vd) + h * 2 * nv + nv * vd * h
+    if getattr(t, "num_experts", 0):
+        mlp = 3 * h * t.moe_intermediate_size * t.num_experts_per_tok + h * t.num_experts
+        mlp += 3 * h * (getattr(t, "shared_expert_intermediate_size", 0) or 0)
+    else:
+        mlp = 3 * h * t.intermediate_size
+    dense = mlp * layers + attn_proj * full + linear_proj * (layers - full) + 2 * t.vocab_size * h
+    attn = 12 * sum(s * s for s in seqlens) * head_dim * heads * full
     return 6.0 * dense * sum(seqlens) + attn
 
 

@@ -284,3 +284,24 @@ def test_processor_config_names_the_family_processor(built):
         flat.pop("processor_class")
         assert nested["image_processor"] == flat
         assert flat["patch_size"] == 14 and flat["merge_size"] == 2 and flat["temporal_patch_size"] == 2
+
+
+def test_qwen3_5_4b_size_has_the_released_shapes():
+    """The benchmark size builds Qwen3.5-4B's config (checked on the meta device: no weights drawn),
+    and other families refuse it."""
+    import transformers
+
+    from tools.make_tiny_model import FAMILIES, SIZES, _check_size, build_config, build_tokenizer
+
+    size = SIZES["qwen3_5_4b"]
+    with pytest.raises(ValueError, match="qwen3_5"):
+        _check_size(size, "qwen2_5_vl")
+    _check_size(size, "qwen3_5")
+    config = build_config("qwen3_5", size, build_tokenizer(FAMILIES["qwen3_5"], size))
+    t = config.text_config
+    assert (t.hidden_size, t.num_hidden_layers, t.head_dim, t.linear_num_value_heads, t.vocab_size) == (
+        2560, 32, 256, 32, 248320)
+    assert t.layer_types.count("full_attention") == 8 and config.tie_word_embeddings
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    assert 4.4e9 < sum(p.numel() for p in model.parameters()) < 4.7e9

@@ -48,7 +48,8 @@ TARGETS = {"mfu_llm": (">=", 0.45), "refit_s": ("<=", 0.5), "sleep_wake_s": ("<=
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="3b", help="make_tiny_model size: tiny, demo or 3b")
+    p.add_argument("--size", default="3b", help="make_tiny_model size: tiny, demo, 3b (or qwen3_5_4b)")
+    p.add_argument("--family", default="qwen2_5_vl", help="make_tiny_model family")
     p.add_argument("--workdir", default="/tmp/vlrl_bench")
     p.add_argument("--engine", default="auto", choices=["auto", "torch", "vllm"])
     p.add_argument("--image-size", type=int, default=448, help="square image side in pixels")
@@ -111,11 +112,11 @@ def _prepare(args) -> tuple[Path, Path]:
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    model = work / f"model_{args.size}"
+    model = work / (f"model_{args.size}" if args.family == "qwen2_5_vl" else f"model_{args.family}_{args.size}")
     if not (model / "config.json").is_file():
         cuda = torch.cuda.is_available()
-        print(f"bench: building the {args.size} model in {model}", flush=True)
-        make_tiny_model(model, family="qwen2_5_vl", size=args.size, seed=0, overwrite=True, verbose=True,
+        print(f"bench: building the {args.family} {args.size} model in {model}", flush=True)
+        make_tiny_model(model, family=args.family, size=args.size, seed=0, overwrite=True, verbose=True,
                         device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32")
     data = work / f"clevr_{args.image_size}.parquet"
     if not data.is_file():
@@ -333,7 +334,7 @@ def run(args) -> dict:
     result = {"date": datetime.date.today().isoformat(),
               "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
               "command": "python tools/bench.py " + " ".join(sys.argv[1:]),
-              "model": f"qwen2_5_vl size {args.size}", "torch": torch.__version__}
+              "model": f"{args.family} size {args.size}", "torch": torch.__version__}
     from rollout.factory import resolve_engine_name
 
     phases = set(args.phases.split(","))

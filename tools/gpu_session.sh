@@ -21,6 +21,8 @@
 #             up to FAM_S=150 s each; DTYPE=float32 for a second pass without bf16 rounding)
 #   turns     tools/bench_turns.py on the 3B shape: 3-turn episodes against single-turn generation, zoom
 #             crops with vLLM's processed-image cache off and on (CACHES="0 4"), then text tool messages
+#   qwen35    Qwen3.5-4B's shapes (random weights, make_tiny_model --size qwen3_5_4b): the update alone
+#             (bench.py, 128 sequences x 256 tokens) and train.py GRPO steps at 16 prompts x 8 x 256 tokens
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS)
 set -u
 STAGE=$1
@@ -172,6 +174,28 @@ turns)
   done
   timeout 200 $PY tools/bench_turns.py --model $M --text-tools --json-out "$OUT/turns_text.json" > "$OUT/turns_text.log" 2>&1
   echo "turns text rc=$? $(tail -c 600 "$OUT/turns_text.json" 2>/dev/null)"
+  ;;
+qwen35)
+  timeout 120 $PY -m pytest -q tests/gpu/test_qwen3_5_packing.py > "$OUT/q35_packing.log" 2>&1
+  echo "qwen3.5 packed delta rule (fla vs torch) rc=$? $(tail -1 "$OUT/q35_packing.log")"
+  Q=$W/model_qwen3_5_qwen3_5_4b
+  [ -f $Q/config.json ] || $PY tools/make_tiny_model.py --family qwen3_5 --size qwen3_5_4b --out $Q --device cuda \
+    --dtype bfloat16 --overwrite > "$OUT/build_q35.log" 2>&1
+  timeout 240 $PY tools/bench.py --family qwen3_5 --size qwen3_5_4b --phases train --train-seqs 128 --group 8 \
+    --response-len 256 --max-tokens 8192 --image-size 448 --train-steps 3 --json-out "$OUT/q35_update.json" \
+    > "$OUT/q35_update.log" 2>&1
+  echo "qwen3.5-4b update rc=$? $(tail -c 400 "$OUT/q35_update.json" 2>/dev/null)"
+  $PY tools/make_dataset.py --kind clevr --n 256 --seed 3 --out $W/loop.parquet --size 448x448 > /dev/null
+  rm -rf $W/q35loop
+  timeout ${LOOP_S:-400} $PY -m torch.distributed.run --standalone --nproc-per-node 1 train.py \
+    --config configs/clevr_qwen2_5_vl_3b.yaml model.path=$Q data.train_path=$W/loop.parquet \
+    data.eval_path=$W/loop.parquet trainer.run_dir=$W/q35loop trainer.max_steps=${STEPS:-4} trainer.eval_every=0 \
+    data.prompts_per_step=16 rollout.max_new_tokens=256 checkpoint.every_steps=0 trainer.progress=false \
+    ${LOOP_ARGS:-} > "$OUT/q35_loop.log" 2>&1
+  echo "qwen3.5-4b GRPO loop rc=$?"
+  cp $W/q35loop/metrics.jsonl "$OUT/q35_loop_metrics.jsonl" 2>/dev/null
+  cp $W/q35loop/config.yaml "$OUT/q35_loop_config.yaml" 2>/dev/null
+  $PY tools/loop_summary.py "$OUT/q35_loop_metrics.jsonl" --config "$OUT/q35_loop_config.yaml" | tee "$OUT/q35_loop_summary.json"
   ;;
 op_diff)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null

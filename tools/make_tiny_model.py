@@ -127,6 +127,17 @@ SIZES = {
         vision_intermediate=3420, window_size=112, fullatt_blocks=(7, 15, 23, 31),
         min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 1280, vocab_size=151936,
     ),
+    # The shapes of Qwen3.5-4B (hidden 2560, 32 layers in the 3:1 Gated DeltaNet pattern, 16/4 heads of
+    # 256 with a quarter rotated, Gated DeltaNet 16 key / 32 value heads of 128, MLP 9216, a 24-block
+    # 1024-wide vision tower, 248320-row tied embedding) with a small local tokenizer: GPU benchmarks.
+    "qwen3_5_4b": SizeSpec(
+        bpe_vocab=3000, text_hidden=2560, text_layers=32, text_heads=16, text_kv_heads=4,
+        text_intermediate=9216, mrope_section=(11, 11, 10), max_positions=262144,
+        vision_hidden=1024, vision_depth=24, vision_heads=16, vision_mlp_ratio=4,
+        vision_intermediate=4096, window_size=112, fullatt_blocks=(),
+        min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 1280, vocab_size=248320, head_dim=256,
+        families=("qwen3_5",),
+    ),
 }
 
 
@@ -137,12 +148,17 @@ def _lookup(table: dict, key: str, what: str):
     return table[key]
 
 
-def _check_size(size: SizeSpec) -> None:
+def _check_size(size: SizeSpec, family: str = "") -> None:
     """Fail early on shapes the family's model code would reject or mis-handle."""
+    if size.families and family not in size.families:
+        raise ValueError(f"make_tiny_model: this size has {', '.join(size.families)}'s shapes; --family {family} "
+                         f"cannot take it")
     head_dim, rem = divmod(size.text_hidden, size.text_heads)
+    if size.head_dim:  # a released model's own head size, rotated over part of it (the family checks)
+        head_dim, rem = size.head_dim, 0
     if rem or size.text_heads % size.text_kv_heads:
         raise ValueError(f"make_tiny_model: text heads {size.text_heads}/{size.text_kv_heads} do not divide hidden {size.text_hidden}")
-    if sum(size.mrope_section) * 2 != head_dim:
+    if not size.head_dim and sum(size.mrope_section) * 2 != head_dim:
         raise ValueError(f"make_tiny_model: mrope_section {size.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
     if size.window_size % (PATCH_SIZE * MERGE_SIZE):
         raise ValueError(f"make_tiny_model: window_size {size.window_size} must be a multiple of {PATCH_SIZE * MERGE_SIZE}")
@@ -337,7 +353,7 @@ def make_tiny_model(
     torch_dtype = _lookup({"float32": torch.float32, "bfloat16": torch.bfloat16}, dtype, "dtype")
     if weight_names not in WEIGHT_NAMES:
         raise ValueError(f"make_tiny_model: weight_names must be one of {WEIGHT_NAMES}, got {weight_names!r}")
-    _check_size(size_spec)
+    _check_size(size_spec, family)
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"make_tiny_model: {out} already exists; remove it or pass overwrite=True (--overwrite)")

@@ -46,7 +46,7 @@ from torch import nn
 
 from models.attention import given_row
 from models.families.qwen_vl import (
-    _PREFIXES, QWEN2_5_EXTRA_TOKENS, QWEN3_PATCH_SIZE, Qwen3VLAdapter, QwenImages, _qwen_adapter,
+    _PREFIXES, QWEN2_5_EXTRA_TOKENS, QWEN3_PATCH_SIZE, Qwen3Images, Qwen3VLAdapter, _qwen_adapter,
     _tiny_image_processor,
 )
 from models.families.tiny import MERGE_SIZE, TEMPORAL_PATCH_SIZE, SizeSpec, TinySpec, text_config, token_ids
@@ -248,19 +248,26 @@ def layer_types(layers: int) -> list[str]:
 
 def tiny_text_config(size: SizeSpec, tokenizer, **overrides) -> dict:
     """The decoder: the size's shapes, 32-dim heads rotated over a quarter (interleaved m-rope
-    sections [2, 1, 1] of 4 frequencies), Gated DeltaNet with 2 key and 4 value heads of 16 dims."""
+    sections [2, 1, 1] of 4 frequencies), Gated DeltaNet with 2 key and 4 value heads of 16 dims.
+    A size with a released model's `head_dim` (qwen3_5_4b) gets the released Gated DeltaNet shapes:
+    16 key and 32 value heads of 128, and its own m-rope sections."""
     rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
             "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-    return text_config(size, tokenizer, head_dim=32, rope_parameters=rope, layer_types=layer_types(size.text_layers),
-                       linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                       linear_num_key_heads=2, linear_num_value_heads=4, **overrides)
+    linear = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    head_dim = 32
+    if size.head_dim:
+        head_dim, rope["mrope_section"] = size.head_dim, list(size.mrope_section)
+        linear = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                      linear_num_value_heads=32)
+    return text_config(size, tokenizer, head_dim=head_dim, rope_parameters=rope,
+                       layer_types=layer_types(size.text_layers), linear_conv_kernel_dim=4, **linear, **overrides)
 
 
 def tiny_vision_config(size: SizeSpec) -> dict:
     return dict(depth=size.vision_depth, hidden_size=size.vision_hidden, intermediate_size=size.vision_intermediate,
                 num_heads=size.vision_heads, in_channels=3,
                 patch_size=QWEN3_PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
-                out_hidden_size=size.text_hidden, num_position_embeddings=64)
+                out_hidden_size=size.text_hidden, num_position_embeddings=2304 if size.head_dim else 64)
 
 
 def _tiny_config(size: SizeSpec, tokenizer):
@@ -268,7 +275,8 @@ def _tiny_config(size: SizeSpec, tokenizer):
                                          "<|vision_end|>")
     config = transformers.Qwen3_5Config(
         text_config=tiny_text_config(size, tokenizer), vision_config=tiny_vision_config(size), image_token_id=image,
-        video_token_id=video, vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
+        video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        tie_word_embeddings=bool(size.head_dim),  # Qwen3.5-4B ties its embedding; the tiny sizes do not
         architectures=["Qwen3_5ForConditionalGeneration"],
     )
     write_both_head_counts(config.vision_config, size.vision_heads)
@@ -360,7 +368,7 @@ _UNVERIFIED = "vLLM path written from vLLM's qwen3_5.py ({}); not yet run on a G
 register(Family(
     model_type="qwen3_5",
     adapter=_qwen3_5_adapter,
-    image_rules={"Qwen3VLProcessor": QwenImages},
+    image_rules={"Qwen3VLProcessor": Qwen3Images},
     vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=DECODER,
                    unverified=_UNVERIFIED.format("Qwen3_5ForConditionalGeneration")),
     tiny=TinySpec(model_class="Qwen3_5ForConditionalGeneration", processor_class="Qwen3VLProcessor",
@@ -370,7 +378,7 @@ register(Family(
 register(Family(
     model_type="qwen3_5_moe",
     adapter=_qwen3_5_moe_adapter,
-    image_rules={"Qwen3VLProcessor": QwenImages},
+    image_rules={"Qwen3VLProcessor": Qwen3Images},
     vllm=VLLMNames(prefixes=_EXPERTS + _PREFIXES, stacking_scopes=DECODER,
                    unverified=_UNVERIFIED.format("Qwen3_5MoeForConditionalGeneration")),
     tiny=TinySpec(model_class="Qwen3_5MoeForConditionalGeneration", processor_class="Qwen3VLProcessor",

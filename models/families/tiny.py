@@ -103,6 +103,10 @@ class SizeSpec:
     min_pixels: int
     max_pixels: int
     vocab_size: int = 0  # model vocab; 0 = the tokenizer length rounded up to VOCAB_MULTIPLE
+    # A released model's shapes (head_dim and mrope_section as that model has them, rotary over part
+    # of each head): only the families named here build it. 0 / (): a generic size for every family.
+    head_dim: int = 0
+    families: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class PromptFeeder:
 
     def __init__(self, dataset: VLDataset, processor, task: str, *, seed: int, shuffle: bool,
                  max_prompt_tokens: int, rank: int = 0, world: int = 1,
-                 gather: Callable[[int], list[int]] | None = None):
+                 gather: Callable[[int], list[int]] | None = None, tool_prompt=None):
         if not 0 <= rank < world:
             raise ValueError(f"PromptFeeder: rank {rank} is outside a world of {world} data-parallel ranks")
         if gather is None and world > 1:
@@ -58,6 +58,7 @@ class PromptFeeder:
         self.processor = processor
         self.task = task
         self.max_prompt_tokens = max_prompt_tokens
+        self.tool_prompt = tool_prompt  # the tools' schemas in every prompt's system turn (rollout.tools)
         self.rank, self.world = rank, world
         self.gather = gather or (lambda value: [value])
         self.stream = IndexStream(len(dataset), seed, shuffle)
@@ -78,7 +79,7 @@ class PromptFeeder:
             index = self.stream.peek(offset)
             try:
                 sample = self.dataset.get(index)
-                out.append(encode_prompt(self.processor, sample, self.task, self.max_prompt_tokens))
+                out.append(encode_prompt(self.processor, sample, self.task, self.max_prompt_tokens, self.tool_prompt))
             except BadSample as exc:
                 self.stats.record(index, exc.reason, self.dataset.path, exc.detail)
         return out

@@ -18,6 +18,7 @@ import torch
 
 from data.images import BadSample
 from data.prompts import build_messages
+from data.trajectories import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,10 @@ class VLProcessor:
         """The longest text (in characters) that could still fit in `max_prompt_tokens` tokens."""
         return max_prompt_tokens * self.max_token_chars
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        """The template's text; `kwargs` go to the template (e.g. `tools=`)."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                  **kwargs)
 
     def prepare_images(self, images: list) -> list:
         """The images at the pixels the model sees (a no-op for images already at them)."""
@@ -171,18 +174,23 @@ def load_processor(model_path: str, trust_remote_code: bool = False) -> VLProces
     return VLProcessor(model_path, trust_remote_code)
 
 
-def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: int) -> EncodedPrompt:
+def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: int, tool_prompt=None) -> EncodedPrompt:
     """Chat template + image processing on one sample; raises BadSample('prompt_too_long') instead of truncating.
 
     A problem too long to fit at all is refused from its length, before the chat template and the
-    tokenizer, whose time and memory grow linearly with the text.
+    tokenizer, whose time and memory grow linearly with the text. A row's own system message
+    (`sample.system`, messages rows) comes first; `tool_prompt` (data/trajectories.py `ToolPrompt`)
+    renders the configured tools' schemas into the system turn.
     """
     limit = processor.max_text_chars(max_prompt_tokens)
     if len(sample.problem) > limit:
         raise BadSample("prompt_too_long", f"problem has {len(sample.problem)} characters > {limit} "
                                            f"(data.max_prompt_tokens={max_prompt_tokens} × the longest token's "
                                            f"{processor.max_token_chars} characters); checked before tokenizing")
-    text = processor.apply_chat_template(build_messages(sample, task))
+    messages = build_messages(sample, task)
+    if getattr(sample, "system", ""):
+        messages = [{"role": "system", "content": sample.system}, *messages]
+    text = render_chat(processor, messages, True, tool_prompt)
     images = processor.prepare_images(list(sample.images))
     out = processor(text, images)
     ids = out["input_ids"]
@@ -191,7 +199,7 @@ def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: 
     conversation = None
     if getattr(sample, "conversation", None) is not None:  # a trajectory row, for SFT
         from data.trajectories import encode_conversation
-        conversation = encode_conversation(processor, sample, max_prompt_tokens)
+        conversation = encode_conversation(processor, sample, max_prompt_tokens, tool_prompt)
     return EncodedPrompt(sample.index, ids, out["pixel_values"], out["image_grid_thw"], images, sample.answer,
                          list(getattr(sample, "originals", None) or []), conversation)
 

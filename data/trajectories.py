@@ -26,6 +26,8 @@ turn's start, and up to its end-of-turn token, are prefixes of the whole convers
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,14 +210,79 @@ def _decode(data: bytes | None, path: str | None, dataset) -> Image.Image:
     raise BadSample("missing_image", "image entry has neither bytes nor path")
 
 
-# --- encoding a conversation for SFT ---------------------------------------------------------------
+# --- the tools' schemas in the system turn ---------------------------------------------------------
 
-def _render(processor, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> str:
-    kwargs = {"tools": tools} if tools else {}
-    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                   tokenize=False, **kwargs)
+@dataclass(frozen=True)
+class ToolPrompt:
+    """The configured tools' OpenAI function schemas, rendered into the system turn of every prompt
+    and every SFT conversation, so that rollout and training prompts match.
+
+    A chat template that takes `tools=` (`template_takes_tools`; Qwen2.5's and Qwen3-VL's do) renders
+    them itself, after the conversation's system text. Otherwise `system_with_tools(system, schemas)`,
+    the family's rule (models/family.py `ToolFormat`), writes the system turn's text.
+
+    A conversation's own system message is kept, and the schemas follow it; but one whose text already
+    holds every configured tool's schema (`"name": "<tool>"`, as DeepEyes-47k's system prompt does)
+    wins as it is, and nothing is added.
+    """
+
+    schemas: tuple[dict, ...]
+    template_takes_tools: bool
+    system_with_tools: Callable[[str, list[dict]], str] | None = None
+
+    def describes_tools(self, system: str) -> bool:
+        """Whether `system` already holds each tool's schema (its JSON `"name": "<tool>"`)."""
+        names = [s.get("function", s).get("name", "") for s in self.schemas]
+        return all(re.search(r'"name"\s*:\s*"' + re.escape(n) + '"', system) for n in names)
+
+    def apply(self, messages: list[dict]) -> tuple[list[dict], dict]:
+        """(messages, chat-template kwargs) with the schemas in the system turn."""
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        system = _plain(messages[0]["content"]) if has_system else ""
+        rest = messages[1:] if has_system else messages
+        if has_system and self.describes_tools(system):
+            return [{"role": "system", "content": system}, *rest], {}
+        if self.template_takes_tools:
+            head = [{"role": "system", "content": system}] if has_system else []
+            return head + rest, {"tools": list(self.schemas)}
+        return [{"role": "system", "content": self.system_with_tools(system, list(self.schemas))}, *rest], {}
+
+
+def build_tool_prompt(processor, schemas: list[dict], system_with_tools: Callable | None,
+                      family: str = "") -> ToolPrompt | None:
+    """The ToolPrompt of `schemas` for `processor`'s chat template; None without schemas. Whether the
+    template takes `tools=` is seen by rendering a conversation with and without them."""
+    if not schemas:
+        return None
+    probe = [{"role": "user", "content": "?"}]
+    plain = processor.apply_chat_template(probe, add_generation_prompt=True)
+    with_tools = processor.apply_chat_template(probe, add_generation_prompt=True, tools=list(schemas))
+    takes = with_tools != plain
+    if not takes and system_with_tools is None:
+        raise ValueError(f"rollout.tools: the chat template does not take tools= and model family '{family}' does not "
+                         "say how tool schemas enter the system turn (ToolFormat.tools_intro)")
+    return ToolPrompt(tuple(schemas), takes, system_with_tools)
+
+
+def _plain(content: Any) -> str:
+    """A message content (a string or parts) as text; images are not allowed in a system turn."""
+    if isinstance(content, str):
+        return content
+    if any(p["type"] == "image" for p in content):
+        raise BadSample("bad_message", "an image in the system message")
+    return _text(content)
+
+
+def render_chat(processor, messages: list[dict], generation_prompt: bool, tool_prompt: ToolPrompt | None = None) -> str:
+    """The chat template's text for `messages`, with the tools' schemas in the system turn."""
+    kwargs = {}
+    if tool_prompt is not None:
+        messages, kwargs = tool_prompt.apply(messages)
+    text = processor.apply_chat_template(messages, add_generation_prompt=generation_prompt, **kwargs)
     return text[0] if isinstance(text, list) else text
 
+
+# --- encoding a conversation for SFT ---------------------------------------------------------------
 
 def _expanded_ids(processor, text: str, grids: torch.Tensor | None) -> list[int]:
     """Token ids of `text` with its image placeholders expanded by the family's image rule (the
@@ -234,14 +301,14 @@ def _prefix_len(full: list[int], prefix: list[int], what: str) -> int:
 
 
 def encode_conversation(processor, sample: ConversationSample, max_tokens: int,
-                        tools: list[dict] | None = None) -> EncodedConversation:
+                        tool_prompt: ToolPrompt | None = None) -> EncodedConversation:
     """The conversation's token ids (chat template once, placeholders expanded), its image tensors,
     and a loss mask on each assistant turn's tokens: its text and the end-of-turn token the
     template closes it with. Raises BadSample("conversation_too_long") past `max_tokens`."""
     messages = sample.conversation
     images = processor.prepare_images(list(sample.conversation_images))
     pixel_values, grids = processor.images.encode(images) if images else (None, None)
-    full_text = _render(processor, messages, False, tools)
+    full_text = render_chat(processor, messages, False, tool_prompt)
     if full_text.count(processor.image_pad) != len(images):
         raise BadSample("image_count_mismatch", f"{full_text.count(processor.image_pad)} image placeholders "
                                                 f"rendered, {len(images)} images")
@@ -252,8 +319,8 @@ def encode_conversation(processor, sample: ConversationSample, max_tokens: int,
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        head = _render(processor, messages[:k], True, tools)
-        closed = _render(processor, messages[:k + 1], False, tools)
+        head = render_chat(processor, messages[:k], True, tool_prompt)
+        closed = render_chat(processor, messages[:k + 1], False, tool_prompt)
         body = _text(message["content"])
         if not closed.startswith(head + body):
             raise BadSample("template_not_prefix", f"assistant turn {k} is not rendered as its text after the "

@@ -122,6 +122,8 @@ class RolloutConfig:
     # Multi-turn episodes with tools (docs/agents.md). No tools: single-turn, one model turn per episode.
     tools: list[str] = field(default_factory=list)  # names from the tool registry (rollout/tools.py)
     tools_module: str = ""  # a module that registers user tools; importing it runs the user's code
+    # render the tools' schemas into every prompt's and SFT conversation's system turn (docs/agents.md)
+    tool_schemas_in_prompt: bool = True
     max_turns: int = 1  # model turns per episode
     max_tool_images: int = 4  # images the tools may add to one episode
     tool_timeout_s: float = 10.0  # a tool call running longer is stopped and counted as a timeout

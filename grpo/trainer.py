@@ -39,7 +39,7 @@ from rollout.colocation import (
 )
 from rollout.factory import build_engine
 from rollout.groups import EngineGroup
-from rollout.rollouts import Rollouts, context_tokens
+from rollout.rollouts import Rollouts, context_tokens, tool_prompt
 
 log = logging.getLogger("vlrl")
 MISMATCH_ALARM = 1.05
@@ -79,6 +79,7 @@ class Trainer:
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
         self.tokenizer = self.processor.tokenizer
         self.stop_ids = stop_token_ids(cfg.model.path, self.tokenizer, self.adapter.end_of_turn)
+        self.tool_prompt = tool_prompt(cfg, self.adapter, self.processor)  # rollout.tools' schemas in every prompt
         self.feeder = self._feeder(cfg.data.train_path)
         self.eval_feeder = self._feeder(cfg.data.eval_path, shuffle=False) if cfg.data.eval_path else None
         self.ref: Policy | None = None
@@ -125,6 +126,7 @@ class Trainer:
         return PromptFeeder(
             ds, self.processor, d.task, seed=self.cfg.trainer.seed, shuffle=d.shuffle if shuffle is None else shuffle,
             max_prompt_tokens=d.max_prompt_tokens, rank=self.dims.dp_rank, world=self.dims.dp, gather=gather,
+            tool_prompt=self.tool_prompt,
         )
 
     @property

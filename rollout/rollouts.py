@@ -29,12 +29,25 @@ import torch
 import torch.distributed as dist
 
 from data.rewards import score
+from data.trajectories import ToolPrompt, build_tool_prompt
 from models.family import FamilyAdapter, require_tool_format
 from rollout.base import Generation, SamplingParams
 from rollout.episode import FINISH_REASONS, Episode, ToolResultEncoder
-from rollout.tools import ERROR_KINDS, ToolContext, ToolRunner, build_tools
+from rollout.tools import ERROR_KINDS, ToolContext, ToolRunner, build_tools, tool_schema
 
 TURN_SEED_STRIDE = 7919  # later turns sample with seed + turn · stride
+
+
+def tool_prompt(cfg, adapter: FamilyAdapter, processor) -> ToolPrompt | None:
+    """The schemas of `rollout.tools`, in that order, for the system turn of every prompt and SFT
+    conversation: rendered by the chat template when it takes `tools=`, else by the family's
+    `ToolFormat`. None without tools, or with `rollout.tool_schemas_in_prompt` off."""
+    if not cfg.rollout.tools or not cfg.rollout.tool_schemas_in_prompt:
+        return None
+    tools = build_tools(list(cfg.rollout.tools), cfg.rollout.tools_module or None)
+    fmt = require_tool_format(adapter)
+    schemas = [tool_schema(tools[name]) for name in cfg.rollout.tools]
+    return build_tool_prompt(processor, schemas, fmt.system_with_tools if fmt.tools_intro else None, adapter.name)
 
 
 def context_tokens(cfg) -> int:

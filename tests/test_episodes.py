@@ -12,12 +12,14 @@ from PIL import Image
 
 from data.batch import Batch
 from data.processing import EncodedPrompt, load_processor
+from data.trajectories import render_chat
 from grpo.config import load_config
 from models.family import FAMILIES
 from rollout.base import Generation
 from rollout.episode import MODEL, PROMPT, TOOL, episode_batch
 from rollout.groups import EngineGroup
-from rollout.rollouts import Rollouts, awake
+from rollout.rollouts import Rollouts, awake, tool_prompt
+from rollout.tools import _REGISTRY, tool_schema
 
 USER_TOOLS = '''
 import time
@@ -61,10 +63,10 @@ def _cfg(model, *extra):
                               "rollout.max_new_tokens=200", "rollout.tool_timeout_s=2", *extra])
 
 
-def _prompt(processor, index=0, color=(200, 30, 30), answer="3") -> EncodedPrompt:
+def _prompt(processor, index=0, color=(200, 30, 30), answer="3", tool_prompt=None) -> EncodedPrompt:
     image = Image.new("RGB", (56, 56), color)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
-    text = processor.apply_chat_template(messages)
+    text = render_chat(processor, messages, True, tool_prompt)
     images = processor.prepare_images([image])
     out = processor(text, images)
     return EncodedPrompt(index, out["input_ids"], out["pixel_values"], out["image_grid_thw"], images, answer)
@@ -115,7 +117,12 @@ def test_token_in_token_out_turn_by_turn(tiny_model):
     cfg = _cfg(tiny_model)
     engine = ScriptedEngine(processor.tokenizer, [[_call(ZOOM)], ["<answer>3</answer><|im_end|>"]])
     rollouts = _rollouts(cfg, processor, engine)
-    prompts = [_prompt(processor, 0), _prompt(processor, 1, (20, 200, 30))]
+    # the prompts carry the configured tools' schemas in their system turn, as the trainer encodes them
+    tp = tool_prompt(cfg, rollouts.adapter, processor)
+    prompts = [_prompt(processor, 0, tool_prompt=tp), _prompt(processor, 1, (20, 200, 30), tool_prompt=tp)]
+    text = processor.tokenizer.decode(prompts[0].input_ids)
+    schemas = "\n".join(json.dumps(tool_schema(_REGISTRY[n]), ensure_ascii=False) for n in cfg.rollout.tools)
+    assert text.startswith("<|im_start|>system\n") and f"<tools>\n{schemas}\n</tools>" in text
     try:
         _, episodes, infos = rollouts.generate_and_score(engine, prompts, rollouts_params(n=2))
     finally:
@@ -141,7 +148,7 @@ def test_token_in_token_out_turn_by_turn(tiny_model):
             {"role": "user", "content": [{"type": "text", "text": "<tool_response>"}, {"type": "image"},
                                          {"type": "text", "text": "</tool_response>"}]},
         ]
-        whole = processor(processor.apply_chat_template(conversation), e.images)
+        whole = processor(render_chat(processor, conversation, True, tp), e.images)
         assert e.token_ids[:s2] == whole["input_ids"].tolist()
         assert torch.equal(e.image_grid_thw(), whole["image_grid_thw"])
         assert torch.equal(e.pixel_values(), whole["pixel_values"])

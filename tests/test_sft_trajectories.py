@@ -116,3 +116,101 @@ def test_sft_step_on_trajectories(tiny_model, sft_rows, tmp_path):
     convs = [encode_prompt(processor, ds.get(i), "zoom", 4096).conversation for i in range(3)]
     assert rows[0]["perf/scored_tokens"] == sum(int(c.loss_mask.sum()) for c in convs)
     assert rows[0]["perf/tokens"] == sum(c.input_ids.numel() for c in convs)
+
+
+# Qwen2.5's chat template as far as tools go (its system turn with `tools=`, verbatim), then ChatML turns
+# with the tiny template's image part: a template that takes `tools=`, unlike the tiny one.
+QWEN25_TOOLS_TEMPLATE = r"""
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if messages[0]['role'] == 'system' -%}
+        {{- messages[0]['content'] -}}
+    {%- else -%}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' -}}
+    {%- endif -%}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" -}}
+    {%- for tool in tools -%}
+        {{- "\n" -}}
+        {{- tool | tojson -}}
+    {%- endfor -%}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" -}}
+{%- elif messages[0]['role'] == 'system' -%}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' -}}
+{%- else -%}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- if not (loop.first and message['role'] == 'system') -%}
+        {{- '<|im_start|>' + message['role'] + '\n' -}}
+        {%- if message['content'] is string -%}
+            {{- message['content'] -}}
+        {%- else -%}
+            {%- for part in message['content'] -%}
+                {%- if part['type'] == 'image' -%}
+                    {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+                {%- elif 'text' in part -%}
+                    {{- part['text'] -}}
+                {%- endif -%}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|im_end|>\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
+
+def _tool_prompt(processor):
+    from data.trajectories import build_tool_prompt
+    from models.family import FAMILIES
+    from rollout.tools import _REGISTRY, tool_schema
+
+    schemas = [tool_schema(_REGISTRY[n]) for n in ("image_zoom_in_tool", "calculator")]
+    return schemas, build_tool_prompt(processor, schemas, FAMILIES["qwen2_5_vl"].tool_format.system_with_tools)
+
+
+def test_tool_schemas_render_into_prompts_and_trajectories_alike(tiny_model, sft_rows):
+    from data.generators.zoom import SYSTEM
+
+    ds = VLDataset(sft_rows, "zoom", **PIXELS)
+    texts = {}
+    for name, template in (("family", None), ("template", QWEN25_TOOLS_TEMPLATE)):
+        processor = load_processor(str(tiny_model))
+        if template:
+            processor.tokenizer.chat_template = template
+        schemas, tp = _tool_prompt(processor)
+        assert tp.template_takes_tools == (name == "template")
+        for i in range(2):
+            sample = ds.get(i)
+            assert sample.system == SYSTEM
+            prompt = encode_prompt(processor, sample, "zoom", 4096, tp)
+            text = processor.tokenizer.decode(prompt.input_ids)
+            # each schema on its own line, as the template's `tool | tojson` writes it, in rollout.tools order
+            lines = [json.dumps(s, ensure_ascii=False) for s in schemas]
+            assert "<tools>\n" + "\n".join(lines) + "\n</tools>" in text
+            assert text.startswith(f"<|im_start|>system\n{SYSTEM}\n\n# Tools\n")  # the row's system text first
+            # the SFT conversation starts with exactly the rollout prompt's tokens
+            conv = prompt.conversation.input_ids.tolist()
+            n = prompt.input_ids.numel()
+            assert conv[:n] == prompt.input_ids.tolist() and prompt.conversation.loss_mask[:n].sum() == 0
+            texts.setdefault(i, []).append(text)
+    # the family's rule writes exactly what a template that takes tools= writes
+    assert all(a == b for a, b in texts.values())
+
+
+def test_a_system_prompt_that_holds_the_schemas_wins(tiny_model):
+    from data.trajectories import render_chat
+
+    processor = load_processor(str(tiny_model))
+    schemas, tp = _tool_prompt(processor)
+    user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    own = "Tools: " + " ".join(json.dumps(s) for s in schemas)
+    assert render_chat(processor, [{"role": "system", "content": own}, user], True, tp) == \
+        render_chat(processor, [{"role": "system", "content": own}, user], True, None)
+    # a system prompt naming only one of them gets the schemas added after it; none: the family's default
+    partial = render_chat(processor, [{"role": "system", "content": json.dumps(schemas[0])}, user], True, tp)
+    assert partial.count(json.dumps(schemas[1])) == 1 and partial.count(json.dumps(schemas[0])) == 2
+    bare = render_chat(processor, [user], True, tp)
+    assert bare.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n")

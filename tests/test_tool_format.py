@@ -60,3 +60,22 @@ def test_preflight_refuses_tools_for_a_family_without_a_tool_format(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.tools=\['calculator'\]: model family 'llava' has no tool-call"):
         _check_engine(cfg)
     _check_engine(load_config(None, ["trainer.mode=grpo", f"model.path={tmp_path}", "rollout.engine=torch"]))
+
+
+def test_tool_prompt_comes_from_the_config(tiny_model):
+    from data.processing import load_processor
+    from models.policy import load_model_config
+    from rollout.rollouts import tool_prompt
+
+    processor = load_processor(str(tiny_model))
+    adapter = FAMILIES["qwen2_5_vl"].adapter(load_model_config(str(tiny_model)))
+    base = [f"model.path={tiny_model}", "rollout.tools=[calculator,image_zoom_in_tool]", "rollout.max_turns=2"]
+    tp = tool_prompt(load_config(None, base), adapter, processor)
+    # in rollout.tools order; the tiny template does not take tools=, so the family's rule renders them
+    assert [s["function"]["name"] for s in tp.schemas] == ["calculator", "image_zoom_in_tool"]
+    assert not tp.template_takes_tools and tp.system_with_tools is not None
+    assert tool_prompt(load_config(None, base + ["rollout.tool_schemas_in_prompt=false"]), adapter, processor) is None
+    assert tool_prompt(load_config(None, [f"model.path={tiny_model}"]), adapter, processor) is None
+    with pytest.raises(ValueError, match=r"model family 'llava'.*'rollout.tools'"):
+        tool_prompt(load_config(None, base), FamilyAdapter(name="llava", hf_architecture="x", image_token_id=1),
+                    processor)

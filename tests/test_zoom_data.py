@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from data.datasets import SkipStats, VLDataset
-from data.generators.zoom import CHECKS, QUESTION, SCHEMA, cells, generate
+from data.generators.zoom import CHECKS, QUESTION, SCHEMA, SYSTEM, cells, generate
 from data.images import BadSample
 from data.rewards import score
 from rollout.tools import ImageZoomInTool, ToolContext
@@ -103,7 +103,9 @@ def test_sft_rows_call_the_tool_as_it_answers_at_run_time(zoom_files):
     _, sft = zoom_files
     row = pq.read_table(sft).slice(0, 1).to_pylist()[0]
     roles = [m["role"] for m in row["messages"]]
-    assert roles == ["user", "assistant", "user", "assistant"]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]  # the RL rows' system turn too
+    assert row["messages"][0]["content"] == SYSTEM
+    row["messages"] = row["messages"][1:]
     call = row["messages"][1]["content"]
     assert call.startswith("<tool_call>") and call.endswith("</tool_call>")
     arguments = json.loads(call[len("<tool_call>"):-len("</tool_call>")])

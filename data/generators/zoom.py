@@ -145,6 +145,7 @@ def make_row(rng: random.Random, index: int, size: int, min_pixels: int, max_pix
         zoomed = zoom(seen_image, box, max_pixels, original=canvas)
         images.append({"bytes": _png(zoomed), "path": f"zoom_{index:06d}_tool.png"})
         messages = [
+            {"role": "system", "content": SYSTEM},  # as the RL rows' prompt, so both render alike
             {"role": "user", "content": user},
             {"role": "assistant", "content": tool_call_text(box)},
             {"role": "user", "content": "<tool_response><image></tool_response>"},

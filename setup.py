@@ -24,6 +24,8 @@ setup(
         "pylatexenc>=2.10",
         "tqdm>=4",
         "tensorboard>=2.15",
+        # video decoding (data/video.py); the wheel bundles FFmpeg (about 36 MB)
+        "av>=12",
     ],
     extras_require={
         "vllm": ["vllm>=0.26.0"],

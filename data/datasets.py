@@ -49,15 +49,20 @@ from PIL import Image
 from data.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, BadSample, canonicalize_image, decode_image
 from data.prompts import IMAGE_TAG, build_messages, check_task, render_messages_plain
 from data.trajectories import MessageRows, messages_layout
+from data.video import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_SOURCE_FRAMES, DEFAULT_MAX_VIDEO_BYTES, DEFAULT_VIDEO_FPS,
+                        DEFAULT_VIDEO_MAX_PIXELS, VIDEO_TAG, Video, check_video_options, decode_video)
 
 logger = logging.getLogger(__name__)
 
 # Canonical column name -> names accepted for it, in order of preference.
 COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
     "images": ("images", "image"),
+    "videos": ("videos", "video"),
     "problem": ("problem", "question"),
     "answer": ("answer", "solution"),
 }
+# A row needs one of these (or Video-R1's `path` with `data_type`), not all of them.
+MEDIA_COLUMNS = ("images", "videos")
 
 _WRAPPED_ANSWER = re.compile(r"^\s*<answer>(.*)</answer>\s*$", re.DOTALL)
 INVALID_TEXT_COLUMN = "__invalid_text__"  # set by the JSONL reader on rows it could not decode
@@ -125,11 +130,35 @@ def _read_jsonl(path: Path) -> pa.Table:
                 invalid[len(rows)] = f"{path}:{line_no}: text with a lone surrogate escape (not valid Unicode)"
                 row = {}
             rows.append(row)
+    return _rows_table(rows, invalid)
+
+
+def _read_json_array(path: Path) -> pa.Table:
+    """Read a .json file holding one array of row objects (as Video-R1's files are)."""
+    try:
+        rows = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a valid JSON array of rows ({err})") from err
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a JSON array of row objects, got {type(rows).__name__}")
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {index} is {type(row).__name__}; expected a JSON object")
+    invalid = {index: f"{path}: row {index}: text with a lone surrogate escape (not valid Unicode)"
+               for index, row in enumerate(rows) if not _encodable(row)}
+    return _rows_table([{} if index in invalid else row for index, row in enumerate(rows)], invalid)
+
+
+def _rows_table(rows: list[dict], invalid: dict[int, str]) -> pa.Table:
+    """Decoded JSON rows as an arrow table: image cells as path lists, video cells as {path, frames} lists."""
     names = sorted({key for row in rows for key in row})
     columns = {name: [row.get(name) for row in rows] for name in names}
     for name in COLUMN_ALIASES["images"]:
         if name in columns:
             columns[name] = [_jsonl_image_paths(value) for value in columns[name]]
+    for name in COLUMN_ALIASES["videos"]:
+        if name in columns:
+            columns[name] = pa.array([_jsonl_video_entries(value) for value in columns[name]], type=VIDEO_ENTRIES)
     arrays = {name: _jsonl_column(values) for name, values in columns.items()}
     if invalid:
         arrays[INVALID_TEXT_COLUMN] = pa.array([invalid.get(i) for i in range(len(rows))], type=pa.string())
@@ -164,8 +193,31 @@ def _jsonl_image_paths(value: Any) -> list[str | None]:
     return paths
 
 
+# A JSON videos cell: each video is a file path or a list of frame paths.
+VIDEO_ENTRIES = pa.list_(pa.struct([("path", pa.string()), ("frames", pa.list_(pa.string()))]))
+
+
+def _jsonl_video_entries(value: Any) -> list[dict]:
+    """A JSON videos cell (a path, a {path} object, or a list of those or of frame-path lists) as
+    {path, frames} entries; an unusable entry has neither (skipped later as missing_video)."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]  # a list of paths is one video per path
+    entries = []
+    for item in items:
+        if isinstance(item, dict):
+            item = item.get("path")
+        if isinstance(item, list):
+            entries.append({"path": None, "frames": [v if isinstance(v, str) else None for v in item]})
+        else:
+            entries.append({"path": item if isinstance(item, str) else None, "frames": None})
+    return entries
+
+
 def _jsonl_column(values: list) -> pa.Array:
     """One JSONL column as arrow; rows that mix types (3 and "3") are stored as strings."""
+    if isinstance(values, pa.Array):
+        return values
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -180,23 +232,39 @@ def read_table(path: str | Path) -> pa.Table:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return pq.read_table(path, memory_map=True)
+    if suffix == ".json" and _starts_with(path, b"["):
+        return _read_json_array(path)
     if suffix in (".jsonl", ".json"):
         return _read_jsonl(path)
     raise ValueError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
 
 
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    """Whether the file's first non-whitespace bytes are `prefix`."""
+    with path.open("rb") as f:
+        return f.read(4096).lstrip().startswith(prefix)
+
+
 def resolve_columns(table: pa.Table, path: str | Path) -> dict[str, str]:
-    """Map each canonical column to the name it has in `table`, or raise naming what is missing."""
+    """Map each canonical column to the name it has in `table`, or raise naming what is missing.
+
+    `images` and `videos` are each optional, but a file needs one of them, or Video-R1's `path`
+    and `data_type` columns (`path` is the row's video or image, as `data_type` says)."""
     present = table.column_names
     resolved = {}
     for canonical, aliases in COLUMN_ALIASES.items():
         found = next((name for name in aliases if name in present), None)
+        if found is None and canonical in MEDIA_COLUMNS:
+            continue
         if found is None:
             also = f" (also accepted: {', '.join(repr(a) for a in aliases[1:])})" if len(aliases) > 1 else ""
             raise ValueError(
                 f"{path}: missing required column {canonical!r}{also}; columns present: {present}"
             )
         resolved[canonical] = found
+    if not any(name in resolved for name in MEDIA_COLUMNS) and not {"path", "data_type"} <= set(present):
+        raise ValueError(f"{path}: missing required column 'images' (also accepted: 'image'), or 'videos' (also "
+                         f"accepted: 'video'), or Video-R1's 'path' with 'data_type'; columns present: {present}")
     return resolved
 
 
@@ -304,6 +372,68 @@ def _problem_text(value: Any, n_images: int, max_chars: int | None = None) -> st
     return value
 
 
+def _video_tags(problem: str, n_videos: int) -> str:
+    """The problem with exactly one <video> tag per video (tags prepended if it has none)."""
+    n_tags = problem.count(VIDEO_TAG)
+    if n_tags == 0 and n_videos > 0:
+        return VIDEO_TAG * n_videos + problem
+    if n_tags != n_videos:
+        raise BadSample("video_count_mismatch", f"{n_tags} {VIDEO_TAG} tags, {n_videos} videos")
+    return problem
+
+
+def _with_options(problem: Any, options: Any) -> Any:
+    """Video-R1's multiple-choice rows keep their choices in `options` ("A. ...", ...): they follow the problem."""
+    if not isinstance(problem, str) or not isinstance(options, list) or not options:
+        return problem
+    if not all(isinstance(option, str) for option in options):
+        raise BadSample("wrong_type", "options holds a non-text entry; expected strings such as 'A. red'")
+    return problem + "\nOptions:\n" + "\n".join(options)
+
+
+def _video_refs(value: Any) -> list:
+    """Normalise a videos cell to one source per video: bytes, a path, or a list of frames (bytes or paths).
+
+    A cell is a path string, one {bytes, path} struct, or a list of those, of bytes, or of frame lists
+    (each frame a path, bytes or a {bytes, path} struct); a {path, frames} struct is one video given
+    either way. A cell of the wrong type is a BadSample."""
+    if value is None:
+        return []
+    if isinstance(value, (dict, str, bytes)):
+        value = [value]
+    if not isinstance(value, list):
+        raise BadSample("wrong_type", f"videos is {type(value).__name__}; expected a path, a {{bytes, path}} struct, "
+                                      "or a list of those or of frame lists")
+    return [_video_ref(item, f"videos[{i}]") for i, item in enumerate(value)]
+
+
+def _video_ref(item: Any, where: str) -> Any:
+    if isinstance(item, dict):
+        data, path, frames = item.get("bytes"), item.get("path"), item.get("frames")
+        if data:
+            return _media_value(data, where)
+        if frames:
+            return _video_ref(frames, where)
+        return _media_value(path, where)
+    if isinstance(item, list):
+        frames = [_media_value(f.get("bytes") or f.get("path") if isinstance(f, dict) else f, f"{where}[{j}]")
+                  for j, f in enumerate(item)]
+        return frames
+    return _media_value(item, where)
+
+
+def _media_value(value: Any, where: str) -> bytes | str | None:
+    if value is None or isinstance(value, (bytes, str)):
+        return value
+    raise BadSample("wrong_type", f"{where} is {type(value).__name__}; expected bytes or a path string")
+
+
+def video_kwargs(data_cfg: Any) -> dict:
+    """VLDataset's video keyword arguments from a config's data section (grpo.config.DataConfig)."""
+    return {name: getattr(data_cfg, name) for name in
+            ("video_fps", "max_frames", "video_max_pixels", "max_video_bytes", "max_source_frames")}
+
+
 class VLDataset:
     """Rows of a parquet/JSONL file, decoded and canonicalized one at a time on access."""
 
@@ -318,9 +448,23 @@ class VLDataset:
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         max_images: int | None = None,
         max_text_chars: int | None = None,
+        video_fps: float = DEFAULT_VIDEO_FPS,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+        video_max_pixels: int = DEFAULT_VIDEO_MAX_PIXELS,
+        max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
+        max_source_frames: int = DEFAULT_MAX_SOURCE_FRAMES,
+        video_factor: int = 28,
+        frame_multiple: int = 2,
     ):
         if min_pixels > max_pixels:
             raise ValueError(f"min_pixels={min_pixels} is larger than max_pixels={max_pixels}")
+        # data/video.py's decode_video arguments; the family's factor and temporal patch where it is known
+        self.video_options = dict(fps=video_fps, max_frames=max_frames, video_max_pixels=video_max_pixels,
+                                  max_bytes=max_video_bytes, max_source_frames=max_source_frames, factor=video_factor,
+                                  frame_multiple=frame_multiple, min_pixels=min_pixels, max_pixels=max_pixels,
+                                  max_frame_pixels=max_image_pixels)
+        check_video_options(**{k: v for k, v in self.video_options.items()
+                               if k not in ("max_bytes", "max_source_frames", "max_frame_pixels")})
         self.path = Path(path)
         self.task = check_task(task)
         self.min_pixels = min_pixels
@@ -336,7 +480,8 @@ class VLDataset:
         self._messages = MessageRows(self._table, layout, self.path) if layout else None
         self._columns = resolve_columns(self._table, self.path) if layout is None else {}
         self._images_column = self._columns.get("images", "images")
-        self._images_problem = _images_type_problem(self._table.schema.field(self._images_column).type)
+        self._images_problem = (_images_type_problem(self._table.schema.field(self._images_column).type)
+                                if self._images_column in self._table.column_names else None)
         self._base_dir = self.path.resolve().parent
 
     def __len__(self) -> int:
@@ -367,6 +512,8 @@ class VLDataset:
         if self._images_problem and self._messages is not None:
             # data/trajectories.py reads such rows' images without checking each value's type
             raise BadSample("wrong_type", self._images_problem)
+        if self._images_column not in self._table.column_names:
+            return
         scalar = self._table.column(self._images_column)[index]
         if not isinstance(scalar, (pa.ListScalar, pa.LargeListScalar)) or not scalar.is_valid:
             return
@@ -381,6 +528,57 @@ class VLDataset:
             if largest is not None and largest > self.max_image_bytes:
                 raise BadSample("image_too_large", f"an image of {largest} bytes > max_image_bytes="
                                                    f"{self.max_image_bytes}")
+
+    def _check_video_cell(self, index: int) -> None:
+        """The videos cell's count and encoded sizes, read from arrow before its bytes are copied out."""
+        if "videos" not in self._columns:
+            return
+        scalar = self._table.column(self._columns["videos"])[index]
+        if not isinstance(scalar, (pa.ListScalar, pa.LargeListScalar)) or not scalar.is_valid:
+            return
+        values = scalar.values
+        if self.max_images is not None and len(values) > self.max_images:
+            raise BadSample("too_many_videos", f"{len(values)} videos > {self.max_images} (each video takes at least "
+                                               "one token of data.max_prompt_tokens)")
+        if pa.types.is_struct(values.type) and values.type.get_field_index("bytes") >= 0:
+            values = values.field("bytes")
+        if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
+            largest = pc.max(pc.binary_length(values)).as_py() if len(values) else None
+            limit = self.video_options["max_bytes"]
+            if largest is not None and largest > limit:
+                raise BadSample("video_too_large", f"a video of {largest} bytes > max_video_bytes={limit}")
+
+    def _media_cells(self, index: int) -> tuple[Any, Any]:
+        """The row's images and videos cells; for Video-R1 rows, `path` is one or the other as `data_type` says."""
+        if any(name in self._columns for name in MEDIA_COLUMNS):
+            return tuple(self._cell(name, index) if name in self._columns else None for name in MEDIA_COLUMNS)
+        kind = _decoded(self._table.column("data_type")[index].as_py(), "data_type")
+        path = self._table.column("path")[index].as_py()
+        if kind in ("video", "image") and not path:
+            raise BadSample(f"missing_{kind}", f"path is {path!r}")
+        if kind == "video":
+            return None, path
+        if kind == "image":
+            return path, None
+        raise BadSample("wrong_type", f"data_type is {kind!r}; expected 'video' or 'image' (Video-R1's schema)")
+
+    def _problem_cell(self, index: int) -> Any:
+        problem = self._cell("problem", index)
+        if "options" in self._table.column_names:
+            problem = _with_options(_decoded(problem, "problem"), self._table.column("options")[index].as_py())
+        return problem
+
+    def _load_video(self, ref: Any, where: str) -> Video:
+        if ref is None or (isinstance(ref, list) and any(frame is None for frame in ref)):
+            raise BadSample("missing_video", f"{where} has neither bytes nor path")
+        if isinstance(ref, list):
+            ref = [self._local(frame) if isinstance(frame, str) else frame for frame in ref]
+        elif isinstance(ref, str):
+            ref = self._local(ref)
+        return decode_video(ref, where=where if isinstance(ref, (bytes, list)) else "", **self.video_options)
+
+    def _local(self, path: str) -> Path:
+        return Path(path) if Path(path).is_absolute() else self._base_dir / path
 
     def _check_text_cells(self, index: int) -> None:
         """The problem's (or conversation's) and the answer's stored size, read before they are converted.
@@ -429,17 +627,24 @@ class VLDataset:
             if invalid:
                 raise BadSample("invalid_text", invalid)
         self._check_image_cell(index)
+        self._check_video_cell(index)
         self._check_text_cells(index)
         if self._messages is not None:
             return self._messages.get(index, self)
-        refs = _image_refs(self._cell("images", index))
+        images_cell, videos_cell = self._media_cells(index)
+        refs = _image_refs(images_cell)
+        video_refs = _video_refs(videos_cell)
         if self.max_images is not None and len(refs) > self.max_images:
             raise BadSample("too_many_images", f"{len(refs)} images > {self.max_images}")
+        if self.max_images is not None and len(video_refs) > self.max_images:
+            raise BadSample("too_many_videos", f"{len(video_refs)} videos > {self.max_images}")
         # Sizes and text fields first: they are cheap to check and save decoding a doomed row's images.
-        problem = _problem_text(self._cell("problem", index), len(refs), self.max_text_chars)
+        problem = _problem_text(self._problem_cell(index), len(refs), self.max_text_chars)
+        problem = _video_tags(problem, len(video_refs))
         answer = _answer_text(self._cell("answer", index), self.max_text_chars)
         images = [self._load_image(data, path) for data, path in refs]
-        return Sample(index=index, images=images, problem=problem, answer=answer)
+        videos = [self._load_video(ref, f"videos[{i}] of row {index}") for i, ref in enumerate(video_refs)]
+        return Sample(index=index, images=images, problem=problem, answer=answer, videos=videos)
 
     def iter_samples(self, indices: Iterable[int], stats: SkipStats) -> Iterator[Sample]:
         """Yield the good samples among `indices`, recording each bad one in `stats`."""

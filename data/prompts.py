@@ -16,6 +16,7 @@ TASK_INSTRUCTIONS: dict[str, str] = {
     "clevr": "{problem} Answer with a number in <answer> </answer>.",
     "geo3k": "{problem} Think in <think> </think>, then give the final answer in \\boxed{}.",
     "generic": "{problem} Give the final answer in <answer> </answer>.",
+    "video": "{problem} Give the final answer in <answer> </answer>.",
     # DeepEyes-style rows (data/trajectories.py) carry their instructions in their own text
     "zoom": "{problem}",
 }

@@ -24,6 +24,11 @@ Tasks (`TASKS`), each scored as ``weights["accuracy"] * accuracy + weights["form
 - ``zoom`` (0.8 / 0.2), the DeepEyes-style zoom-in task (data/generators/zoom.py). Format as clevr
   (the response ends with its one answer pair). Accuracy: the last answer's content equals the
   gold answer as free text (generic's loose comparison, without the math fallback).
+- ``video`` (0.8 / 0.2), video questions (data/generators/video.py, Video-R1's rows). Format as
+  clevr. Accuracy compares the last answer's content with the gold answer by the gold's form: an
+  option letter ("B") matches "B", "(B)" or "B. text"; a number matches the same number ("3" =
+  "3.0", "0.5" = ".5"); anything else matches as free text (zoom's loose comparison: "Left" =
+  "left.").
 
 Every result carries a ``reason``: "" on full success, otherwise one of "no_answer_found",
 "unparseable_answer", "wrong_answer", "invalid_box", "invalid_gold_answer", "bad_format",
@@ -62,13 +67,14 @@ from data.mathparse import (
     grade_answer,
 )
 
-TASKS = ("geo3k", "clevr", "generic", "grounding", "zoom")
+TASKS = ("geo3k", "clevr", "generic", "grounding", "zoom", "video")
 DEFAULT_WEIGHTS = {
     "geo3k": {"accuracy": 0.9, "format": 0.1},
     "clevr": {"accuracy": 0.8, "format": 0.2},
     "generic": {"accuracy": 0.8, "format": 0.2},
     "grounding": {"accuracy": 0.8, "format": 0.2},
     "zoom": {"accuracy": 0.8, "format": 0.2},
+    "video": {"accuracy": 0.8, "format": 0.2},
 }
 MAX_INTEGER_DIGITS = 100  # longer integers (sign included) are not read as a count
 
@@ -84,6 +90,11 @@ _LOOSE_TEXT = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
 _INTEGER = re.compile(r"[+-]?[0-9]+(?:\.0*)?")
 _NUM = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _BOX = re.compile(rf"[\[(]\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*[\])]")
+_NUMBER = re.compile(_NUM)
+# video: a gold option letter ("B" or "(B)"), and a predicted choice: the letter alone, in
+# parentheses, or followed by ".", ":" or ")" and the option's text
+_OPTION_LETTER = re.compile(r"\(?[A-Z]\)?")
+_OPTION_CHOICE = re.compile(r"\(?([A-Z])(?:\)|[.:]|$|\s)")
 
 
 @dataclass
@@ -204,6 +215,7 @@ _FORMAT: dict[str, Callable[[str], float]] = {
     "generic": _has_answer_tag,
     "grounding": _has_answer_tag,
     "zoom": _ends_with_single_answer,
+    "video": _ends_with_single_answer,
 }
 
 
@@ -269,6 +281,25 @@ def _zoom_accuracy(
     return (1.0, "") if _loose_text(pred) == _loose_text(gold) else (0.0, "wrong_answer")
 
 
+def _video_accuracy(
+    response: str, gold: str, deadline: float, threshold: float | None
+) -> tuple[float, str]:
+    pred = extract_final_answer(response, "video")
+    if not pred:
+        return 0.0, "no_answer_found"
+    gold = gold.strip()
+    if _OPTION_LETTER.fullmatch(gold):
+        letter = _OPTION_CHOICE.match(pred)
+        if letter is None:
+            return 0.0, "unparseable_answer"
+        return (1.0, "") if letter.group(1) == gold.strip("()").upper() else (0.0, "wrong_answer")
+    if _NUMBER.fullmatch(gold) and len(gold) <= MAX_INTEGER_DIGITS:
+        if not (_NUMBER.fullmatch(pred) and len(pred) <= MAX_INTEGER_DIGITS):
+            return 0.0, "unparseable_answer"
+        return (1.0, "") if float(pred) == float(gold) else (0.0, "wrong_answer")
+    return (1.0, "") if _loose_text(pred) == _loose_text(gold) else (0.0, "wrong_answer")
+
+
 def _loose_text(text: str) -> str:
     """Free-text form: no ``$``/``\\(``, ``\\text{}`` unwrapped, lower case, single spaces, no
     final period."""
@@ -318,6 +349,7 @@ _ACCURACY = {
     "generic": _generic_accuracy,
     "grounding": _grounding_accuracy,
     "zoom": _zoom_accuracy,
+    "video": _video_accuracy,
 }
 
 

@@ -99,6 +99,13 @@ class DataConfig:
     min_pixels: int = 28 * 28
     max_pixels: int = 512 * 28 * 28
     shuffle: bool = True
+    # videos (data/video.py): frames sampled per second of source time, at most max_frames of them (evenly
+    # spread over a longer clip), all resized to one size with the whole clip within video_max_pixels
+    video_fps: float = 2.0
+    max_frames: int = 32
+    video_max_pixels: int = 2048 * 28 * 28
+    max_video_bytes: int = 256 << 20  # a larger video file is skipped (video_too_large) before it is read
+    max_source_frames: int = 36_000  # frames a video's header may list; more is skipped (video_too_long)
 
 
 @dataclass
@@ -611,6 +618,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 AT_LEAST_ONE = (
     "trainer.max_steps", "trainer.eval_samples", "trainer.eval_max_new_tokens",
     "data.prompts_per_step", "data.max_prompt_tokens", "data.min_pixels", "data.max_pixels",
+    "data.max_frames", "data.video_max_pixels", "data.max_video_bytes", "data.max_source_frames",
     "rollout.n", "rollout.max_new_tokens", "rollout.tensor_parallel_size",
     "rollout.max_turns", "rollout.tool_workers",
     "algorithm.ppo_epochs", "optim.max_tokens_per_microbatch", "parallel.tp",
@@ -678,6 +686,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
     if cfg.data.min_pixels > cfg.data.max_pixels:
         yield (f"config key 'data.min_pixels' ({cfg.data.min_pixels}) must be <= data.max_pixels "
                f"({cfg.data.max_pixels})")
+    yield from _video_errors(cfg.data)
     if cfg.algorithm.dual_clip and not cfg.algorithm.dual_clip > 1.0:
         yield f"config key 'algorithm.dual_clip' must be 0 (off) or > 1, got {cfg.algorithm.dual_clip}"
     yield from _algorithm_errors(cfg.algorithm)
@@ -696,6 +705,18 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
                f"got {cfg.parallel.replicate}")
     if cfg.checkpoint.resume not in ("auto", "never") and not cfg.checkpoint.resume:
         yield "config key 'checkpoint.resume' must be auto, never, overwrite or a checkpoint path"
+
+
+def _video_errors(d: DataConfig) -> Iterator[str]:
+    """data keys of video sampling: a positive rate, room for two frames (the temporal patch), and a clip budget
+    that holds max_frames frames of min_pixels."""
+    if not d.video_fps > 0:
+        yield f"config key 'data.video_fps' must be > 0, got {d.video_fps}"
+    if d.max_frames < 2:
+        yield f"config key 'data.max_frames' must be >= 2 (the temporal patch of two frames), got {d.max_frames}"
+    if d.video_max_pixels < d.max_frames * d.min_pixels:
+        yield (f"config key 'data.video_max_pixels' ({d.video_max_pixels}) must be >= data.max_frames × "
+               f"data.min_pixels ({d.max_frames} × {d.min_pixels}): every frame needs at least min_pixels")
 
 
 def _tool_errors(cfg: Config) -> Iterator[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from data.datasets import SkipStats, VLDataset
+from data.datasets import SkipStats, VLDataset, video_kwargs
 from data.images import BadSample
 from grpo.config import Config, ConfigError
 from models.family import ADAPTERS, FAMILIES
@@ -105,7 +105,7 @@ def _sample_rows(key: str, path: str, cfg: Config) -> None:
     try:
         # each image takes at least one prompt token: a row listing more is refused before decoding
         dataset = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
-                            max_images=d.max_prompt_tokens)
+                            max_images=d.max_prompt_tokens, **video_kwargs(d))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{key}={path!r}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - pyarrow's own errors for a file that is not what its name says

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from data.batch import Batch, PackedGenericDataItem
-from data.datasets import VLDataset
+from data.datasets import VLDataset, video_kwargs
 from data.loader import PromptFeeder
 from data.processing import EncodedPrompt, encode_response, load_processor, sft_target, stop_token_ids
 from grpo import algorithm as alg
@@ -113,7 +113,7 @@ class Trainer:
         d = self.cfg.data
         if not path:
             raise ValueError("config key 'data.train_path' is empty: point it at a parquet or JSONL file")
-        ds = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+        ds = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels, **video_kwargs(d))
 
         def gather(value: int) -> list[int]:
             # each rank fills its data-parallel slot; tensor-parallel peers fill the same slot alike

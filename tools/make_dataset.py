@@ -6,12 +6,15 @@
         --min-objects 1 --max-objects 6
     python tools/make_dataset.py --kind zoom --n 512 --seed 0 --out zoom.parquet --max-pixels 12544
     python tools/make_dataset.py --kind zoom_sft --n 512 --seed 1 --out zoom_sft.parquet --max-pixels 12544
+    python tools/make_dataset.py --kind video --n 64 --seed 0 --out video.parquet --fps 2 --frames 8 --size 112x112
 
 Parquet files have the public schema (images: list<struct<bytes: binary, path: string>>,
 problem, answer). JSONL writes one PNG per image into `<out stem>_images/` beside the
 file and stores paths relative to the JSONL's folder. `zoom` writes DeepEyes-47k's parquet schema
 and `zoom_sft` tool-using trajectories in `messages` form (data/generators/zoom.py); both are
 parquet only, with boxes in the coordinates of the canvas seen under --min-pixels/--max-pixels.
+`video` writes short mp4 clips (data/generators/video.py): parquet holds them in a `videos` column
+(list<struct<bytes, path>>); JSONL writes them into `<out stem>_videos/` beside the file.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ if __package__ in (None, ""):
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.generators import GENERATORS, SCHEMAS
+from data.generators import GENERATORS, SCHEMAS, VIDEO_SCHEMAS
 
 IMAGE_TYPE = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
 SCHEMA = pa.schema([("images", IMAGE_TYPE), ("problem", pa.string()), ("answer", pa.string())])
@@ -47,11 +50,17 @@ def write_jsonl(rows: list[dict], out: Path) -> None:
     image_dir.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         for row in rows:
-            paths = []
-            for image in row["images"]:
-                (image_dir / image["path"]).write_bytes(image["bytes"])
-                paths.append(f"{image_dir.name}/{image['path']}")
-            f.write(json.dumps({"images": paths, "problem": row["problem"], "answer": row["answer"]}) + "\n")
+            media = {}
+            for key in ("images", "videos"):
+                if key not in row:
+                    continue
+                folder = image_dir if key == "images" else out.parent / f"{out.stem}_videos"
+                folder.mkdir(parents=True, exist_ok=True)
+                media[key] = []
+                for item in row[key]:
+                    (folder / item["path"]).write_bytes(item["bytes"])
+                    media[key].append(f"{folder.name}/{item['path']}")
+            f.write(json.dumps({**media, "problem": row["problem"], "answer": row["answer"]}) + "\n")
 
 
 def make_dataset(kind: str, n: int, seed: int, out: str | Path, *, fmt: str | None = None, **options) -> Path:
@@ -74,6 +83,8 @@ def make_dataset(kind: str, n: int, seed: int, out: str | Path, *, fmt: str | No
     out.parent.mkdir(parents=True, exist_ok=True)
     if kind in SCHEMAS:
         write_parquet(rows, out, SCHEMAS[kind])
+    elif fmt == "parquet" and kind in VIDEO_SCHEMAS:
+        write_parquet(rows, out, VIDEO_SCHEMAS[kind])
     else:
         (write_parquet if fmt == "parquet" else write_jsonl)(rows, out)
     return out
@@ -102,10 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-pixels", type=int, default=None, help="zoom only: data.min_pixels of the run")
     parser.add_argument("--max-pixels", type=int, default=None, help="zoom only: data.max_pixels of the run")
     parser.add_argument("--places", type=int, default=None, help="zoom only: 1, 2 or 4 squares that can be framed")
+    parser.add_argument("--fps", type=float, default=None, help="video only: frames per second of each clip")
+    parser.add_argument("--frames", type=int, default=None, help="video only: frames in each clip")
     args = parser.parse_args(argv)
     options = {}
     if args.size is not None:
         options["size"] = args.size
+    for key in ("fps", "frames"):
+        if getattr(args, key) is not None:
+            if args.kind not in VIDEO_SCHEMAS:
+                parser.error(f"--{key} applies to --kind video only")
+            options[key] = getattr(args, key)
     for key in ("min_pixels", "max_pixels", "places"):
         if getattr(args, key) is not None:
             if args.kind not in SCHEMAS:

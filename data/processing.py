@@ -5,6 +5,13 @@ Images arrive canonical (RGB, sides multiples of 28, within min/max pixels — s
 sees (a no-op for Qwen2/2.5-VL), and the processor is told not to resize again: the trainer,
 not the processor or the engine, decides every image's size, and the engine gets these images. Prompts are never truncated; one longer
 than the limit is rejected with a reason (cutting it would cut image tokens).
+
+Videos (`data.video.Video`) arrive canonical too (frames of one size on the family's grid, a
+count the temporal patch divides); the family's rule turns them into `pixel_values_videos`,
+`video_grid_thw` and `second_per_grid_ts` without resizing, and says what each video's
+placeholder expands to (Qwen3-VL: a `<t seconds>` text before each temporal group).
+`video_metadata` is the one description of a clip's timing both sides use: the trainer computes
+timestamps and `second_per_grid_ts` from it, and the vLLM engine hands the same dict to vLLM.
 """
 
 from __future__ import annotations
@@ -34,13 +41,17 @@ class EncodedPrompt:
     """A prompt as the model sees it: expanded token ids plus processor outputs for its images."""
 
     index: int
-    input_ids: torch.Tensor  # (L,) with image placeholders expanded
+    input_ids: torch.Tensor  # (L,) with image and video placeholders expanded
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
     images: list = field(default_factory=list)
     answer: str = ""
     originals: list = field(default_factory=list)  # `images` as decoded, where the dataset keeps them (zoom tools)
     conversation: object = None  # a trajectory row's whole conversation (data.trajectories.EncodedConversation)
+    videos: list = field(default_factory=list)  # data.video.Video, one per video placeholder, in order
+    pixel_values_videos: torch.Tensor | None = None  # (patches, dim) of all videos, as pixel_values
+    video_grid_thw: torch.Tensor | None = None  # (num_videos, 3): (temporal groups, h, w) patches
+    second_per_grid_ts: torch.Tensor | None = None  # (num_videos,) float32: seconds per temporal group
 
 
 def size_field(size, key: str):
@@ -73,6 +84,41 @@ class ImageRule:
     def expansion(self, grid_row: torch.Tensor) -> str:
         """The text one image's placeholder expands to (the adapter counts its image tokens)."""
         raise NotImplementedError
+
+    # What the chat template writes per video; None: the family takes no video.
+    video_placeholder: str | None = None
+
+    def encode_videos(self, videos: list) -> dict:
+        """{pixel_values_videos, video_grid_thw, second_per_grid_ts} of canonical videos (data.video.Video)."""
+        raise NotImplementedError
+
+    def video_expansion(self, grid_row: torch.Tensor, video) -> str:
+        """The text one video's placeholder expands to."""
+        raise NotImplementedError
+
+
+def video_metadata(video) -> dict:
+    """The timing of a clip as vLLM's and transformers' video processors read it (`VideoMetadata`).
+
+    `fps` is the sampling rate and `frames_indices` each frame's time in units of it, so
+    `frames_indices[i] / fps` is the frame's timestamp and the sampled fps
+    (`len(frames_indices) / total_num_frames * fps`) is `fps`. `do_sample_frames` is False: the
+    frames were sampled once, in data/.
+    """
+    n = len(video.frames)
+    return {"fps": float(video.fps), "total_num_frames": n, "duration": n / float(video.fps),
+            "frames_indices": [int(round(t * video.fps)) for t in video.timestamps],
+            "width": video.size[0], "height": video.size[1], "do_sample_frames": False}
+
+
+def group_timestamps(metadata: dict, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal group of a clip: the mean of its first and last frame's time
+    (the rule of Qwen3-VL's processor in transformers and vLLM, from the same metadata)."""
+    idx = list(metadata["frames_indices"])
+    if len(idx) % temporal_patch_size:
+        idx += [idx[-1]] * (temporal_patch_size - len(idx) % temporal_patch_size)
+    times = [i / metadata["fps"] for i in idx]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
 
 
 # Image rules by the checkpoint's processor class (processor_config.json / preprocessor_config.json).
@@ -154,20 +200,32 @@ class VLProcessor:
         """The images at the pixels the model sees (a no-op for images already at them)."""
         return [self.images.prepare(img) for img in images]
 
-    def __call__(self, text: str, images: list) -> dict:
-        """Token ids with every image placeholder expanded, and the processor's image tensors.
+    def __call__(self, text: str, images: list, videos: list = ()) -> dict:
+        """Token ids with every image and video placeholder expanded, and the processor's tensors.
 
-        `images` must already be prepared (`prepare_images`).
+        `images` must already be prepared (`prepare_images`); `videos` are canonical clips.
         """
-        pixel_values, grid = None, None
+        out = {"pixel_values": None, "image_grid_thw": None, "pixel_values_videos": None, "video_grid_thw": None,
+               "second_per_grid_ts": None}
+        if videos:
+            tag = self.images.video_placeholder
+            if tag is None:
+                raise ValueError(f"processor class {type(self.images).__name__} takes no video; "
+                                 f"{len(videos)} videos were given")
+            out.update(self.images.encode_videos(list(videos)))
+            parts = text.split(tag)
+            if len(parts) - 1 != len(videos):
+                raise BadSample("video_count_mismatch", f"{len(parts) - 1} video parts for {len(videos)} videos")
+            text = parts[0] + "".join(self.images.video_expansion(g, v) + rest
+                                      for g, v, rest in zip(out["video_grid_thw"], videos, parts[1:]))
         if images:
-            pixel_values, grid = self.images.encode(images)
+            out["pixel_values"], out["image_grid_thw"] = self.images.encode(images)
             parts = text.split(self.image_pad)
             if len(parts) - 1 != len(images):
                 raise BadSample("image_count_mismatch", f"{len(parts) - 1} image parts for {len(images)} images")
-            text = parts[0] + "".join(self.images.expansion(g) + rest for g, rest in zip(grid, parts[1:]))
-        ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
-        return {"input_ids": ids, "pixel_values": pixel_values, "image_grid_thw": grid}
+            text = parts[0] + "".join(self.images.expansion(g) + rest for g, rest in zip(out["image_grid_thw"], parts[1:]))
+        out["input_ids"] = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+        return out
 
 
 def load_processor(model_path: str, trust_remote_code: bool = False) -> VLProcessor:
@@ -192,7 +250,8 @@ def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: 
         messages = [{"role": "system", "content": sample.system}, *messages]
     text = render_chat(processor, messages, True, tool_prompt)
     images = processor.prepare_images(list(sample.images))
-    out = processor(text, images)
+    videos = list(getattr(sample, "videos", None) or [])
+    out = processor(text, images, videos)
     ids = out["input_ids"]
     if ids.numel() > max_prompt_tokens:
         raise BadSample("prompt_too_long", f"{ids.numel()} tokens > data.max_prompt_tokens={max_prompt_tokens}")
@@ -201,7 +260,8 @@ def encode_prompt(processor: VLProcessor, sample, task: str, max_prompt_tokens: 
         from data.trajectories import encode_conversation
         conversation = encode_conversation(processor, sample, max_prompt_tokens, tool_prompt)
     return EncodedPrompt(sample.index, ids, out["pixel_values"], out["image_grid_thw"], images, sample.answer,
-                         list(getattr(sample, "originals", None) or []), conversation)
+                         list(getattr(sample, "originals", None) or []), conversation, videos,
+                         out["pixel_values_videos"], out["video_grid_thw"], out["second_per_grid_ts"])
 
 
 def token_id(tokenizer, token: str) -> int | None:
@@ -265,3 +325,24 @@ def encode_response(tokenizer, text: str, end_of_turn: str) -> torch.Tensor:
 def sft_target(task: str, answer: str) -> str:
     """The assistant text SFT teaches for `task` (`encode_response` adds the end-of-turn token)."""
     return SFT_TARGETS.get(task, SFT_TARGETS["generic"]).format(answer=answer)
+
+
+def videos_per_row(path: str) -> int:
+    """The most videos one row of the dataset at `path` holds (0 for an image or text dataset), read
+    from the table's columns without decoding anything: the video limit the engine is built with."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from data.datasets import COLUMN_ALIASES, read_table
+
+    table = read_table(path)
+    names = table.column_names
+    column = next((n for n in COLUMN_ALIASES.get("videos", ()) if n in names), None)
+    if column is None:
+        if {"path", "data_type"} <= set(names):  # Video-R1's schema: one image or video per row
+            return int(pc.any(pc.equal(table.column("data_type"), "video")).as_py() or False)
+        return 0
+    values = table.column(column)
+    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        return int(pc.max(pc.list_value_length(values)).as_py() or 0)
+    return 1

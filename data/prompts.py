@@ -6,9 +6,13 @@ them, and every token of instruction is repeated in every prompt of every step.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
+from data.video import VIDEO_TAG
+
 IMAGE_TAG = "<image>"
+_TAGS = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
 
 # "{problem}" is substituted with str.replace, not str.format, because problems and
 # instructions contain LaTeX braces (\frac{7}{2}, \boxed{}).
@@ -43,6 +47,10 @@ def _problem_and_image_count(source: Any) -> tuple[str, int | None]:
         problem, images = source
         return problem, len(images) if images is not None else 0
     if hasattr(source, "problem") and hasattr(source, "images"):
+        videos = getattr(source, "videos", None) or []
+        if source.problem.count(VIDEO_TAG) != len(videos):
+            raise ValueError(f"problem has {source.problem.count(VIDEO_TAG)} {VIDEO_TAG} tags but "
+                             f"{len(videos)} videos are given")
         return source.problem, len(source.images)
     raise TypeError(
         "build_messages takes a Sample, a (problem, images) tuple or a problem string, "
@@ -51,14 +59,15 @@ def _problem_and_image_count(source: Any) -> tuple[str, int | None]:
 
 
 def _content_parts(text: str) -> list[dict]:
-    """Split text at each <image> tag into text parts and image parts, in order."""
+    """Split text at each <image> and <video> tag into text, image and video parts, in order."""
     parts: list[dict] = []
-    pieces = text.split(IMAGE_TAG)
-    for i, piece in enumerate(pieces):
-        if i > 0:
+    for piece in _TAGS.split(text):
+        if piece == IMAGE_TAG:
             parts.append({"type": "image"})
+        elif piece == VIDEO_TAG:
+            parts.append({"type": "video"})
         # Whitespace-only text between images carries nothing and would cost tokens.
-        if piece.strip():
+        elif piece.strip():
             parts.append({"type": "text", "text": piece})
     return parts
 
@@ -66,11 +75,12 @@ def _content_parts(text: str) -> list[dict]:
 def build_messages(source: Any, task: str) -> list[dict]:
     """One user message in the transformers multimodal chat format.
 
-    `source` is a Sample (anything with `.problem` and `.images`), a `(problem, images)`
-    tuple, or a problem string. Each `<image>` tag in the problem becomes an
-    `{"type": "image"}` part at its position, with the text split around it. If the
-    problem has no tags but images are given, the images go first. A tag count that
-    differs from a non-zero image count raises ValueError.
+    `source` is a Sample (anything with `.problem` and `.images`, and `.videos` where it has
+    them), a `(problem, images)` tuple, or a problem string. Each `<image>` tag in the problem
+    becomes an `{"type": "image"}` part at its position, each `<video>` tag a `{"type": "video"}`
+    part, with the text split around them. If the problem has no image tags but images are
+    given, the images go first. A tag count that differs from a non-zero image count, or from
+    the video count, raises ValueError.
     """
     problem, n_images = _problem_and_image_count(source)
     n_tags = problem.count(IMAGE_TAG)
@@ -91,7 +101,7 @@ def render_messages_plain(messages: Sequence[dict]) -> str:
             body = content
         else:
             body = "".join(
-                IMAGE_TAG if part["type"] == "image" else part.get("text", "") for part in content
+                {"image": IMAGE_TAG, "video": VIDEO_TAG}.get(part["type"], part.get("text", "")) for part in content
             )
         lines.append(f"{message['role']}: {body}")
     return "\n".join(lines)

@@ -304,11 +304,13 @@ class Trainer:
             mask[p.input_ids.numel():] = 1
             ids.append(seq)
             masks.append(mask)
-            pos.append(self.adapter.position_ids(seq, p.image_grid_thw))
+            pos.append(self.adapter.position_ids(seq, p.image_grid_thw, p.video_grid_thw, p.second_per_grid_ts))
             pix.append(p.pixel_values)
             grids.append(p.image_grid_thw)
         return Batch({"input_ids": ids, "loss_mask": masks, "image_grid_thw": grids, "pixel_values": pix,
-                      "position_ids": PackedGenericDataItem(pos, dim=1)})
+                      "position_ids": PackedGenericDataItem(pos, dim=1),
+                      "pixel_values_videos": [prompts[i].pixel_values_videos for i in prompt_of],
+                      "video_grid_thw": [prompts[i].video_grid_thw for i in prompt_of]})
 
     # --- GRPO --------------------------------------------------------------------------------
     def sampling_params(self, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:
@@ -322,7 +324,8 @@ class Trainer:
 
     def generate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> list[Generation]:
         """Responses from the engine, awake for the call and asleep after it (see Colocation)."""
-        inputs = [PromptInput(p.input_ids.tolist(), p.images, p.pixel_values, p.image_grid_thw) for p in prompts]
+        inputs = [PromptInput(p.input_ids.tolist(), p.images, p.pixel_values, p.image_grid_thw, p.videos,
+                              p.pixel_values_videos, p.video_grid_thw, p.second_per_grid_ts) for p in prompts]
         with self.colocation.generating() as engine:
             return self.rollouts.generate(engine, inputs, params)
 

@@ -183,9 +183,28 @@ class FamilyAdapter:
         """
         raise NotImplementedError
 
+    # --- videos -----------------------------------------------------------------------------
+    # A family that takes video gives its positions (`position_ids`' video arguments), the token
+    # its placeholder runs are made of, and its vLLM prompt form (`vllm_video_items`).
+    takes_video: bool = False
+    video_token_id: int = 0
+
+    def video_token_count(self, grid_row: torch.Tensor) -> int:
+        """Placeholder tokens one video (one `video_grid_thw` row) takes in the prompt."""
+        return self.image_token_count(grid_row)
+
+    def check_videos(self, video_grid_thw: torch.Tensor | None) -> None:
+        """Raise the one-line error of a family without video given videos."""
+        if video_grid_thw is not None and not self.takes_video:
+            raise ValueError(f"model family '{self.name}' takes no video, but a prompt has `videos` "
+                             f"({video_grid_thw.shape[0]}); use a family that does (docs/families.md)")
+
     # --- positions --------------------------------------------------------------------------
-    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                     video_grid_thw: torch.Tensor | None = None,
+                     second_per_grid_ts: torch.Tensor | None = None) -> torch.Tensor:
         """(1, L) plain positions of one sequence; m-rope families return (4, L)."""
+        self.check_videos(video_grid_thw)
         self._check_placeholders(input_ids, image_grid_thw)
         return torch.arange(input_ids.numel()).unsqueeze(0)
 
@@ -228,6 +247,10 @@ class FamilyAdapter:
         if pixels is not None:
             kwargs["pixel_values"] = pixels
         return kwargs
+
+    def video_engine_inputs(self, pixels: torch.Tensor, grid: torch.Tensor, seconds: torch.Tensor | None) -> dict:
+        """Keyword arguments that add videos to the built-in engine's `model.model(...)` call."""
+        raise ValueError(f"model family '{self.name}' takes no video")
 
     def rebuild_buffers(self, module: nn.Module, device) -> bool:
         """Refill the non-persistent buffers of a config-less module built on meta; False if unknown."""
@@ -304,6 +327,19 @@ class FamilyAdapter:
     def vllm_expand(self, ids: list[int], replacements: list[list[int]], vocab: Mapping[str, int]) -> list[int]:
         """The prompt vLLM 0.26 runs for a collapsed prompt: image i's target becomes replacements[i]."""
         return replace_targets(ids, self.vllm_target(vocab), replacements)
+
+    def vllm_collapse_videos(self, ids: list[int]) -> tuple[list[int], list[list[int]]]:
+        """(the prompt with each video's expansion collapsed to the one `video_token_id` vLLM replaces,
+        each video's replacement ids); `vllm_expand_videos` undoes it. No video: the ids as they are."""
+        return list(ids), []
+
+    def vllm_expand_videos(self, ids: list[int], replacements: list[list[int]]) -> list[int]:
+        """The prompt vLLM 0.26 runs for a video-collapsed prompt: video i's target becomes replacements[i]."""
+        return replace_targets(ids, self.video_token_id, replacements) if replacements else list(ids)
+
+    def vllm_video_items(self, videos: list) -> tuple[list, dict]:
+        """(the `multi_modal_data["video"]` items, the per-request `mm_processor_kwargs`) for canonical clips."""
+        raise ValueError(f"model family '{self.name}' takes no video")
 
     def vllm_engine_kwargs(self) -> dict:
         """Extra `vllm.LLM(...)` arguments the family's vLLM module needs (default: none)."""

@@ -39,6 +39,12 @@ class PackedMicrobatch:
     # then its own tool images' group.
     image_group: list[int] | None = None
     images_per_group: list[int] | None = None  # grid rows (images) in each distinct group
+    # Videos likewise: the distinct video groups (a prompt's videos, shared by its responses), the
+    # group each sequence with videos takes in row order (-1: none), and videos per group.
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    video_group: list[int] | None = None
+    videos_per_group: list[int] | None = None
     # Per-target values riding with this micro-batch through a step (grpo/update.py's PackedStep):
     # name → (K,) tensor on the micro-batch's device, in target order.
     fields: dict = field(default_factory=dict)
@@ -57,6 +63,8 @@ class PackedMicrobatch:
             move(self.input_ids), move(self.position_ids), move(self.pixel_values), move(self.image_grid_thw),
             move(self.cu_seqlens), move(self.target_positions), move(self.target_ids), move(self.target_seq),
             list(self.sample_indices), self.image_group, self.images_per_group,
+            pixel_values_videos=move(self.pixel_values_videos), video_grid_thw=move(self.video_grid_thw),
+            video_group=self.video_group, videos_per_group=self.videos_per_group,
         )
 
 
@@ -129,8 +137,9 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
 
     The batch needs `input_ids` (1-D per sample), `position_ids` ((4, L) per sample), `loss_mask`
     (1-D per sample, 1 where the token is scored), and optionally `pixel_values` and
-    `image_grid_thw` (None for text-only samples) and an episode's own images after its prompt's,
-    `tool_pixel_values` and `tool_image_grid_thw` (None where it has none).
+    `image_grid_thw` (None for text-only samples), an episode's own images after its prompt's,
+    `tool_pixel_values` and `tool_image_grid_thw` (None where it has none), and the prompt's videos,
+    `pixel_values_videos` and `video_grid_thw` (None where it has none).
     """
     sub = batch.slice(indices)
     ids, pos, masks = sub["input_ids"].items, sub["position_ids"].items, sub["loss_mask"].items
@@ -145,6 +154,7 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
         target_ids.append(seq[scored])
         target_seq.append(torch.full_like(scored, s))
     pixels, grids, groups = _distinct_images(sub)
+    vpixels, vgrids, vgroups = _distinct_videos(sub)
     return PackedMicrobatch(
         input_ids=torch.cat(ids).unsqueeze(0),
         position_ids=torch.cat(pos, dim=1).unsqueeze(1),
@@ -157,7 +167,30 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
         sample_indices=list(indices),
         image_group=groups,
         images_per_group=[g.shape[0] for g in grids],
+        pixel_values_videos=torch.cat(vpixels) if vpixels else None,
+        video_grid_thw=torch.cat(vgrids) if vgrids else None,
+        video_group=vgroups,
+        videos_per_group=[g.shape[0] for g in vgrids],
     )
+
+
+def _distinct_videos(sub: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Pixel/grid tensors of the distinct video groups (by tensor identity: a prompt's responses share
+    one) and the group each sequence takes, -1 where it has no video."""
+    if "pixel_values_videos" not in sub:
+        return [], [], [-1] * len(sub)
+    seen: dict[int, int] = {}
+    pixels, grids, groups = [], [], []
+    for pix, grid in zip(sub["pixel_values_videos"].items, sub["video_grid_thw"].items):
+        if pix is None:
+            groups.append(-1)
+            continue
+        if id(pix) not in seen:
+            seen[id(pix)] = len(pixels)
+            pixels.append(pix)
+            grids.append(grid)
+        groups.append(seen[id(pix)])
+    return pixels, grids, groups
 
 
 def image_groups(batch: Batch) -> list:
@@ -165,7 +198,9 @@ def image_groups(batch: Batch) -> list:
     identity `_distinct_images` dedups by; each text-only sample is a group of its own."""
     if "pixel_values" not in batch:
         return list(range(len(batch)))
-    return [("image", id(p)) if p is not None else ("text", i) for i, p in enumerate(batch["pixel_values"].items)]
+    videos = batch["pixel_values_videos"].items if "pixel_values_videos" in batch else [None] * len(batch)
+    return [("image", id(p)) if p is not None else ("video", id(v)) if v is not None else ("text", i)
+            for i, (p, v) in enumerate(zip(batch["pixel_values"].items, videos))]
 
 
 def _distinct_images(sub: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:

@@ -235,22 +235,36 @@ class Policy:
         a = self.adapter
         embeds = a.embed_tokens(self.model)(mb.input_ids)
         image_mask = mb.input_ids == a.image_token_id
-        streams: list[torch.Tensor] = []
-        if mb.pixel_values is None:
+        extra: list[torch.Tensor] = []
+        if mb.pixel_values is None and mb.pixel_values_videos is None:
             keepalive = self._vision_keepalive().to(embeds.dtype)
         else:
-            per_group = self._image_features(mb)
-            streams = [torch.cat([g[k] for g in (per_group[i] for i in mb.image_group if i >= 0)]).to(embeds.dtype)
-                       for k in range(len(per_group[0]))]
-            if int(image_mask.sum()) != streams[0].shape[0]:
-                raise ValueError(f"{int(image_mask.sum())} image placeholders but {streams[0].shape[0]} image features")
-            embeds = embeds.masked_scatter(image_mask.unsqueeze(-1).expand_as(embeds), streams[0])
+            images, videos = self._vision_streams(mb)
+            video_mask = mb.input_ids == a.video_token_id if videos else torch.zeros_like(image_mask)
+            for mask, found, kind in ((image_mask, images, "image"), (video_mask, videos, "video")):
+                have = found[0].shape[0] if found else 0
+                if int(mask.sum()) != have:
+                    raise ValueError(f"{int(mask.sum())} {kind} placeholders but {have} {kind} features")
+                if found:
+                    embeds = embeds.masked_scatter(mask.unsqueeze(-1).expand_as(embeds), found[0].to(embeds.dtype))
+            # Further streams (DeepStack) run over every vision token in row order, images and videos mixed.
+            visual = image_mask | video_mask
+            in_image = image_mask[visual]
+            for k in range(1, max(len(images), len(videos))):
+                if not videos or not images:
+                    extra.append((images or videos)[k].to(embeds.dtype))
+                    continue
+                joint = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])
+                joint[in_image] = images[k].to(embeds.dtype)
+                joint[~in_image] = videos[k].to(embeds.dtype)
+                extra.append(joint)
+            image_mask = visual
             keepalive = None
         if a.packable or mb.cu_seqlens.numel() <= 2:
             with packed_row(mb.cu_seqlens.to(embeds.device), mb.input_ids.shape[1]):
-                hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, streams[1:])[0]
+                hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, extra)[0]
         else:
-            hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, streams[1:]))
+            hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, extra))
         return hidden if keepalive is None else hidden + keepalive
 
     def _per_sequence(self, mb: PackedMicrobatch, embeds, image_mask, extra) -> list[torch.Tensor]:
@@ -266,17 +280,40 @@ class Policy:
                 self.model, embeds[:, start:end], mb.position_ids[:, :, start:end], mask, seq_extra)[0])
         return out
 
-    def _image_features(self, mb: PackedMicrobatch) -> list[list[torch.Tensor]]:
-        """Vision feature streams per distinct image group of the micro-batch: [group][stream] → (tokens, H)."""
+    def _vision_streams(self, mb: PackedMicrobatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(image streams, video streams) in row order, each a list over feature streams of (tokens, H).
+
+        The vision tower runs once over the micro-batch's distinct image groups and video groups
+        together (a video's patch rows are an image's with t > 1); each group's features are then
+        repeated into every sequence that uses it.
+        """
         a = self.adapter
-        streams = a.image_features(self.model, mb.pixel_values, mb.image_grid_thw)
-        tokens = [a.image_token_count(g) for g in mb.image_grid_thw]
-        per_image = [list(torch.split(s, tokens)) for s in streams]
-        groups, start = [], 0
-        for n in mb.images_per_group:
-            groups.append([torch.cat(p[start:start + n]) for p in per_image])
-            start += n
-        return groups
+        parts = [(mb.pixel_values, mb.image_grid_thw), (mb.pixel_values_videos, mb.video_grid_thw)]
+        present = [(p, g) for p, g in parts if p is not None]
+        pixels = torch.cat([p for p, _ in present]) if len(present) > 1 else present[0][0]
+        grid = torch.cat([g for _, g in present]) if len(present) > 1 else present[0][1]
+        streams = a.image_features(self.model, pixels, grid)
+        n_images = 0 if mb.image_grid_thw is None else mb.image_grid_thw.shape[0]
+        tokens = [a.image_token_count(g) for g in grid[:n_images]] + [a.video_token_count(g) for g in grid[n_images:]]
+        per_item = [list(torch.split(s, tokens)) for s in streams]
+        images = self._in_row_order([p[:n_images] for p in per_item], mb.images_per_group, mb.image_group)
+        videos = self._in_row_order([p[n_images:] for p in per_item], mb.videos_per_group or [], mb.video_group or [])
+        return images, videos
+
+    @staticmethod
+    def _in_row_order(per_item: list[list[torch.Tensor]], per_group: list[int], order: list[int]) -> list[torch.Tensor]:
+        """Per feature stream: the items' features grouped (`per_group` items each) and concatenated
+        in the row's order of groups (`order`, -1 skipped); [] when there is none."""
+        if not per_group:
+            return []
+        out = []
+        for items in per_item:
+            groups, start = [], 0
+            for n in per_group:
+                groups.append(torch.cat(items[start:start + n]))
+                start += n
+            out.append(torch.cat([groups[i] for i in order if i >= 0]))
+        return out
 
     def logprobs(
         self, mb: PackedMicrobatch, *, temperature: float = 1.0, with_entropy: bool = False

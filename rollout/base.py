@@ -30,12 +30,16 @@ class SamplingParams:
 
 @dataclass
 class PromptInput:
-    """One prompt: expanded token ids, the canonical images, and the processor outputs for them."""
+    """One prompt: expanded token ids, the canonical images and videos, and the processor outputs for them."""
 
     input_ids: list[int]
     images: list = field(default_factory=list)  # canonical RGB PIL images (already resized)
     pixel_values: torch.Tensor | None = None  # (patches, dim) for all images of this prompt
     image_grid_thw: torch.Tensor | None = None  # (num_images, 3)
+    videos: list = field(default_factory=list)  # canonical clips (data.video.Video), in order
+    pixel_values_videos: torch.Tensor | None = None  # (patches, dim) for all videos of this prompt
+    video_grid_thw: torch.Tensor | None = None  # (num_videos, 3)
+    second_per_grid_ts: torch.Tensor | None = None  # (num_videos,)
 
 
 @dataclass

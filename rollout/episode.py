@@ -48,13 +48,21 @@ class Episode:
     engine_finish: str = "stop"  # how the engine ended the last model turn: stop | length
     tool_calls: int = 0
     tool_errors: dict[str, int] = field(default_factory=dict)
+    # The prompt's videos (data.video.Video) and their processor outputs, shared like its images.
+    videos: list = field(default_factory=list)
+    video_pixels: torch.Tensor | None = None
+    video_grid: torch.Tensor | None = None
+    video_seconds: torch.Tensor | None = None
 
     @classmethod
     def start(cls, index: int, prompt) -> "Episode":
         """An episode holding only `prompt` (an EncodedPrompt)."""
         ids = prompt.input_ids.tolist()
         return cls(index, ids, [PROMPT] * len(ids), images=list(prompt.images), prompt_pixels=prompt.pixel_values,
-                   prompt_grid=prompt.image_grid_thw)
+                   prompt_grid=prompt.image_grid_thw, videos=list(getattr(prompt, "videos", None) or []),
+                   video_pixels=getattr(prompt, "pixel_values_videos", None),
+                   video_grid=getattr(prompt, "video_grid_thw", None),
+                   video_seconds=getattr(prompt, "second_per_grid_ts", None))
 
     @property
     def done(self) -> bool:
@@ -121,7 +129,8 @@ class Episode:
 
     def engine_input(self) -> PromptInput:
         """The whole sequence so far as an engine prompt (its ids and every image in order)."""
-        return PromptInput(list(self.token_ids), list(self.images), self.pixel_values(), self.image_grid_thw())
+        return PromptInput(list(self.token_ids), list(self.images), self.pixel_values(), self.image_grid_thw(),
+                           list(self.videos), self.video_pixels, self.video_grid, self.video_seconds)
 
     def loss_mask(self) -> torch.Tensor:
         """1 on model tokens, 0 on prompt and tool tokens."""
@@ -171,13 +180,15 @@ def episode_batch(episodes: list[Episode], adapter: FamilyAdapter) -> Batch:
         seq = torch.tensor(e.token_ids, dtype=torch.long)
         ids.append(seq)
         masks.append(e.loss_mask())
-        pos.append(adapter.position_ids(seq, e.image_grid_thw()))
+        pos.append(adapter.position_ids(seq, e.image_grid_thw(), e.video_grid, e.video_seconds))
         pix.append(e.prompt_pixels)
         grids.append(e.prompt_grid)
         tpix.append(e.tool_pixel_values())
         tgrids.append(e.tool_image_grid_thw())
     fields = {"input_ids": ids, "loss_mask": masks, "image_grid_thw": grids, "pixel_values": pix,
-              "position_ids": PackedGenericDataItem(pos, dim=1)}
+              "position_ids": PackedGenericDataItem(pos, dim=1),
+              "pixel_values_videos": [e.video_pixels for e in episodes],
+              "video_grid_thw": [e.video_grid for e in episodes]}
     if any(t is not None for t in tpix):
         fields.update(tool_pixel_values=tpix, tool_image_grid_thw=tgrids)
     return Batch(fields)

@@ -49,6 +49,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype, adapter=policy.adapter)
     from rollout.vllm_engine import VLLMEngine
 
+    from data.processing import videos_per_row
     from rollout.rollouts import context_tokens
 
     r, d = cfg.rollout, cfg.data
@@ -60,6 +61,8 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         max_model_len=context_tokens(cfg), seed=cfg.trainer.seed,
         # a prompt's image plus what the tools may add to its episode
         max_images_per_prompt=1 + (r.max_tool_images if r.tools else 0),
+        max_videos_per_prompt=max((videos_per_row(p) for p in (d.train_path, d.eval_path) if p), default=0)
+        if policy.adapter.takes_video else 0,
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
     )

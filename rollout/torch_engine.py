@@ -168,11 +168,17 @@ class TorchEngine(Engine):
                 self.adapter.check_pixels(prompt.pixel_values, grid)
             except ValueError as err:
                 raise ValueError(f"prompt {index}: {err}") from err
+        vgrid = prompt.video_grid_thw
+        if (vgrid is None) != (prompt.pixel_values_videos is None):
+            raise ValueError(f"prompt {index}: pixel_values_videos and video_grid_thw must be given together")
+        if vgrid is not None:
+            vgrid = vgrid.reshape(-1, 3).long().cpu()
         try:
-            positions = self.adapter.position_ids(ids, grid)
+            positions = self.adapter.position_ids(ids, grid, vgrid, prompt.second_per_grid_ts)
         except ValueError as err:
             raise ValueError(f"prompt {index}: {err}") from err
-        return _Prepared(index, ids, positions, prompt.pixel_values, grid)
+        return _Prepared(index, ids, positions, prompt.pixel_values, grid, prompt.pixel_values_videos, vgrid,
+                         prompt.second_per_grid_ts)
 
     def _generate_chunk(
         self, chunk: list["_Prepared"], params: SamplingParams, banned: list[int], generator: torch.Generator
@@ -235,6 +241,13 @@ class TorchEngine(Engine):
             grid = torch.cat([p.grid for p in images]).to(self.device)
         kwargs = self.adapter.engine_inputs(ids.to(self.device), positions.to(self.device), mask.to(self.device),
                                             pixels, grid)
+        videos = [p for p in chunk if p.video_grid is not None]
+        if videos:  # in prompt order, as the model scatters them
+            seconds = [p.video_seconds for p in videos]
+            kwargs.update(self.adapter.video_engine_inputs(
+                torch.cat([p.video_pixels for p in videos]).to(self.device, self.dtype),
+                torch.cat([p.video_grid for p in videos]).to(self.device),
+                torch.cat(seconds).to(self.device) if all(s is not None for s in seconds) else None))
         kwargs["use_cache"] = True
         out = self.model.model(**kwargs)
         cache = getattr(out, "cache", None)
@@ -272,6 +285,9 @@ class _Prepared:
     positions: torch.Tensor
     pixels: torch.Tensor | None
     grid: torch.Tensor | None
+    video_pixels: torch.Tensor | None = None
+    video_grid: torch.Tensor | None = None
+    video_seconds: torch.Tensor | None = None
 
 
 def cache_kwarg_name(inner: nn.Module) -> str:

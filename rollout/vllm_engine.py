@@ -35,6 +35,11 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   image content, so an episode's earlier images are not processed again each turn; they do not
   depend on the weights; the turns of one step share it. It, the encoder cache and the prefix cache
   are emptied at every wake, so no vision features or KV blocks of old weights are reused.
+- Videos: the trainer's canonical frames go as `multi_modal_data["video"]` with the clip's timing
+  (`data.processing.video_metadata`) where the family's vLLM processor reads it
+  (`FamilyAdapter.vllm_video_items`: Qwen3-VL in the item, Qwen2.5-VL as the request's
+  `video_metadata` processor argument); the video expansion is collapsed and checked like the
+  images' (`vllm_collapse_videos`). `limit_mm_per_prompt` has `max_videos_per_prompt` videos.
 - Logprobs: `logprobs_mode="processed_logprobs"` returns log_softmax of the fp32 logits after
   vLLM's logit processors and temperature (V1 `Sampler`: bias → logits / T → top-k/top-p →
   log_softmax). With top_p=1 and top_k off this is the trainer's log_softmax(logits / T) over
@@ -383,6 +388,7 @@ class VLLMEngine(Engine):
         image_pad_id: int,
         adapter: FamilyAdapter | None = None,
         max_images_per_prompt: int = 1,
+        max_videos_per_prompt: int = 0,
         async_scheduling: bool | None = None,
         max_num_seqs: int | None = None,
         sleep_level: int = 1,
@@ -410,6 +416,9 @@ class VLLMEngine(Engine):
         self.dtype = getattr(torch, dtype)  # what refit tensors are rounded to; callers may send them so
         self.image_pad_id = image_pad_id
         self.max_images_per_prompt = max_images_per_prompt
+        if max_videos_per_prompt < 0:
+            raise ValueError(f"VLLMEngine: max_videos_per_prompt must be >= 0, got {max_videos_per_prompt}")
+        self.max_videos_per_prompt = max_videos_per_prompt
         # None: vLLM's choice (on). external_launcher relies on every rank of a TP group scheduling
         # identically; the TP=2 pair's hang is not yet explained, and turning this off is a test of it.
         self._async_scheduling = async_scheduling
@@ -468,7 +477,7 @@ class VLLMEngine(Engine):
             # the HF processor's outputs by image content: a multi-turn episode re-sends its earlier
             # images every turn, and pixel values do not depend on the weights, so a refit leaves them valid
             mm_processor_cache_gb=self._processor_cache_gb,
-            limit_mm_per_prompt={"image": self.max_images_per_prompt, "video": 0},
+            limit_mm_per_prompt={"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt},
             # Tensor-parallel all-reduce through NCCL, not vLLM's CUDA-IPC kernel: with it, a TP=2
             # engine hung in warm-up on the lent 2xH200 VM (colocated RL trainers disable it too).
             disable_custom_all_reduce=True,
@@ -547,18 +556,31 @@ class VLLMEngine(Engine):
                 f"prompt {index} has {len(images)} images; the engine was built for at most "
                 f"{self.max_images_per_prompt} (max_images_per_prompt)"
             )
+        videos = list(prompt.videos)
+        if len(videos) > self.max_videos_per_prompt:
+            raise ValueError(f"prompt {index} has {len(videos)} videos; the engine was built for at most "
+                             f"{self.max_videos_per_prompt} (max_videos_per_prompt)")
         ours = [int(t) for t in prompt.input_ids]
         try:
-            ids, blocks = self.adapter.vllm_collapse(ours, self._vocab)
+            ids, video_blocks = self.adapter.vllm_collapse_videos(ours)
+            if len(video_blocks) != len(videos):
+                raise ValueError(f"{len(video_blocks)} video blocks but {len(videos)} videos")
+            ids, blocks = self.adapter.vllm_collapse(ids, self._vocab)
             if len(blocks) != len(images):
                 raise ValueError(f"{len(blocks)} image blocks but {len(images)} images")
-            if self.adapter.vllm_expand(ids, blocks, self._vocab) != ours:
+            expanded = self.adapter.vllm_expand_videos(self.adapter.vllm_expand(ids, blocks, self._vocab), video_blocks)
+            if expanded != ours:
                 raise ValueError("vLLM's re-expansion of the collapsed prompt would not give these ids back")
         except ValueError as err:
             raise ValueError(f"prompt {index} ({self.family}): {err}") from err
         request = {"prompt_token_ids": ids}
         if images:
             request["multi_modal_data"] = {"image": images}
+        if videos:
+            items, kwargs = self.adapter.vllm_video_items(videos)
+            request.setdefault("multi_modal_data", {})["video"] = items
+            if kwargs:
+                request["mm_processor_kwargs"] = kwargs
         return request
 
     def _vllm_sampling(self, params: SamplingParams, num_prompts: int):

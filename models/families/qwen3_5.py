@@ -46,7 +46,7 @@ from torch import nn
 
 from models.attention import given_row
 from models.families.qwen_vl import (
-    _PREFIXES, QWEN2_5_EXTRA_TOKENS, QWEN3_PATCH_SIZE, QwenImages, Qwen3VLAdapter, _qwen_adapter,
+    _PREFIXES, QWEN2_5_EXTRA_TOKENS, QWEN3_PATCH_SIZE, Qwen3Images, Qwen3VLAdapter, _qwen_adapter,
     _tiny_image_processor,
 )
 from models.families.tiny import MERGE_SIZE, TEMPORAL_PATCH_SIZE, SizeSpec, TinySpec, text_config, token_ids
@@ -368,7 +368,7 @@ _UNVERIFIED = "vLLM path written from vLLM's qwen3_5.py ({}); not yet run on a G
 register(Family(
     model_type="qwen3_5",
     adapter=_qwen3_5_adapter,
-    image_rules={"Qwen3VLProcessor": QwenImages},
+    image_rules={"Qwen3VLProcessor": Qwen3Images},
     vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=DECODER,
                    unverified=_UNVERIFIED.format("Qwen3_5ForConditionalGeneration")),
     tiny=TinySpec(model_class="Qwen3_5ForConditionalGeneration", processor_class="Qwen3VLProcessor",
@@ -378,7 +378,7 @@ register(Family(
 register(Family(
     model_type="qwen3_5_moe",
     adapter=_qwen3_5_moe_adapter,
-    image_rules={"Qwen3VLProcessor": QwenImages},
+    image_rules={"Qwen3VLProcessor": Qwen3Images},
     vllm=VLLMNames(prefixes=_EXPERTS + _PREFIXES, stacking_scopes=DECODER,
                    unverified=_UNVERIFIED.format("Qwen3_5MoeForConditionalGeneration")),
     tiny=TinySpec(model_class="Qwen3_5MoeForConditionalGeneration", processor_class="Qwen3VLProcessor",

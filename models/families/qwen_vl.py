@@ -17,7 +17,7 @@ import transformers
 from torch import nn
 
 from data.images import canonicalize_image, to_rgb
-from data.processing import ImageRule, size_field
+from data.processing import ImageRule, group_timestamps, size_field, video_metadata
 from models.families.tiny import (
     IMAGE_MEAN, IMAGE_STD, MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, SizeSpec, TinySpec, text_config, token_ids,
 )
@@ -60,6 +60,82 @@ class QwenImages(ImageRule):
     def expansion(self, grid_row: torch.Tensor) -> str:
         return self.placeholder * image_tokens(grid_row, self.merge_size)
 
+    # --- videos: the family's video processor's arithmetic, computed here (it needs torchvision);
+    # taken where a subclass names the placeholder (GLM-4.1V's rule, built on this one, takes none) ---
+
+    @property
+    def temporal_patch_size(self) -> int:
+        return int(getattr(self.image_processor, "temporal_patch_size", 2))
+
+    def encode_videos(self, videos: list) -> dict:
+        """Patch rows of each clip exactly as `Qwen2VLVideoProcessor` / `Qwen3VLVideoProcessor` make
+        them with `do_resize=False`: rescale and normalize fused in fp32, then `temporal_patch_size`
+        consecutive frames per patch, rows in merge order. Frames are not resized: a clip whose
+        sides are off the family's grid is an error, not a silent resize."""
+        pixels, grids, seconds = [], [], []
+        for v in videos:
+            rows, grid = self.video_patches(v.frames)
+            pixels.append(rows)
+            grids.append(grid)
+            meta = video_metadata(v)
+            seconds.append(self.temporal_patch_size / meta["fps"])  # transformers: temporal patch / sampled fps
+        return {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids),
+                "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32)}
+
+    def video_patches(self, frames: list) -> tuple[torch.Tensor, list[int]]:
+        """(rows (t·h·w, 3·temporal·patch²), [t, h, w]) of one clip's frames."""
+        import numpy as np
+
+        ip = self.image_processor
+        patch, merge, temporal = int(ip.patch_size), self.merge_size, self.temporal_patch_size
+        width, height = frames[0].size
+        if width % self.factor or height % self.factor or any(f.size != (width, height) for f in frames):
+            raise ValueError(f"video frames must share one size with sides multiples of {self.factor}; "
+                             f"got {sorted({f.size for f in frames})}")
+        video = torch.from_numpy(np.stack([np.asarray(to_rgb(f)) for f in frames])).permute(0, 3, 1, 2)
+        if pad := -video.shape[0] % temporal:  # the processor repeats the last frame
+            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+        video = video.to(torch.float32)
+        if ip.do_rescale and ip.do_normalize:  # fused, as transformers' torchvision backend does it
+            mean = torch.tensor(ip.image_mean) * (1.0 / ip.rescale_factor)
+            std = torch.tensor(ip.image_std) * (1.0 / ip.rescale_factor)
+            video = (video - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
+        elif ip.do_rescale:
+            video = video * ip.rescale_factor
+        elif ip.do_normalize:
+            video = (video - torch.tensor(ip.image_mean).view(-1, 1, 1)) / torch.tensor(ip.image_std).view(-1, 1, 1)
+        frames_n, channel = video.shape[:2]
+        t, h, w = frames_n // temporal, height // patch, width // patch
+        rows = video.view(t, temporal, channel, h // merge, merge, patch, w // merge, merge, patch)
+        rows = rows.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * h * w, channel * temporal * patch * patch)
+        return rows.contiguous(), [t, h, w]
+
+
+
+class Qwen2Images(QwenImages):
+    """Qwen2-VL / Qwen2.5-VL: Qwen images, and videos whose placeholder expands to one
+    `<|video_pad|>` per merged patch of every temporal group."""
+
+    video_placeholder = "<|video_pad|>"
+
+    def video_expansion(self, grid_row: torch.Tensor, video) -> str:
+        return self.video_placeholder * image_tokens(grid_row, self.merge_size)
+
+
+class Qwen3Images(Qwen2Images):
+    """Qwen3-VL / Qwen3.5: Qwen images; a video's placeholder expands, per temporal group, to its
+    time as text (`<0.5 seconds>`), then `<|vision_start|>`, that group's `<|video_pad|>`s and
+    `<|vision_end|>` (transformers' `Qwen3VLProcessor.replace_video_token`, vLLM's `get_video_repl`),
+    the times from `video_metadata` as both compute them."""
+
+    def video_expansion(self, grid_row: torch.Tensor, video) -> str:
+        t, h, w = (int(x) for x in grid_row)
+        per_group = self.video_placeholder * (h * w // self.merge_size**2)
+        times = group_timestamps(video_metadata(video), self.temporal_patch_size)
+        if len(times) != t:
+            raise ValueError(f"{len(times)} timestamps for {t} temporal groups ({video.source})")
+        return "".join(f"<{sec:.1f} seconds><|vision_start|>{per_group}<|vision_end|>" for sec in times)
+
 
 
 # Tool calls as Qwen2/2.5-VL write them (Hermes style, the tokenizer's <tool_call> tokens); a tool's
@@ -100,6 +176,9 @@ class QwenVLAdapter(FamilyAdapter):
     spatial_merge_size: int = 2
     patch_size: int = 14
     temporal_patch_size: int = 2
+    # Qwen2.5-VL: m-rope positions per second of video (vision_config.tokens_per_second); None: the
+    # family spaces temporal groups one position apart (Qwen2-VL) or splits them (Qwen3-VL).
+    tokens_per_second: float | None = None
 
     @property
     def pixel_factor(self) -> int:
@@ -128,45 +207,74 @@ class QwenVLAdapter(FamilyAdapter):
             feats = torch.cat(list(feats))
         return [feats]
 
-    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    def video_segments(self, video_grid_thw: torch.Tensor | None, second_per_grid_ts: torch.Tensor | None) -> list:
+        """(t, h, w, temporal step) of each placeholder run the videos take, in order.
+
+        Qwen2.5-VL: one run per video, temporal groups `second_per_grid_ts · tokens_per_second`
+        positions apart (vLLM 0.26's `iter_mm_grid_thw`: the fp32 seconds as a Python float times
+        the config's tokens per second, floored per group). Without `tokens_per_second` (Qwen2-VL) the
+        step is 1.
+        """
+        if video_grid_thw is None:
+            return []
+        grids = video_grid_thw.reshape(-1, 3).tolist()
+        if self.tokens_per_second is None:
+            return [(t, h, w, 1.0) for t, h, w in grids]
+        if second_per_grid_ts is None or second_per_grid_ts.numel() != len(grids):
+            raise ValueError(f"{len(grids)} videos need {len(grids)} second_per_grid_ts values, got "
+                             f"{None if second_per_grid_ts is None else second_per_grid_ts.numel()}")
+        seconds = second_per_grid_ts.reshape(-1).to(torch.float32).tolist()
+        return [(t, h, w, sec * self.tokens_per_second) for (t, h, w), sec in zip(grids, seconds)]
+
+    def position_ids(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                     video_grid_thw: torch.Tensor | None = None,
+                     second_per_grid_ts: torch.Tensor | None = None) -> torch.Tensor:
         """(4, L) positions of one sequence: row 0 the plain 1-D positions, rows 1–3 m-rope (t, h, w).
 
-        Text runs advance all three m-rope rows together; an image of merged grid (t, h, w) takes
-        positions start + (t_i, h_i, w_i) and the text after it resumes at start + max(t, h, w).
-        Row 0 lets attention see sequence boundaries when sequences are packed into one row.
+        Text runs advance all three m-rope rows together; an image or video run of merged grid
+        (t, h, w) takes positions start + (⌊t_i · step⌋, h_i, w_i), and the text after it resumes one
+        past the largest position the run took (vLLM 0.26's `get_mrope_input_positions`, and
+        transformers' before 5.0; transformers 5.x resumes at start + max(h, w), which differs only
+        after a video whose temporal extent passes its spatial one). Row 0 lets attention see
+        sequence boundaries when sequences are packed into one row.
         """
+        self.check_videos(video_grid_thw)
         ids = input_ids.tolist()
         n = len(ids)
         rope = torch.empty(3, n, dtype=torch.long)
-        grids = [] if image_grid_thw is None else image_grid_thw.tolist()
-        pos, i, img = 0, 0, 0
+        runs = {self.image_token_id: [(t, h, w, 1.0) for t, h, w in
+                                      ([] if image_grid_thw is None else image_grid_thw.reshape(-1, 3).tolist())],
+                self.video_token_id: self.video_segments(video_grid_thw, second_per_grid_ts)}
+        used = dict.fromkeys(runs, 0)
+        pos, i = 0, 0
         while i < n:
-            if ids[i] != self.image_token_id:
+            if ids[i] not in runs:
                 j = i
-                while j < n and ids[j] != self.image_token_id:
+                while j < n and ids[j] not in runs:
                     j += 1
                 rope[:, i:j] = torch.arange(pos, pos + j - i)
                 pos += j - i
                 i = j
                 continue
-            if img >= len(grids):
-                raise ValueError(f"sequence has more image placeholder runs than images ({len(grids)} grids)")
-            t, h, w = grids[img]
+            token, k = ids[i], used[ids[i]]
+            kind = "image" if token == self.image_token_id else "video"
+            if k >= len(runs[token]):
+                raise ValueError(f"sequence has more {kind} placeholder runs than {kind}s ({len(runs[token])})")
+            t, h, w, step = runs[token][k]
             h, w = h // self.spatial_merge_size, w // self.spatial_merge_size
             count = t * h * w
-            if ids[i : i + count] != [self.image_token_id] * count:
-                raise ValueError(
-                    f"image {img} needs {count} placeholder tokens at position {i}; the sequence has fewer"
-                )
-            grid = torch.stack(
-                torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-            ).reshape(3, -1)
+            if ids[i : i + count] != [token] * count:
+                raise ValueError(f"{kind} {k} needs {count} placeholder tokens at position {i}; the sequence has fewer")
+            temporal = [int(g * step) for g in range(t)]
+            grid = torch.stack(torch.meshgrid(torch.tensor(temporal), torch.arange(h), torch.arange(w),
+                                              indexing="ij")).reshape(3, -1)
             rope[:, i : i + count] = grid + pos
-            pos += max(t, h, w)
+            pos += max(temporal[-1], h - 1, w - 1) + 1
             i += count
-            img += 1
-        if img != len(grids):
-            raise ValueError(f"sequence has {img} image placeholder runs but {len(grids)} images")
+            used[token] += 1
+        for token, kind in ((self.image_token_id, "image"), (self.video_token_id, "video")):
+            if used[token] != len(runs[token]):
+                raise ValueError(f"sequence has {used[token]} {kind} placeholder runs but {len(runs[token])} {kind}s")
         return torch.cat([torch.arange(n).unsqueeze(0), rope], dim=0)
 
     def next_rope_position(self, position_ids: torch.Tensor) -> int:
@@ -190,10 +298,45 @@ class QwenVLAdapter(FamilyAdapter):
             kwargs.update(pixel_values=pixels, image_grid_thw=grid)
         return kwargs
 
+    def video_engine_inputs(self, pixels, grid, seconds):
+        # Positions are given explicitly, so the model's own rope index (and `second_per_grid_ts`
+        # in it) is not used; the forward takes it all the same.
+        kwargs = dict(pixel_values_videos=pixels, video_grid_thw=grid)
+        if seconds is not None and self.tokens_per_second is not None:
+            kwargs["second_per_grid_ts"] = seconds
+        return kwargs
+
     def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict:
         # Images arrive with sides on the patch × merge grid within these limits; the trainer's
         # processor is told not to resize them, and so is vLLM's (Qwen2VLImageProcessor.size).
+        # `do_resize` reaches the video processor too: frames keep their canonical size.
         return {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}, "do_resize": False}
+
+    def vllm_collapse_videos(self, ids: list[int]) -> tuple[list[int], list[list[int]]]:
+        """Qwen2/2.5-VL: vLLM's `PromptReplacement` targets one `<|video_pad|>` and inserts the video's
+        whole run of it, so each run becomes one token."""
+        out: list[int] = []
+        runs: list[list[int]] = []
+        for token in ids:
+            if token == self.video_token_id and out and out[-1] == token:
+                runs[-1].append(token)
+                continue
+            out.append(token)
+            if token == self.video_token_id:
+                runs.append([token])
+        return out, runs
+
+    def vllm_video_items(self, videos: list) -> tuple[list, dict]:
+        """Frames as (T, H, W, 3) uint8 arrays. vLLM 0.26's Qwen2/2.5-VL parser drops a video's own
+        metadata, and transformers' Qwen2.5-VL processor reads `second_per_grid_ts` from it (without
+        it: 24 fps), so the metadata goes as the request's `video_metadata` processor argument."""
+        import numpy as np
+
+        from data.processing import video_metadata
+
+        arrays = [np.stack([np.asarray(f) for f in v.frames]) for v in videos]
+        metas = [{k: val for k, val in video_metadata(v).items() if k != "do_sample_frames"} for v in videos]
+        return arrays, {"video_metadata": metas}
 
 
 @dataclass
@@ -208,6 +351,53 @@ class Qwen3VLAdapter(QwenVLAdapter):
 
     varlen_attention: bool = False  # not yet checked on a GPU
     tool_format: ToolFormat | None = QWEN3_TOOLS
+
+    def vllm_collapse_videos(self, ids: list[int]) -> tuple[list[int], list[list[int]]]:
+        """Qwen3-VL: the template writes `<|vision_start|><|video_pad|><|vision_end|>` and both transformers
+        and vLLM replace its `<|video_pad|>` with every temporal group's `<t seconds><|vision_start|>`,
+        pads and `<|vision_end|>`: that whole span (between the template's start and end) collapses."""
+        start, end, pad = self.vision_start_token_id, self.vision_end_token_id, self.video_token_id
+        out: list[int] = []
+        blocks: list[list[int]] = []
+        i, n = 0, len(ids)
+        while i < n:
+            if ids[i] != start or i + 1 >= n or ids[i + 1] in (pad, self.image_token_id, end, start):
+                out.append(ids[i])
+                i += 1
+                continue
+            j = i + 1  # the first group's timestamp text
+            while True:
+                k = ids.index(start, j) if start in ids[j:] else -1
+                if k < 0 or k + 1 >= n or ids[k + 1] != pad:
+                    raise ValueError(f"a video span at position {i} has no <|vision_start|><|video_pad|> group")
+                m = k + 1
+                while m < n and ids[m] == pad:
+                    m += 1
+                if m >= n or ids[m] != end:
+                    raise ValueError(f"a video group at position {k} does not end with <|vision_end|>")
+                j = m + 1
+                if j < n and ids[j] == end:
+                    break
+            out += [start, pad]
+            blocks.append(ids[i + 1 : j])
+            i = j
+        return out, blocks
+
+    def vllm_video_items(self, videos: list) -> tuple[list, dict]:
+        """(frames as a (T, H, W, 3) uint8 array, the clip's metadata) per video: vLLM 0.26's Qwen3-VL
+        processor computes the timestamps from `frames_indices` and `fps` as `video_metadata` says."""
+        import numpy as np
+
+        from data.processing import video_metadata
+
+        return [(np.stack([np.asarray(f) for f in v.frames]), video_metadata(v)) for v in videos], {}
+
+    def video_segments(self, video_grid_thw, second_per_grid_ts):
+        """One run per temporal group, each like a one-frame image: the groups are separated by their
+        timestamp text (transformers' and vLLM's Qwen3-VL positions split `video_grid_thw` the same way)."""
+        if video_grid_thw is None:
+            return []
+        return [(1, h, w, 1.0) for t, h, w in video_grid_thw.reshape(-1, 3).tolist() for _ in range(t)]
 
     def image_features(self, model, pixels, grid):
         out = self.vision_tower(model)(pixels, grid_thw=grid)
@@ -233,6 +423,8 @@ def _qwen_adapter(config, name: str, arch: str, cls=QwenVLAdapter) -> QwenVLAdap
         spatial_merge_size=vc.spatial_merge_size,
         patch_size=vc.patch_size,
         temporal_patch_size=vc.temporal_patch_size,
+        tokens_per_second=getattr(vc, "tokens_per_second", None) if config.model_type == "qwen2_5_vl" else None,
+        takes_video=True,
     )
 
 
@@ -329,7 +521,7 @@ def _family(model_type: str, prefix: str, cls=QwenVLAdapter, extra_tokens=(), st
     return Family(
         model_type=model_type,
         adapter=lambda config: _qwen_adapter(config, model_type, model_class, cls),
-        image_rules={f"{prefix}Processor": QwenImages},
+        image_rules={f"{prefix}Processor": Qwen3Images if issubclass(cls, Qwen3VLAdapter) else Qwen2Images},
         vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=stacking),
         tool_format=cls.tool_format,
         tiny=TinySpec(model_class=model_class, processor_class=f"{prefix}Processor",

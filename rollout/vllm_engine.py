@@ -373,6 +373,8 @@ def check_loaded(loaded: set[str], expected: set[str]) -> None:
 class VLLMEngine(Engine):
     """Rollouts with vLLM in this process; sleeps to give the GPU to training; takes weights by refit."""
 
+    max_videos_per_prompt: int = 0  # vLLM's video limit per prompt (the datasets' most videos in a row)
+
     def __init__(
         self,
         model_path: str,
@@ -557,7 +559,7 @@ class VLLMEngine(Engine):
                 f"{self.max_images_per_prompt} (max_images_per_prompt)"
             )
         videos = list(prompt.videos)
-        if len(videos) > self.max_videos_per_prompt:
+        if videos and len(videos) > self.max_videos_per_prompt:
             raise ValueError(f"prompt {index} has {len(videos)} videos; the engine was built for at most "
                              f"{self.max_videos_per_prompt} (max_videos_per_prompt)")
         ours = [int(t) for t in prompt.input_ids]

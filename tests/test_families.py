@@ -151,7 +151,9 @@ def test_every_weight_has_one_vllm_home(family_model):
             stacked.setdefault(param, set()).add(shard)
     assert stacked, "nothing was stacked"
     for param, shards in stacked.items():
-        assert shards in ({"q", "k", "v"}, {0, 1}, {(0, 1, 2), 3}), (param, shards)
+        # Gemma4's KV-sharing layers have q_proj alone (they reuse an earlier layer's keys and values).
+        shared = family == "gemma4" and shards == {"q"}
+        assert shards in ({"q", "k", "v"}, {0, 1}, {(0, 1, 2), 3}) or shared, (param, shards)
 
 
 def test_no_weight_matrix_is_all_zeros(family_model):

@@ -7,3 +7,4 @@ from models.families import gemma3  # noqa: F401
 from models.families import glm4v  # noqa: F401
 from models.families import internvl  # noqa: F401
 from models.families import qwen3_5  # noqa: F401
+from models.families import gemma4  # noqa: F401

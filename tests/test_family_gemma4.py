@@ -1,0 +1,294 @@
+"""Gemma4 on a tiny checkpoint: what is particular to it beyond tests/test_families.py.
+
+Its per-layer inputs, its masks (image blocks only in the sliding layers, cut by a window smaller
+than an image) and its KV-sharing layers must give a packed row the logprobs and gradients of
+each sequence alone, and the policy must score what transformers' own forward scores; its images
+are padded patch sequences whose positions the adapter rebuilds as the processor writes them, at
+sizes the processor (and vLLM's token count) keep; its weight names are vLLM's, and its prompts
+collapse to one `<|image|>` per image.
+"""
+
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from grpo.config import ModelConfig
+from models.families.gemma4 import Gemma4Images, patch_positions, target_size
+from models.packing import pack, unpack_per_sequence
+from models.parallel import build_parallel_dims, init_distributed
+from models.policy import build_policy
+from rollout.base import Generation
+from rollout.weight_names import vllm_param_for
+from tests.test_families import _prompts
+from tests.test_torch_engine import generation_batch
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("gemma4") / "tiny", family="gemma4", size="tiny", seed=0)
+
+
+def _policy(folder, activation_checkpointing=False):
+    init_distributed()
+    return build_policy(ModelConfig(path=str(folder), dtype="float32", attn_implementation="sdpa",
+                                    activation_checkpointing=activation_checkpointing), build_parallel_dims())
+
+
+def _generations():
+    """Responses of different lengths after two image prompts of different sizes and a text-only one."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 23, 5, 40, 14, 3]
+    return [Generation(i % 3, torch.randint(10, 1400, (n,), generator=g).tolist(), [0.0] * n, "length")
+            for i, n in enumerate(lengths)]
+
+
+def _logprobs_and_grads(policy, batch, bins):
+    """Logprobs per sequence and the gradient of a weighted sum of them, one micro-batch per bin."""
+    policy.model.zero_grad(set_to_none=True)
+    out = {}
+    for b in bins:
+        mb = pack(batch, b)
+        lp, _ = policy.logprobs(mb)
+        per_seq = unpack_per_sequence(lp, mb)
+        sum((t * torch.linspace(-1.0, 1.0, t.numel()) * (1 + i)).sum() for i, t in zip(b, per_seq)).backward()
+        out.update(zip(b, (t.detach() for t in per_seq)))
+    grads = {n: p.grad.full_tensor().detach().clone() for n, p in policy.model.named_parameters()
+             if p.grad is not None}
+    return [out[i] for i in sorted(out)], grads
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_packed_row_equals_each_sequence_alone(folder, activation_checkpointing):
+    policy = _policy(folder, activation_checkpointing)
+    prompts, gens = _prompts(folder), _generations()
+    batch = generation_batch(policy.adapter, prompts, gens)
+    packed_lp, packed_grad = _logprobs_and_grads(policy, batch, [list(range(len(gens)))])
+    single_lp, single_grad = _logprobs_and_grads(policy, batch, [[i] for i in range(len(gens))])
+    assert (torch.cat(packed_lp) - torch.cat(single_lp)).abs().max().item() < 1e-5
+    assert set(packed_grad) == set(single_grad)
+    for name in ("model.language_model.embed_tokens_per_layer.weight",
+                 "model.language_model.per_layer_model_projection.weight",
+                 "model.language_model.layers.0.self_attn.k_proj.weight",  # read by the KV-sharing layer 2 too
+                 "model.vision_tower.patch_embedder.input_proj.weight"):
+        assert packed_grad[name].abs().max() > 0, name
+    for name, g in packed_grad.items():
+        assert (g - single_grad[name]).abs().max().item() < 1e-5 * max(1.0, g.abs().max().item()), name
+
+
+def test_the_policy_scores_what_transformers_forward_scores(folder):
+    """Per-layer inputs, the image features, both masks and the soft cap against the model's own forward."""
+    from transformers import AutoModelForImageTextToText
+
+    policy = _policy(folder)
+    prompts = _prompts(folder)
+    gens = [Generation(0, list(range(40, 52)), [0.0] * 12, "length"), Generation(1, [7, 8, 9], [0.0] * 3, "length")]
+    mb = pack(generation_batch(policy.adapter, prompts, gens), [0, 1])
+    with torch.no_grad():
+        ours = unpack_per_sequence(policy.logprobs(mb)[0], mb)
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32,
+                                                        attn_implementation="sdpa").eval()
+    a = policy.adapter
+    for gen, lp in zip(gens, ours):
+        prompt = prompts[gen.prompt_index]
+        ids = torch.tensor([prompt.input_ids + gen.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values=prompt.pixel_values,
+                           image_position_ids=patch_positions(prompt.image_grid_thw, prompt.pixel_values.shape[1]),
+                           mm_token_type_ids=(ids == a.image_token_id).long()).logits[0].float()
+        assert logits.abs().max() <= 30.0  # the soft cap
+        ref = torch.log_softmax(logits, -1)[len(prompt.input_ids) - 1 : -1].gather(
+            -1, torch.tensor(gen.token_ids)[:, None])[:, 0]
+        assert (lp - ref).abs().max().item() < 1e-5
+
+
+def test_masks_are_transformers_own_and_packing_keeps_sequences_apart(folder):
+    """One sequence: the adapter's masks equal `create_masks_for_vision_model` (an image of 64 soft
+    tokens against a 16-token window). A packed row: each sequence's block is its own mask, nothing
+    crosses; transformers' builder given the same row puts the second image's block elsewhere."""
+    from transformers import AutoConfig
+    from transformers.models.gemma4.modeling_gemma4 import (
+        create_masks_for_vision_model, get_block_sequence_ids_for_mask,
+    )
+
+    from models.families.gemma3 import _mask_cache_arg
+    from models.family import build_adapter
+
+    config = AutoConfig.from_pretrained(str(folder)).text_config
+    config._attn_implementation = "sdpa"
+    adapter = build_adapter(AutoConfig.from_pretrained(str(folder)))
+    prompts = _prompts(folder)
+    seqs = [torch.tensor(p.input_ids + [5, 6, 7]) for p in prompts[:2]]
+
+    def reference(ids, positions):
+        image = (ids == adapter.image_token_id)[None]
+        embeds = torch.zeros(1, ids.numel(), 4)
+        masks = create_masks_for_vision_model(
+            config=config, inputs_embeds=embeds, attention_mask=None, position_ids=positions[None],
+            block_sequence_ids=get_block_sequence_ids_for_mask(image.long(), embeds.device),
+            **{_mask_cache_arg(create_masks_for_vision_model): None})
+        return {k: (torch.ones(ids.numel(), ids.numel()).tril().bool() if v is None else v[0, 0])
+                for k, v in masks.items()}
+
+    def ours(ids, positions):
+        masks = adapter.attention_masks(config, torch.zeros(1, ids.numel(), 4), positions[None],
+                                        (ids == adapter.image_token_id)[None])
+        return {k: v[0, 0] for k, v in masks.items()}
+
+    for ids in seqs:
+        positions = torch.arange(ids.numel())
+        assert int((ids == adapter.image_token_id).sum()) > 2 * config.sliding_window
+        want, have = reference(ids, positions), ours(ids, positions)
+        assert torch.equal(want["full_attention"], have["full_attention"])
+        assert torch.equal(want["sliding_attention"], have["sliding_attention"])
+        assert not torch.equal(want["sliding_attention"], want["sliding_attention"].tril())  # images see ahead
+    row = torch.cat(seqs)
+    positions = torch.cat([torch.arange(s.numel()) for s in seqs])
+    have = ours(row, positions)
+    n = seqs[0].numel()
+    for kind in ("full_attention", "sliding_attention"):
+        assert torch.equal(have[kind][:n, :n], reference(seqs[0], positions[:n])[kind])
+        assert torch.equal(have[kind][n:, n:], reference(seqs[1], positions[n:])[kind])
+        assert not have[kind][n:, :n].any() and not have[kind][:n, n:].any()
+    transformers_packed = reference(row, positions)["sliding_attention"]
+    assert not torch.equal(transformers_packed[n:, n:], have["sliding_attention"][n:, n:])
+
+
+def test_features_and_patch_positions_are_the_models_own(folder):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from models.family import build_adapter
+
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32).eval()
+    adapter = build_adapter(model.config)
+    rule = Gemma4Images(AutoImageProcessor.from_pretrained(str(folder)), {})
+    images = [rule.prepare(Image.new("RGB", size, (200, 40 * k, 30))) for k, size in enumerate([(56, 56), (84, 56)])]
+    out = rule.image_processor(images=images, return_tensors="pt")
+    pixels, grid = rule.encode(images)
+    assert torch.equal(pixels, out["pixel_values"])
+    assert torch.equal(patch_positions(grid, pixels.shape[1]), out["image_position_ids"].long())
+    assert pixels.shape[1] > int(grid[:, 1:].prod(dim=1).max())  # padded patches are present
+    with torch.no_grad():
+        ours = adapter.image_features(model, pixels, grid)[0]
+        theirs = torch.cat(model.model.get_image_features(pixels, out["image_position_ids"]).pooler_output)
+    assert ours.shape[0] == sum(adapter.image_token_count(g) for g in grid) and torch.equal(ours, theirs)
+
+
+def _vllm_soft_tokens(width, height, patch, pooling, max_soft_tokens):
+    """vLLM's `Gemma4ProcessingInfo._compute_num_soft_tokens` (gemma4_mm.py), the count it expands to."""
+    unit = patch * pooling
+    scale = math.sqrt(max_soft_tokens * pooling**2 / ((height / patch) * (width / patch)))
+    th = max(unit, int(math.floor(height * scale / unit)) * unit)
+    tw = max(unit, int(math.floor(width * scale / unit)) * unit)
+    return min((th // patch) * (tw // patch) // pooling**2, max_soft_tokens)
+
+
+@pytest.mark.parametrize("size", [(56, 56), (84, 56), (56, 308), (28, 280), (300, 20), (1000, 33)])
+def test_images_come_at_a_size_the_processor_and_vllm_keep(folder, size):
+    from transformers import AutoImageProcessor
+
+    rule = Gemma4Images(AutoImageProcessor.from_pretrained(str(folder)), {})
+    image = rule.prepare(Image.new("RGB", size, (10, 120, 240)))
+    w, h = image.size
+    assert target_size(h, w, rule.patch, rule.max_patches, rule.pooling) == (h, w)  # the processor does not resize
+    _, grid = rule.encode([image])
+    tokens = grid[0].prod().item() // rule.pooling**2
+    assert 0 < tokens <= rule.image_processor.max_soft_tokens
+    assert _vllm_soft_tokens(w, h, rule.patch, rule.pooling, rule.image_processor.max_soft_tokens) == tokens
+
+
+def test_expansion_is_the_processors_and_the_prompt_collapses_for_vllm(folder):
+    from transformers import AutoConfig, AutoTokenizer, Gemma4Processor
+
+    from models.family import build_adapter
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    adapter = build_adapter(AutoConfig.from_pretrained(str(folder)))
+    stub = type("P", (), {"boi_token": tokenizer.boi_token, "eoi_token": tokenizer.eoi_token,
+                          "image_token": tokenizer.image_token})()
+    prompt = _prompts(folder)[1]
+    rule_text = Gemma4Images.expansion(type("R", (), {"pooling": adapter.pooling})(), prompt.image_grid_thw[0])
+    n = adapter.image_token_count(prompt.image_grid_thw[0])
+    assert rule_text == Gemma4Processor.replace_image_token(stub, {"num_soft_tokens_per_image": [n]}, 0)
+    assert tokenizer.image_token_id == adapter.image_token_id
+    vocab = tokenizer.get_vocab()
+    ids = prompt.input_ids + [11, 12] + prompt.input_ids
+    collapsed, blocks = adapter.vllm_collapse(ids, vocab)
+    assert collapsed.count(adapter.image_token_id) == 2 and len(collapsed) == len(ids) - 2 * (n + 1)
+    assert blocks[0] == [adapter.extra_banned_ids[0]] + [adapter.image_token_id] * n + [adapter.extra_banned_ids[1]]
+    assert adapter.vllm_expand(collapsed, blocks, vocab) == ids
+    assert adapter.vllm_processor_kwargs(0, 0) == {"max_soft_tokens": 70}
+    with pytest.raises(ValueError, match="outside"):
+        adapter.vllm_collapse([adapter.image_token_id], vocab)
+
+
+@pytest.mark.parametrize("hf_name, vllm_name, shard", [
+    ("model.language_model.layers.0.self_attn.q_proj.weight",
+     "language_model.model.layers.0.self_attn.qkv_proj.weight", "q"),
+    ("model.language_model.layers.1.self_attn.v_proj.weight",
+     "language_model.model.layers.1.self_attn.qkv_proj.weight", "v"),
+    ("model.language_model.layers.2.self_attn.q_proj.weight",  # KV-sharing layer: q alone
+     "language_model.model.layers.2.self_attn.qkv_proj.weight", "q"),
+    ("model.language_model.layers.3.mlp.up_proj.weight", "language_model.model.layers.3.mlp.gate_up_proj.weight", 1),
+    ("model.language_model.layers.0.per_layer_input_gate.weight",
+     "language_model.model.layers.0.per_layer_input_gate.weight", None),
+    ("model.language_model.layers.0.layer_scalar", "language_model.model.layers.0.layer_scalar", None),
+    ("model.language_model.embed_tokens_per_layer.weight", "language_model.model.embed_tokens_per_layer.weight", None),
+    ("model.vision_tower.encoder.layers.1.self_attn.q_proj.linear.weight",
+     "vision_tower.encoder.layers.1.self_attn.q_proj.linear.weight", None),
+    ("model.vision_tower.patch_embedder.position_embedding_table",
+     "vision_tower.patch_embedder.position_embedding_table", None),
+    ("model.embed_vision.embedding_projection.weight", "embed_vision.embedding_projection.weight", None),
+    ("lm_head.weight", "language_model.lm_head.weight", None),
+])
+def test_vllm_names(hf_name, vllm_name, shard):
+    assert vllm_param_for("gemma4", hf_name) == (vllm_name, shard)
+
+
+def test_the_tiny_checkpoint(folder):
+    import json
+
+    from transformers import AutoConfig
+
+    from models.family import build_adapter
+    from rollout.weight_names import VLLM_UNVERIFIED
+
+    config = AutoConfig.from_pretrained(str(folder))
+    text = config.text_config
+    assert text.use_bidirectional_attention == "vision" and text.num_kv_shared_layers == 2
+    assert text.final_logit_softcapping == 30.0 and text.hidden_size_per_layer_input == 8
+    assert text.per_layer_config[1].head_dim == 2 * text.per_layer_config[0].head_dim
+    assert json.loads((folder / "config.json").read_text())["text_config"]["global_head_dim"] == 32
+    adapter = build_adapter(config)
+    assert adapter.max_soft_tokens == json.loads((folder / "processor_config.json").read_text())[
+        "image_processor"]["max_soft_tokens"]
+    assert adapter.pad_token_id == 0  # vLLM reads image tokens as token 0 for the per-layer inputs
+    assert adapter.end_of_turn == "<turn|>" and "gemma4" in VLLM_UNVERIFIED
+    assert not adapter.batch_with_padding and adapter.packable
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("enable_moe_block", True, "enable_moe_block"),
+    ("use_bidirectional_attention", "all", "use_bidirectional_attention='all'"),
+])
+def test_unsupported_variants_are_refused_by_name(folder, key, value, message):
+    from transformers import AutoConfig
+
+    from models.family import build_adapter
+
+    config = AutoConfig.from_pretrained(str(folder))
+    setattr(config.text_config, key, value)
+    with pytest.raises(ValueError, match=message):
+        build_adapter(config)
+
+
+def test_the_decoder_needs_the_rows_token_ids(folder):
+    policy = _policy(folder)
+    a = policy.adapter
+    embeds = torch.zeros(1, 5, policy.model.config.text_config.hidden_size)
+    a._row[:] = [None, 0]
+    with pytest.raises(RuntimeError, match="token ids"):
+        a.run_language_model(policy.model, embeds, torch.arange(5)[None, None], torch.zeros(1, 5, dtype=torch.bool), [])

@@ -362,7 +362,7 @@ def _problem_text(value: Any, n_images: int, max_chars: int | None = None) -> st
         raise BadSample("wrong_type", f"problem is {type(value).__name__}; expected text")
     if isinstance(value, str):
         _check_length(value, "problem", max_chars, "prompt_too_long")
-    if not isinstance(value, str) or not value.replace(IMAGE_TAG, "").strip():
+    if not isinstance(value, str) or not value.replace(IMAGE_TAG, "").replace(VIDEO_TAG, "").strip():
         raise BadSample("empty_problem", f"problem is {value!r}")
     n_tags = value.count(IMAGE_TAG)
     if n_tags == 0 and n_images > 0:

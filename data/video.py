@@ -19,9 +19,10 @@ keeps only the chosen ones. Sampling:
     Qwen2/2.5-VL, Qwen3-VL and Qwen3.5) is padded by repeating the last frame and its timestamp,
     as the Hugging Face video processors pad;
   - timestamps are the chosen frames' presentation times in seconds from the first frame.
-Every frame is then resized (BICUBIC) to one size: sides multiples of `factor`, and pixels per
-frame within min(max_pixels, video_max_pixels // n_frames), so the clip's total stays within
-`video_max_pixels` (`data.images.smart_resize_dims` picks the size).
+Every frame is resized (BICUBIC, as soon as it is decoded) to one size: sides multiples of
+`factor`, and pixels per frame within min(max_pixels, video_max_pixels // n_frames) (and at least
+min_pixels where that budget allows), so the clip's total stays within `video_max_pixels`
+(`data.images.smart_resize_dims` picks the size).
 
 A list of frames (PIL images, encoded image bytes, or image paths; Video-R1 and EasyR1 rows allow
 them) is taken as already sampled at `fps`: frame i has timestamp i / fps; more than `max_frames`
@@ -43,12 +44,13 @@ Bad input raises `BadSample` with a reason (counted by `data.datasets.SkipStats`
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from PIL import Image
 
@@ -120,37 +122,55 @@ def decode_video(
     check_video_options(fps=fps, max_frames=max_frames, min_pixels=min_pixels, max_pixels=max_pixels,
                         video_max_pixels=video_max_pixels, factor=factor, frame_multiple=frame_multiple)
     cap = max_frames // frame_multiple * frame_multiple
+    size_rule = functools.partial(canonical_frame_size, min_pixels=min_pixels, max_pixels=max_pixels,
+                                  video_max_pixels=video_max_pixels, factor=factor)
     if isinstance(source, (list, tuple)):
         where = where or "<frames>"
-        frames, times, rate = _sample_frame_list(source, fps, cap, max_bytes, max_source_frames,
-                                                 max_frame_pixels, where)
+        frames, times, rate = _sample_frame_list(source, fps, cap, frame_multiple, size_rule, max_bytes,
+                                                 max_source_frames, max_frame_pixels, where)
     elif isinstance(source, (bytes, bytearray, memoryview, str, os.PathLike)):
         where = where or (str(source) if isinstance(source, (str, os.PathLike)) else "<bytes>")
-        frames, times, rate = _decode_stream(source, fps, cap, max_bytes, max_source_frames, max_frame_pixels, where)
+        frames, times, rate = _decode_stream(source, fps, cap, frame_multiple, size_rule, max_bytes,
+                                             max_source_frames, max_frame_pixels, where)
     else:
         raise BadSample("wrong_type", f"{where or 'video'} is {type(source).__name__}; expected a path, bytes or "
                                       "a list of frames")
     while len(frames) % frame_multiple:
         frames.append(frames[-1])
         times.append(times[-1])
-    width, height = canonical_frame_size(frames[0].width, frames[0].height, len(frames), min_pixels=min_pixels,
-                                         max_pixels=max_pixels, video_max_pixels=video_max_pixels, factor=factor)
-    frames = [_resized(frame, width, height) for frame in frames]
     return Video(frames=frames, fps=float(rate), timestamps=times, source=where)
+
+
+class _Fit:
+    """Resizes each kept frame, as it is decoded, to the clip's one canonical size, taken from the first
+    frame's size and the clip's frame count after padding (so at most one full-size frame is held)."""
+
+    def __init__(self, size_rule: Callable, n_kept: int, frame_multiple: int):
+        self.size_rule = size_rule
+        self.n_frames = n_kept + (-n_kept) % frame_multiple
+        self.size: tuple[int, int] | None = None
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        if self.size is None:
+            self.size = self.size_rule(image.width, image.height, self.n_frames)
+        return _resized(image, *self.size)
 
 
 def canonical_frame_size(
     width: int, height: int, n_frames: int, *, min_pixels: int, max_pixels: int, video_max_pixels: int,
     factor: int = 28,
 ) -> tuple[int, int]:
-    """(width, height) every frame of an `n_frames` clip is resized to: sides multiples of `factor`,
-    pixels within min(max_pixels, video_max_pixels // n_frames) and at least min_pixels."""
+    """(width, height) every frame of an `n_frames` clip is resized to: sides multiples of `factor`, pixels
+    within budget = min(max_pixels, video_max_pixels // n_frames), and at least min(min_pixels, budget): the
+    clip's budget wins over the images' min_pixels."""
     budget = min(max_pixels, video_max_pixels // n_frames)
-    if budget < max(min_pixels, factor * factor):
+    if budget < factor * factor:
         raise ValueError(f"video_max_pixels={video_max_pixels} leaves {budget} pixels a frame for {n_frames} frames, "
-                         f"below min_pixels={min_pixels} or one {factor}x{factor} patch")
+                         f"less than one {factor}x{factor} patch")
     try:
-        h, w = smart_resize_dims(height, width, factor=factor, min_pixels=min_pixels, max_pixels=budget)
+        h, w = smart_resize_dims(height, width, factor=factor, min_pixels=min(min_pixels, budget), max_pixels=budget)
+        if h * w > budget:  # scaling up to min_pixels rounds each side up, which can pass a budget that close
+            h, w = smart_resize_dims(height, width, factor=factor, min_pixels=factor * factor, max_pixels=budget)
     except BadSample as bad:  # smart_resize_dims speaks of images
         raise BadSample("bad_video", f"frame size {width}x{height}: {bad.detail}") from bad
     return w, h
@@ -167,9 +187,9 @@ def check_video_options(*, fps: float, max_frames: int, min_pixels: int, max_pix
         raise ValueError(f"video settings: max_frames={max_frames} is below the frame multiple {frame_multiple}")
     if min_pixels > max_pixels:
         raise ValueError(f"video settings: min_pixels={min_pixels} is larger than max_pixels={max_pixels}")
-    if video_max_pixels < max_frames // frame_multiple * frame_multiple * max(min_pixels, factor * factor):
+    if video_max_pixels < max_frames // frame_multiple * frame_multiple * factor * factor:
         raise ValueError(f"video settings: video_max_pixels={video_max_pixels} cannot hold max_frames={max_frames} "
-                         f"frames of min_pixels={min_pixels} (and at least {factor}x{factor} each)")
+                         f"frames of one {factor}x{factor} patch each")
 
 
 def _resized(frame: Image.Image, width: int, height: int) -> Image.Image:
@@ -221,9 +241,9 @@ def _import_av():
     return av
 
 
-def _decode_stream(source, fps: float, cap: int, max_bytes: int, max_source_frames: int, max_frame_pixels: int,
-                   where: str) -> tuple[list[Image.Image], list[float], float]:
-    """Sampled RGB frames of a video file or bytes, their timestamps and the sampling rate."""
+def _decode_stream(source, fps: float, cap: int, frame_multiple: int, size_rule: Callable, max_bytes: int,
+                   max_source_frames: int, max_frame_pixels: int, where: str) -> tuple[list[Image.Image], list[float], float]:
+    """Sampled canonical frames of a video file or bytes, their timestamps and the sampling rate."""
     av = _import_av()
     opener = _opener(source, max_bytes, where)
     try:
@@ -232,8 +252,9 @@ def _decode_stream(source, fps: float, cap: int, max_bytes: int, max_source_fram
             pts = _packet_times(container, stream, max_source_frames, where)
             seconds = [float((p - pts[0]) * stream.time_base) for p in pts]
         indices, rate = sample_times(seconds, fps, cap)
+        fit = _Fit(size_rule, len(indices), frame_multiple)
         with opener() as container:
-            chosen = _decode_chosen(container, container.streams.video[0], [pts[i] for i in indices], where)
+            chosen = _decode_chosen(container, container.streams.video[0], [pts[i] for i in indices], fit, where)
     except (av.FFmpegError, OSError) as err:
         raise BadSample("bad_video", f"{where}: {err}") from err
     return chosen, [seconds[i] for i in indices], rate
@@ -317,15 +338,16 @@ def _packet_times(container, stream, max_source_frames: int, where: str) -> list
     return sorted(set(pts))
 
 
-def _decode_chosen(container, stream, wanted: list[int], where: str) -> list[Image.Image]:
-    """The frames whose presentation times are in `wanted` (in that order), decoding no further than the last."""
+def _decode_chosen(container, stream, wanted: list[int], fit: Callable, where: str) -> list[Image.Image]:
+    """The frames whose presentation times are in `wanted` (in that order, each through `fit`), decoding no
+    further than the last."""
     stream.thread_type = "AUTO"
     found: dict[int, Image.Image] = {}
     last = max(wanted)
     targets = set(wanted)
     for frame in container.decode(stream):
         if frame.pts in targets and frame.pts not in found:
-            found[frame.pts] = frame.to_image()
+            found[frame.pts] = fit(frame.to_image())
         if frame.pts is not None and frame.pts >= last:
             break
     missing = [p for p in wanted if p not in found]
@@ -340,9 +362,10 @@ def _decode_chosen(container, stream, wanted: list[int], where: str) -> list[Ima
 _IMAGE_TO_VIDEO_REASON = {"image_too_large": "video_too_large", "missing_image": "missing_video"}
 
 
-def _sample_frame_list(items: Sequence[Any], fps: float, cap: int, max_bytes: int, max_source_frames: int,
-                       max_frame_pixels: int, where: str) -> tuple[list[Image.Image], list[float], float]:
-    """Frames of a list taken as sampled at `fps`: more than `cap` are thinned evenly."""
+def _sample_frame_list(items: Sequence[Any], fps: float, cap: int, frame_multiple: int, size_rule: Callable,
+                       max_bytes: int, max_source_frames: int, max_frame_pixels: int,
+                       where: str) -> tuple[list[Image.Image], list[float], float]:
+    """Canonical frames of a list taken as sampled at `fps`: more than `cap` are thinned evenly."""
     if not items:
         raise BadSample("empty_video", f"{where}: an empty frame list")
     if len(items) > max_source_frames:
@@ -353,7 +376,8 @@ def _sample_frame_list(items: Sequence[Any], fps: float, cap: int, max_bytes: in
     n = len(items)
     indices = list(range(n)) if n <= cap else [k * n // cap for k in range(cap)]
     rate = fps if n <= cap else fps * cap / n
-    frames = [_frame_image(items[i], where, i, max_bytes, max_frame_pixels) for i in indices]
+    fit = _Fit(size_rule, len(indices), frame_multiple)
+    frames = [fit(_frame_image(items[i], where, i, max_bytes, max_frame_pixels)) for i in indices]
     return frames, [i / fps for i in indices], rate
 
 

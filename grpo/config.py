@@ -618,7 +618,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 AT_LEAST_ONE = (
     "trainer.max_steps", "trainer.eval_samples", "trainer.eval_max_new_tokens",
     "data.prompts_per_step", "data.max_prompt_tokens", "data.min_pixels", "data.max_pixels",
-    "data.max_frames", "data.video_max_pixels", "data.max_video_bytes", "data.max_source_frames",
+    "data.max_video_bytes", "data.max_source_frames",
     "rollout.n", "rollout.max_new_tokens", "rollout.tensor_parallel_size",
     "rollout.max_turns", "rollout.tool_workers",
     "algorithm.ppo_epochs", "optim.max_tokens_per_microbatch", "parallel.tp",
@@ -709,14 +709,14 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
 
 def _video_errors(d: DataConfig) -> Iterator[str]:
     """data keys of video sampling: a positive rate, room for two frames (the temporal patch), and a clip budget
-    that holds max_frames frames of min_pixels."""
+    that gives each of max_frames frames at least one 28 x 28 patch (the smallest family grid)."""
     if not d.video_fps > 0:
         yield f"config key 'data.video_fps' must be > 0, got {d.video_fps}"
     if d.max_frames < 2:
         yield f"config key 'data.max_frames' must be >= 2 (the temporal patch of two frames), got {d.max_frames}"
-    if d.video_max_pixels < d.max_frames * d.min_pixels:
-        yield (f"config key 'data.video_max_pixels' ({d.video_max_pixels}) must be >= data.max_frames × "
-               f"data.min_pixels ({d.max_frames} × {d.min_pixels}): every frame needs at least min_pixels")
+    if d.video_max_pixels < d.max_frames * 28 * 28:
+        yield (f"config key 'data.video_max_pixels' ({d.video_max_pixels}) must be >= data.max_frames × 28 × 28 "
+               f"({d.max_frames * 28 * 28}): every frame needs at least one 28 x 28 patch")
 
 
 def _tool_errors(cfg: Config) -> Iterator[str]:

@@ -106,6 +106,9 @@ def test_frames_share_one_canonical_size_within_the_clip_budget(factor):
     # the image max_pixels bounds each frame as well
     small = decode_video(data, fps=2.0, video_max_pixels=10**8, max_pixels=56 * 56, min_pixels=28 * 28)
     assert small.size[0] * small.size[1] <= 56 * 56
+    # the clip budget wins over a large image min_pixels (geo3k's configs ask 512 x 512)
+    large_min = decode_video(data, fps=2.0, video_max_pixels=budget, min_pixels=512 * 512, max_pixels=1024 * 1024)
+    assert len(large_min.frames) * large_min.size[0] * large_min.size[1] <= budget
 
 
 def test_settings_that_cannot_hold_together_fail_naming_them():
@@ -131,6 +134,8 @@ def test_frame_lists_of_images_bytes_and_paths(tmp_path):
         assert clip.timestamps == pytest.approx([0.0, 1.0, 2.5, 3.5]) and clip.fps == pytest.approx(0.8)
     clip = decode_video(images[:3], fps=1.0)
     assert len(clip.frames) == 4 and clip.timestamps == [0.0, 1.0, 2.0, 2.0]
+    mixed = decode_video([Image.new("L", (64, 64), 50), Image.new("RGBA", (128, 96), (60, 60, 60, 255))], fps=1.0)
+    assert {f.size for f in mixed.frames} == {mixed.size} and {f.mode for f in mixed.frames} == {"RGB"}
 
 
 # --- bad input ------------------------------------------------------------------------------------
@@ -177,9 +182,9 @@ def test_each_bad_video_is_skipped_and_counted_with_its_reason(tmp_path, monkeyp
     # the caps are read before any frame is decoded: decoding a rejected clip would fail this test
     real_decode = video._decode_chosen
 
-    def decode_guard(container, stream, wanted, where):
-        assert stream.codec_context.width * stream.codec_context.height <= 200 * 200 and container.streams.video[0].frames <= 20
-        return real_decode(container, stream, wanted, where)
+    def decode_guard(container, stream, wanted, fit, where):
+        assert stream.codec_context.width * stream.codec_context.height <= 200 * 200 and stream.frames <= 20
+        return real_decode(container, stream, wanted, fit, where)
 
     monkeypatch.setattr(video, "_decode_chosen", decode_guard)
     dataset = VLDataset(tmp_path / "bad.parquet", "video", max_video_bytes=cap,

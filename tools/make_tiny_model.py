@@ -3,6 +3,7 @@
     python tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out /tmp/tiny-qwen2_5_vl
     python tools/make_tiny_model.py --family qwen2_vl --size demo --out ckpt/demo --seed 3
     python tools/make_tiny_model.py --family gemma3 --size tiny --out /tmp/tiny-gemma3
+    python tools/make_tiny_model.py --family gemma4 --size tiny --out /tmp/tiny-gemma4
 
 Families: every registered family (`models.family.FAMILIES`); each family's module says what its
 tiny checkpoint is made of (`models.families.tiny.TinySpec`: classes, tokens, chat-template image
@@ -21,7 +22,9 @@ Qwen families; LLaVA and Gemma3 save in their pre-4.52 hub layout (`language_mod
 `model.vision_model.*`, `model.connector.*`). Fixed-size families take square images of
 twice the size's minimum side (56 pixels tiny, 112 demo); Idefics3 tiles images up to two
 tiles a side plus a global tile; the tiny Gemma3 pools each image to 4 soft tokens and
-keeps lm_head untied.
+keeps lm_head untied; the tiny Gemma4 has four decoder layers whatever the size (the last two
+reuse the first two's keys and values), 8-pixel patches pooled 2x2 under a 70-soft-token budget
+(a 56x56 image is brought to 128x128, 64 soft tokens) and an untied lm_head.
 
 or, from Python, `make_tiny_model(out, family="qwen2_5_vl", size="tiny", seed=0)`.
 

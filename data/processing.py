@@ -85,8 +85,11 @@ class ImageRule:
         """The text one image's placeholder expands to (the adapter counts its image tokens)."""
         raise NotImplementedError
 
-    # What the chat template writes per video; None: the family takes no video.
+    # What the chat template writes per video; None: the family takes no video. Frames must have
+    # sides that are multiples of `video_factor` and a count that `frame_multiple` divides.
     video_placeholder: str | None = None
+    video_factor: int = 28
+    frame_multiple: int = 2
 
     def encode_videos(self, videos: list) -> dict:
         """{pixel_values_videos, video_grid_thw, second_per_grid_ts} of canonical videos (data.video.Video)."""
@@ -195,6 +198,10 @@ class VLProcessor:
         """The template's text; `kwargs` go to the template (e.g. `tools=`)."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                                   **kwargs)
+
+    def video_options(self) -> dict:
+        """The `VLDataset` arguments that decode videos onto this family's grid and temporal patch."""
+        return {"video_factor": self.images.video_factor, "frame_multiple": self.images.frame_multiple}
 
     def prepare_images(self, images: list) -> list:
         """The images at the pixels the model sees (a no-op for images already at them)."""

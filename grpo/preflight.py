@@ -137,6 +137,21 @@ def _check_data(cfg: Config) -> None:
         if not path or not Path(path).is_file():
             raise ConfigError(f"{key}={path!r}: file not found (a parquet or JSONL file on local disk)")
         _sample_rows(key, path, cfg)
+        _check_video_family(key, path, cfg)
+
+
+def _check_video_family(key: str, path: str, cfg: Config) -> None:
+    """A dataset with videos needs a family that takes video (its image rule has a video placeholder)."""
+    from data.processing import videos_per_row
+
+    if not videos_per_row(path):
+        return
+    family = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type")
+    takes = sorted(name for name, spec in FAMILIES.items()
+                   if any(getattr(rule, "video_placeholder", None) for rule in spec.image_rules.values()))
+    if family not in takes:
+        raise ConfigError(f"{key}={path!r}: rows have `videos`, but model family '{family}' takes no video "
+                          f"(families that do: {', '.join(takes)}); use one of them or a dataset without videos")
 
 
 def _check_engine(cfg: Config) -> None:

@@ -113,7 +113,8 @@ class Trainer:
         d = self.cfg.data
         if not path:
             raise ValueError("config key 'data.train_path' is empty: point it at a parquet or JSONL file")
-        ds = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels, **video_kwargs(d))
+        ds = VLDataset(path, d.task, min_pixels=d.min_pixels, max_pixels=d.max_pixels, **video_kwargs(d),
+                       **self.processor.video_options())
 
         def gather(value: int) -> list[int]:
             # each rank fills its data-parallel slot; tensor-parallel peers fill the same slot alike

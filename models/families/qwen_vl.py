@@ -67,6 +67,14 @@ class QwenImages(ImageRule):
     def temporal_patch_size(self) -> int:
         return int(getattr(self.image_processor, "temporal_patch_size", 2))
 
+    @property
+    def video_factor(self) -> int:
+        return self.factor
+
+    @property
+    def frame_multiple(self) -> int:
+        return self.temporal_patch_size
+
     def encode_videos(self, videos: list) -> dict:
         """Patch rows of each clip exactly as `Qwen2VLVideoProcessor` / `Qwen3VLVideoProcessor` make
         them with `do_resize=False`: rescale and normalize fused in fp32, then `temporal_patch_size`

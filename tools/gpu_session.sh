@@ -19,6 +19,8 @@
 #   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED (FAMS, default
 #             "idefics3 gemma3 llava"; then e.g. FAMS="qwen2_vl qwen3_vl qwen2_5_vl" in a second call;
 #             up to FAM_S=150 s each; DTYPE=float32 for a second pass without bf16 rounding)
+#   video     vLLM vs policy logprobs on video prompts (tiny Qwen2.5-VL and Qwen3-VL, FAMS; FPS=4), the
+#             video prompt check, tests/gpu/test_vllm_video.py (carry the PyAV wheel in .gpu/avwhl)
 #   turns     tools/bench_turns.py on the 3B shape: 3-turn episodes against single-turn generation, zoom
 #             crops with vLLM's processed-image cache off and on (CACHES="0 4"), then text tool messages
 #   qwen35    Qwen3.5-4B's shapes (random weights, make_tiny_model --size qwen3_5_4b): the update alone
@@ -164,6 +166,29 @@ families)
     rc=$?; echo "families $f $d rc=$rc"
     [ $rc = 0 ] || grep -v "^INFO\|^\[rank" "$OUT/fam_${f}_$d.log" | tail -6
   done
+  ;;
+video)
+  # Video prompts through vLLM on the tiny Qwen2.5-VL and Qwen3-VL (FAMS): generated clips
+  # (make_dataset --kind video, FPS frames per second) through tools/logprob_check.py --engine vllm, then
+  # vLLM's processor against the trainer's prompt ids, pixels and timing (tools/vllm_prompt_check.py),
+  # then tests/gpu/test_vllm_video.py. The image has no PyAV: carry its wheel in .gpu/avwhl/.
+  $PY -c "import av" 2>/dev/null || for w in .gpu/avwhl/*.whl; do
+    [ -f "$w" ] && $PY -m pip install -q --no-index --no-deps --no-compile --target /opt/site "$w"; done
+  d=${DTYPE:-auto}
+  for f in ${FAMS:-qwen2_5_vl qwen3_vl}; do
+    $PY tools/make_tiny_model.py --family $f --size tiny --out $W/vid_$f --overwrite > /dev/null
+    $PY tools/make_dataset.py --kind video --n 16 --seed 0 --out $W/vid_$f.parquet --fps ${FPS:-4} --frames 8 \
+      --size 64x64 > /dev/null
+    timeout ${FAM_S:-150} $PY tools/logprob_check.py --model $W/vid_$f --data $W/vid_$f.parquet --task video \
+      --engine vllm --num-prompts 8 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 --dtype $d \
+      --out "$OUT/video_${f}_$d.json" > "$OUT/video_${f}_$d.log" 2>&1
+    rc=$?; echo "video $f $d rc=$rc $(tail -c 400 "$OUT/video_${f}_$d.json" 2>/dev/null)"
+    [ $rc = 0 ] || grep -v "^INFO\|^\[rank" "$OUT/video_${f}_$d.log" | tail -6
+    timeout 120 $PY tools/vllm_prompt_check.py --family $f --model $W/vid_$f > "$OUT/video_prompt_$f.jsonl" \
+      2> "$OUT/video_prompt_$f.log"; echo "video prompt check $f rc=$?"
+  done
+  timeout ${TEST_S:-300} $PY -m pytest -q -s tests/gpu/test_vllm_video.py > "$OUT/pytest_video.log" 2>&1
+  echo "pytest video rc=$?"; grep "token_mult_prob_error\|passed\|failed" "$OUT/pytest_video.log" | tail -5
   ;;
 turns)
   [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \

@@ -9,6 +9,12 @@ does (the family's `vllm_processor_kwargs`, a per-prompt image limit) and checks
             adapter's collapsed ids + the trainer's images through the processor's `apply`: its
             prompt ids must equal the trainer's expanded ids, its pixel values the trainer's
             `pixel_values`, and its placeholder ranges must cover exactly the image tokens.
+  video     for families that take video, prompts with a clip at 1 and at 4 fps and one with an
+            image and a clip: the adapter's collapsed ids + the trainer's frames and metadata
+            (`vllm_video_items`, the request's processor kwargs included) through `apply`: prompt
+            ids equal the trainer's (Qwen3-VL: its timestamp text), `pixel_values_videos`,
+            `video_grid_thw` and `second_per_grid_ts` equal the trainer's, and the placeholder
+            ranges cover exactly the video tokens.
 
 One JSON line per check on stdout; the exit status is 1 if any check failed.
 
@@ -51,7 +57,7 @@ def _patch_vllm() -> list[str]:
     return patched
 
 
-def build_vllm_processor(model: str, kwargs: dict, max_images: int, max_model_len: int = 4096):
+def build_vllm_processor(model: str, kwargs: dict, max_images: int, max_model_len: int = 4096, max_videos: int = 0):
     """vLLM's ModelConfig and multimodal processor for `model`, configured as the engine builds them."""
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -59,7 +65,7 @@ def build_vllm_processor(model: str, kwargs: dict, max_images: int, max_model_le
     # float32, so the pixels compare as the processor made them (the engine then casts to its dtype).
     config = ModelConfig(model=model, tokenizer=model, dtype="float32", seed=0, max_model_len=max_model_len,
                          mm_processor_kwargs=kwargs, mm_processor_cache_gb=0,
-                         limit_mm_per_prompt={"image": max_images, "video": 0})
+                         limit_mm_per_prompt={"image": max_images, "video": max_videos})
     return config, MULTIMODAL_REGISTRY.create_processor(config)
 
 
@@ -163,6 +169,69 @@ def check_prompt(processor, config, trainer_processor, adapter, vocab, count: in
     return out
 
 
+def _clips(side: int):
+    """(problem, images, videos) of the video checks: frames on the family's grid, differing frame to frame."""
+    from PIL import Image
+
+    from data.video import Video
+
+    def frames(n, w, h, seed):
+        return [Image.new("RGB", (w, h), ((37 * i + seed * 50) % 256, 90 + 10 * seed, (200 - 20 * i) % 256))
+                for i in range(n)]
+
+    return [("<video>How many frames?", [], [Video(frames(8, 2 * side, side, 0), fps=1.0)]),
+            ("<video>Which way?", [], [Video(frames(4, side, 2 * side, 1), fps=4.0)]),
+            ("<image> and <video>: same?", [Image.new("RGB", (2 * side, 2 * side), (20, 200, 30))],
+             [Video(frames(6, side, side, 2), fps=2.0)])]
+
+
+def check_video_prompt(processor, config, trainer_processor, adapter, vocab, case: int, task: str) -> dict:
+    """One trainer prompt with a video (and maybe an image) through vLLM's processor, compared with the trainer's."""
+    import torch
+    from vllm.multimodal.processing import ProcessorInputs
+    from vllm.multimodal.processing.context import TimingContext
+
+    from data.datasets import Sample
+    from data.processing import encode_prompt
+
+    problem, images, videos = _clips(trainer_processor.images.factor)[case]
+    encoded = encode_prompt(trainer_processor, Sample(0, images, problem, "3", videos=videos), task,
+                            config.max_model_len)
+    ids = encoded.input_ids.tolist()
+    out = {"check": f"video_{case}", "fps": [v.fps for v in videos], "frames": [len(v.frames) for v in videos]}
+    try:
+        collapsed, video_blocks = adapter.vllm_collapse_videos(ids)
+        collapsed, image_blocks = adapter.vllm_collapse(collapsed, vocab)
+        items, kwargs = adapter.vllm_video_items(list(encoded.videos))
+        data = {"video": items, **({"image": list(encoded.images)} if encoded.images else {})}
+        result = processor.apply(ProcessorInputs(prompt=collapsed, mm_data_items=processor.info.parse_mm_data(data),
+                                                 hf_processor_mm_kwargs=kwargs),
+                                 timing_ctx=TimingContext(enabled=False))
+    except Exception as err:  # noqa: BLE001 - reported as this check's failure
+        return {**out, "ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+    theirs = list(result["prompt_token_ids"])
+    first = next((i for i, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
+    out.update(ids_equal=theirs == ids, trainer_len=len(ids), vllm_len=len(theirs))
+    if theirs != ids:
+        out.update(first_difference=first, trainer_near=trainer_processor.tokenizer.decode(ids[first:first + 12]),
+                   vllm_near=trainer_processor.tokenizer.decode(theirs[first:first + 12]))
+    video_items = result["mm_kwargs"]["video"]
+    pixels = torch.cat([item["pixel_values_videos"].data for item in video_items])
+    out.update(_compare_pixels(encoded.pixel_values_videos, pixels))
+    grid = torch.stack([item["video_grid_thw"].data for item in video_items])
+    out["grid_equal"] = grid.tolist() == encoded.video_grid_thw.tolist()
+    if any("second_per_grid_ts" in item for item in video_items):
+        seconds = [float(item["second_per_grid_ts"].data) for item in video_items]
+        out.update(second_per_grid_ts_vllm=seconds, second_per_grid_ts_trainer=encoded.second_per_grid_ts.tolist())
+        out["seconds_equal"] = seconds == encoded.second_per_grid_ts.tolist()
+    ranges = result["mm_placeholders"].get("video", [])
+    covered, ranges = _placeholders_cover(ids, ranges, video_blocks, adapter.video_token_id)
+    out.update(placeholders_cover=covered, placeholders=ranges)
+    out["ok"] = bool(out["ids_equal"] and out["pixels_equal"] and out["grid_equal"] and covered
+                     and out.get("seconds_equal", True))
+    return out
+
+
 def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr",
                kwargs: dict | None = None) -> list[dict]:
     """All checks for one model folder; `kwargs` replaces the adapter's `vllm_processor_kwargs`."""
@@ -176,8 +245,9 @@ def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr"
         kwargs = adapter.vllm_processor_kwargs(MIN_PIXELS, MAX_PIXELS)
     results = [{"check": "setup", "family": family, "model": model, "mm_processor_kwargs": kwargs,
                 "patched": _patch_vllm()}]
+    videos = 1 if adapter.takes_video else 0
     try:
-        config, processor = build_vllm_processor(model, kwargs, max_images)
+        config, processor = build_vllm_processor(model, kwargs, max_images, max_videos=videos)
     except Exception as err:  # noqa: BLE001 - vLLM's config validation and model inspection raise here
         results[0].update(ok=False, error=f"{type(err).__name__}: {err}"[:2000])
         return results
@@ -187,6 +257,8 @@ def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr"
     vocab = trainer_processor.tokenizer.get_vocab()
     for count in range(1, max_images + 1):
         results.append(check_prompt(processor, config, trainer_processor, adapter, vocab, count, task))
+    for case in range(3 if videos else 0):
+        results.append(check_video_prompt(processor, config, trainer_processor, adapter, vocab, case, task))
     return results
 
 

@@ -372,3 +372,17 @@ def test_random_frame_lists_keep_order_and_count():
         clip = decode_video([Image.fromarray(a) for a in grey_frames(n)], fps=2.0, max_frames=cap)
         kept = [source_index(f) for f in clip.frames]
         assert len(kept) % 2 == 0 and len(kept) <= max(cap, 2) and kept == sorted(kept)
+
+
+def test_parquet_frame_lists_in_a_videos_column(tmp_path):
+    encoded = []
+    for array in grey_frames(6):
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="PNG")
+        encoded.append({"bytes": buffer.getvalue(), "path": None})
+    frames_type = pa.list_(pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())])))
+    pq.write_table(pa.table({"videos": pa.array([[encoded]], frames_type), "problem": ["<video>q"],
+                             "answer": ["1"]}), tmp_path / "frames.parquet")
+    sample = VLDataset(tmp_path / "frames.parquet", "video", video_fps=1.0).get(0)
+    assert [source_index(f) for f in sample.videos[0].frames] == list(range(6))
+    assert sample.videos[0].timestamps == [float(i) for i in range(6)] and sample.videos[0].fps == 1.0

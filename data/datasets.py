@@ -6,10 +6,19 @@ Accepted files:
     `<image>` tag per image, `answer` the gold answer. `images` may also be a single
     {bytes, path} struct, a list of path strings, or one path string;
   - JSONL, one object per line with the same keys; image paths are absolute or relative
-    to the JSONL file's folder (relative parquet paths resolve against the parquet's folder).
+    to the JSONL file's folder (relative parquet paths resolve against the parquet's folder);
+  - a .json file holding one array of such objects (Video-R1's files).
+
+Videos (data/video.py decodes them): a `videos` column (alias `video`) beside or instead of
+`images`, each cell a path, a {bytes, path} struct, or a list of those or of frame lists; the
+problem gets one `<video>` tag per video. Video-R1's rows name their one video or image `path`
+with `data_type` saying which, and a non-empty `options` list is added to the problem. Bad videos
+are BadSamples too (bad_video, no_video_stream, empty_video, missing_video, video_too_large,
+video_too_long, video_count_mismatch, too_many_videos).
 
 Column aliases: some public files name the columns differently, so `question` is read as
-`problem`, `solution` as `answer` and `image` as `images` when the canonical name is absent.
+`problem`, `solution` as `answer`, `image` as `images` and `video` as `videos` when the canonical
+name is absent.
 A gold answer wrapped whole in `<answer> ... </answer>` (as in the CLEVR CoGenT files) is
 unwrapped. A problem with no `<image>` tag but with images gets the images before its text.
 
@@ -70,7 +79,8 @@ INVALID_TEXT_COLUMN = "__invalid_text__"  # set by the JSONL reader on rows it c
 
 @dataclass
 class Sample:
-    """One usable row: canonical RGB images and a problem with one `<image>` tag per image."""
+    """One usable row: canonical RGB images and decoded videos, and a problem with one `<image>` tag per
+    image and one `<video>` tag per video."""
 
     index: int
     images: list[Image.Image]

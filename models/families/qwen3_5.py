@@ -369,8 +369,8 @@ register(Family(
     model_type="qwen3_5",
     adapter=_qwen3_5_adapter,
     image_rules={"Qwen3VLProcessor": Qwen3Images},
-    vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=DECODER,
-                   unverified=_UNVERIFIED.format("Qwen3_5ForConditionalGeneration")),
+    # measured on an H200 (vLLM 0.26, bf16, tiny model): token_mult_prob_error 1.0026 mean, 1.0029 max
+    vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=DECODER),
     tiny=TinySpec(model_class="Qwen3_5ForConditionalGeneration", processor_class="Qwen3VLProcessor",
                   config=_tiny_config, image_processor=_tiny_image_processor("qwen3_vl"),
                   extra_tokens=QWEN3_5_EXTRA_TOKENS),

@@ -29,6 +29,8 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm>=0.26.0"],
+        # Qwen3.5's Gated DeltaNet in training on CUDA: flash-linear-attention's varlen Triton kernels
+        "fla": ["fla-core>=0.6.0"],
         "dev": ["pytest>=8"],
         # experiment trackers for logging.backends (grpo/trackers.py); not needed by the tests
         "wandb": ["wandb>=0.17"],

@@ -75,8 +75,13 @@ class ToolFormat:
         listed = "".join("\n" + json.dumps(s, ensure_ascii=False) for s in schemas)  # jinja's tojson
         return (system + "\n\n" if system else "") + self.tools_intro + listed + self.tools_outro
 
-    def calls(self, text: str) -> list[str]:
-        """The raw text of each call in `text`, in order; an unclosed call is its text up to the end."""
+    def calls(self, text: str, tools: Mapping[str, dict] | None = None) -> list[str]:
+        """The raw text of each call in `text`, in order; an unclosed call is its text up to the end.
+
+        What the tool runner parses (`rollout.tools.parse_call`): JSON `{"name": ..., "arguments": ...}`.
+        `tools` (name → the tool's JSON-schema `parameters`) is for formats whose values arrive as
+        text and are converted by the schema's types (Qwen3.5's XML); this JSON format ignores it.
+        """
         out: list[str] = []
         at = text.find(self.call_start)
         while at >= 0:

@@ -199,7 +199,8 @@ class Rollouts:
                 continue
             found = []
             if tools and g.token_ids and g.token_ids[-1] == self.end_id:
-                found = self.format.calls(self.tokenizer.decode(g.token_ids, skip_special_tokens=False))
+                found = self.format.calls(self.tokenizer.decode(g.token_ids, skip_special_tokens=False),
+                                          {name: tool.parameters for name, tool in self.tools.items()})
             if not found:
                 e.finish_reason = "answered"
             elif turn >= self.cfg.rollout.max_turns:

@@ -330,6 +330,9 @@ def parse_call(raw: str, tools: dict) -> tuple[str, dict] | ToolOutcome:
         call = json.loads(raw)
     except (json.JSONDecodeError, RecursionError) as err:
         return ToolOutcome(None, "malformed_json", one_line(f"tool call is not valid JSON: {err}"))
+    if isinstance(call, dict) and isinstance(call.get("malformed"), str) and "name" not in call:
+        # a family whose calls are not JSON (Qwen3.5's XML) hands over what was wrong with one
+        return ToolOutcome(None, "malformed_json", one_line(call["malformed"]))
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return ToolOutcome(None, "malformed_json",
                            'tool call must be a JSON object {"name": ..., "arguments": {...}}')

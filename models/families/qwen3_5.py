@@ -36,7 +36,9 @@ as Qwen-VL's do. Not yet run on a GPU.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +166,98 @@ def apply_packed_linear_attention(language_model: nn.Module) -> None:
             mixer._vlrl_packed = True
 
 
+# --- tool calls ---------------------------------------------------------------------------------
+# Qwen3.5's chat template (tools=): the schemas come first in the system turn, then its system text;
+# no default system text. A call is XML inside <tool_call>, one <function=NAME> block whose
+# parameters are <parameter=KEY> blocks, each value between a newline after the tag and one before
+# the closing tag; a tool message becomes a user turn wrapping its content in <tool_response>.
+QWEN3_5_TOOLS_INTRO = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+QWEN3_5_TOOLS_OUTRO = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
+    "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified "
+    "format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n"
+    "- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in "
+    "natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer "
+    "the question like normal with your current knowledge and do not tell the user about function calls\n"
+    "</IMPORTANT>")
+_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+
+
+def _schema_value(text: str, spec: dict):
+    """A parameter's text as the JSON type its schema declares (the first type it converts to); the
+    text itself when none does, so the runner's schema check names the parameter."""
+    kinds = spec.get("type", "string")
+    for kind in kinds if isinstance(kinds, list) else [kinds]:
+        stripped = text.strip()
+        if kind == "string":
+            return text
+        if kind == "integer" and re.fullmatch(r"[+-]?\d+", stripped):
+            return int(stripped)
+        if kind == "number" and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", stripped):
+            number = float(stripped)
+            return int(number) if re.fullmatch(r"[+-]?\d+", stripped) else number
+        if kind == "boolean" and stripped.lower() in ("true", "false"):
+            return stripped.lower() == "true"
+        if kind == "null" and stripped.lower() in ("null", "none"):
+            return None
+        if kind in ("array", "object"):
+            try:
+                value = json.loads(stripped)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+            if isinstance(value, list if kind == "array" else dict):
+                return value
+    return text
+
+
+def xml_call(body: str, tools: Mapping[str, dict] | None) -> dict:
+    """One call's text (between <tool_call> and </tool_call>) as `{"name", "arguments"}`, values
+    converted by `tools[name]`'s schema; `{"malformed": why}` when it is not the template's XML."""
+    match = _FUNCTION.fullmatch(body)
+    if match is None:
+        return {"malformed": "tool call is not <function=NAME>...</function> inside <tool_call></tool_call>"}
+    name, inner = match.group(1).strip(), match.group(2)
+    if not name or "<function=" in inner:
+        return {"malformed": "a <tool_call> holds exactly one <function=NAME> block with a name"}
+    params = (tools or {}).get(name, {}).get("properties", {})
+    arguments: dict = {}
+    end = 0
+    for p in _PARAMETER.finditer(inner):
+        key = p.group(1).strip()
+        if inner[end:p.start()].strip():
+            return {"malformed": f"{name}: text outside <parameter=...></parameter> before parameter {key!r}"}
+        if key in arguments:
+            return {"malformed": f"{name}: parameter {key!r} is given twice"}
+        value = p.group(2)
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        arguments[key] = _schema_value(value, params[key]) if key in params else value
+        end = p.end()
+    if inner[end:].strip():
+        return {"malformed": f"{name}: an unclosed <parameter=...> or text after the parameters"}
+    return {"name": name, "arguments": arguments}
+
+
+@dataclass(frozen=True)
+class XmlToolFormat(ToolFormat):
+    """Qwen3.5's tool calls (XML parameters, see above) turned into the JSON the tool runner takes."""
+
+    def system_with_tools(self, system: str, schemas: list[dict]) -> str:
+        listed = "".join("\n" + json.dumps(s, ensure_ascii=False) for s in schemas)  # jinja's tojson
+        system = system.strip()
+        return self.tools_intro + listed + self.tools_outro + ("\n\n" + system if system else "")
+
+    def calls(self, text: str, tools: Mapping[str, dict] | None = None) -> list[str]:
+        return [json.dumps(xml_call(body, tools), ensure_ascii=False) for body in super().calls(text)]
+
+
+QWEN3_5_TOOLS = XmlToolFormat(call_start="<tool_call>", call_end="</tool_call>", result_role="tool",
+                              tools_intro=QWEN3_5_TOOLS_INTRO, tools_outro=QWEN3_5_TOOLS_OUTRO)
+
+
 # --- adapter ------------------------------------------------------------------------------------
 @dataclass
 class Qwen3_5Adapter(Qwen3VLAdapter):
@@ -171,9 +265,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
 
     batch_with_padding: bool = False  # the recurrent state would run through right padding
     varlen_attention: bool = False  # not yet checked on a GPU
-    # Qwen3.5 writes tool calls as XML (<function=...><parameter=...>), not the JSON the Qwen
-    # tool format parses: no tools until that format exists.
-    tool_format: ToolFormat | None = None
+    tool_format: ToolFormat | None = QWEN3_5_TOOLS  # XML calls; results as the template's tool role
 
     def image_features(self, model, pixels, grid):
         out = self.vision_tower(model)(pixels, grid_thw=grid)
@@ -369,6 +461,7 @@ register(Family(
     model_type="qwen3_5",
     adapter=_qwen3_5_adapter,
     image_rules={"Qwen3VLProcessor": Qwen3Images},
+    tool_format=QWEN3_5_TOOLS,
     # measured on an H200 (vLLM 0.26, bf16, tiny model): token_mult_prob_error 1.0026 mean, 1.0029 max
     vllm=VLLMNames(prefixes=_PREFIXES, stacking_scopes=DECODER),
     tiny=TinySpec(model_class="Qwen3_5ForConditionalGeneration", processor_class="Qwen3VLProcessor",
@@ -379,6 +472,7 @@ register(Family(
     model_type="qwen3_5_moe",
     adapter=_qwen3_5_moe_adapter,
     image_rules={"Qwen3VLProcessor": Qwen3Images},
+    tool_format=QWEN3_5_TOOLS,
     vllm=VLLMNames(prefixes=_EXPERTS + _PREFIXES, stacking_scopes=DECODER,
                    unverified=_UNVERIFIED.format("Qwen3_5MoeForConditionalGeneration")),
     tiny=TinySpec(model_class="Qwen3_5MoeForConditionalGeneration", processor_class="Qwen3VLProcessor",

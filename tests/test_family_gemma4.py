@@ -41,7 +41,7 @@ def _policy(folder, activation_checkpointing=False):
 def _generations():
     """Responses of different lengths after two image prompts of different sizes and a text-only one."""
     g = torch.Generator().manual_seed(0)
-    lengths = [9, 23, 5, 40, 14, 3]
+    lengths = [9, 23, 5, 14]
     return [Generation(i % 3, torch.randint(10, 1400, (n,), generator=g).tolist(), [0.0] * n, "length")
             for i, n in enumerate(lengths)]
 
@@ -61,9 +61,8 @@ def _logprobs_and_grads(policy, batch, bins):
     return [out[i] for i in sorted(out)], grads
 
 
-@pytest.mark.parametrize("activation_checkpointing", [False, True])
-def test_packed_row_equals_each_sequence_alone(folder, activation_checkpointing):
-    policy = _policy(folder, activation_checkpointing)
+def test_packed_row_equals_each_sequence_alone(folder):
+    policy = _policy(folder)
     prompts, gens = _prompts(folder), _generations()
     batch = generation_batch(policy.adapter, prompts, gens)
     packed_lp, packed_grad = _logprobs_and_grads(policy, batch, [list(range(len(gens)))])
@@ -75,8 +74,28 @@ def test_packed_row_equals_each_sequence_alone(folder, activation_checkpointing)
                  "model.language_model.layers.0.self_attn.k_proj.weight",  # read by the KV-sharing layer 2 too
                  "model.vision_tower.patch_embedder.input_proj.weight"):
         assert packed_grad[name].abs().max() > 0, name
-    for name, g in packed_grad.items():
-        assert (g - single_grad[name]).abs().max().item() < 1e-5 * max(1.0, g.abs().max().item()), name
+    _assert_close(packed_grad, single_grad)
+
+
+def test_activation_checkpointing_keeps_the_packed_row_exact(folder):
+    """Checkpointed layers recompute in backward; the KV-sharing layers read keys and values another
+    layer stored in forward."""
+    prompts, gens = _prompts(folder), _generations()
+    results = []
+    for checkpointing in (False, True):
+        policy = _policy(folder, activation_checkpointing=checkpointing)
+        batch = generation_batch(policy.adapter, prompts, gens)
+        results.append(_logprobs_and_grads(policy, batch, [list(range(len(gens)))]))
+    (plain_lp, plain_grad), (ac_lp, ac_grad) = results
+    assert (torch.cat(plain_lp) - torch.cat(ac_lp)).abs().max().item() < 1e-5
+    assert set(plain_grad) == set(ac_grad)
+    _assert_close(ac_grad, plain_grad)
+
+
+def _assert_close(grads, reference):
+    # fp32 sums over a row's tokens in another order: Qwen3.5's bar (tests/test_family_qwen3_5.py).
+    for name, g in grads.items():
+        assert torch.allclose(g, reference[name], rtol=1e-4, atol=1e-5), name
 
 
 def test_the_policy_scores_what_transformers_forward_scores(folder):
@@ -268,6 +287,8 @@ def test_the_tiny_checkpoint(folder):
     assert adapter.pad_token_id == 0  # vLLM reads image tokens as token 0 for the per-layer inputs
     assert adapter.end_of_turn == "<turn|>" and "gemma4" in VLLM_UNVERIFIED
     assert not adapter.batch_with_padding and adapter.packable
+    with pytest.raises(ValueError, match="parallel.tp"):
+        adapter.tp_plan()
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -180,6 +180,7 @@ class Gemma4Adapter(FamilyAdapter):
     sliding_window: int = 512
     softcap: float | None = None
     per_layer_inputs: bool = True
+    kv_shared_layers: int = 0
     # Tokens the model reads as the pad token for the per-layer inputs (image, video, audio).
     multimodal_ids: tuple[int, ...] = ()
     _row: list = field(default_factory=lambda: [None, 0], repr=False)  # [ids of the last embedded row, cursor]
@@ -209,6 +210,12 @@ class Gemma4Adapter(FamilyAdapter):
 
     def lm_head(self, model: nn.Module) -> nn.Module:
         return model.lm_head if self.softcap is None else _SoftcappedHead(model.lm_head, self.softcap)
+
+    def tp_plan(self) -> dict[str, str]:
+        if self.kv_shared_layers:
+            raise ValueError(f"parallel.tp > 1 is not supported for Gemma4 with KV-sharing layers (the last "
+                             f"{self.kv_shared_layers} have no k_proj/v_proj for the plan to split); set parallel.tp=1")
+        return super().tp_plan()
 
     def rebuild_buffers(self, module, device) -> bool:
         if hasattr(module, "scalar_embed_scale"):  # Gemma4TextScaledWordEmbedding (both embeddings)
@@ -358,6 +365,7 @@ def _gemma4_adapter(config) -> Gemma4Adapter:
         sliding_window=text.sliding_window,
         softcap=getattr(text, "final_logit_softcapping", None),
         per_layer_inputs=bool(getattr(text, "hidden_size_per_layer_input", 0)),
+        kv_shared_layers=int(getattr(text, "num_kv_shared_layers", 0) or 0),
         multimodal_ids=multimodal,
     )
 

@@ -202,6 +202,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
     max_tokens_per_microbatch: int = 4096
+    # One data-parallel rank: FSDP keeps each unit's compute copy and fp32 gradients unsharded from
+    # one micro-batch to the next (its parameter copy and cast, and its gradient copy, once per step
+    # rather than per micro-batch), for about one model's fp32 gradients of memory. Off until measured.
+    unsharded_accumulation: bool = False
 
 
 @dataclass

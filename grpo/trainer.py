@@ -271,7 +271,8 @@ class Trainer:
 
         t0 = time.monotonic()
         out = optimizer_step(self.policy, self.optimizer, batch, loss_fn, max_tokens=self.cfg.optim.max_tokens_per_microbatch,
-                             grad_clip=self.cfg.optim.grad_clip, denominators={"tokens": global_tokens})
+                             grad_clip=self.cfg.optim.grad_clip, denominators={"tokens": global_tokens},
+                             unsharded_accumulation=self.cfg.optim.unsharded_accumulation)
         train_s = time.monotonic() - t0
         self.colocation.policy_updated()
         self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
@@ -512,7 +513,8 @@ class Trainer:
         for _ in range(a.ppo_epochs):
             out = optimizer_step(self.policy, self.optimizer, step, loss_fn, max_tokens=cfg.optim.max_tokens_per_microbatch,
                                  grad_clip=cfg.optim.grad_clip, temperature=cfg.rollout.temperature,
-                                 denominators={"tokens": g_tokens, "seqs": g_seqs})
+                                 denominators={"tokens": g_tokens, "seqs": g_seqs},
+                                 unsharded_accumulation=cfg.optim.unsharded_accumulation)
             self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
             self.colocation.policy_updated()
         present = [k for k in OBJECTIVE_METRICS if f"loss/{k}_sum" in out]

@@ -154,14 +154,26 @@ def sequence_logprobs(policy: Policy, batch: "Batch | PackedStep", max_tokens: i
 LossFn = Callable[[torch.Tensor, PackedMicrobatch, dict], tuple[torch.Tensor, dict[str, float]]]
 
 
+def _hold_unsharded(model, hold: bool) -> None:
+    """FSDP2: skip (hold=True) or do the gradient reduce and the reshard after each backward."""
+    model.set_requires_gradient_sync(not hold)
+    model.set_reshard_after_backward(not hold)
+
+
 def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Batch | PackedStep", loss_fn: LossFn, *,
-                   max_tokens: int, grad_clip: float, temperature: float = 1.0, denominators: dict) -> dict:
+                   max_tokens: int, grad_clip: float, temperature: float = 1.0, denominators: dict,
+                   unsharded_accumulation: bool = False) -> dict:
     """Forward/backward every micro-batch, clip, check finiteness, step. Returns local metric sums.
 
     `loss_fn(logprobs, mb, denominators)` returns a loss already normalized by the global
     denominators, and a dict of metric sums (floats or 0-d tensors; read once, after the last
     micro-batch, so no micro-batch waits on the host); it is scaled by the data-parallel size
     because FSDP averages gradients. A PackedStep's fields reach it as `mb.fields`.
+
+    `unsharded_accumulation` (one data-parallel rank only; `optim.unsharded_accumulation`): every
+    FSDP unit keeps its low-precision compute copy and its unsharded fp32 gradient from one
+    micro-batch to the next, so FSDP's copy-out and cast of the parameters, and its reduce copy of
+    the gradients, run once per step instead of once per micro-batch.
     """
     device = policy.device
     dp = policy.dims.dp
@@ -169,23 +181,31 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     optimizer.zero_grad(set_to_none=True)
     totals: list[torch.Tensor] = []
     sums: dict[str, list] = {}
-    for mb, fields in step:
-        mb.fields = fields
-        if mb.sample_indices:
-            lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
-            loss, m = loss_fn(lp, mb, denominators)
-            sums.setdefault("loss/entropy_sum", []).append(ent.detach().float().sum())
-            if policy.router_aux is not None:  # MoE: each micro-batch's share of the step's scored tokens
-                aux = policy.router_aux * (mb.num_targets / denominators["tokens"])
-                loss = loss + policy.router_aux_coef * aux
-                sums.setdefault("loss/router_aux_sum", []).append(aux.detach())
-        else:
-            lp, _ = policy.logprobs(mb, temperature=temperature)
-            loss, m = lp.sum() * 0.0, {}
-        (loss * dp).backward()
-        totals.append(loss.detach().float().reshape(()))
-        for k, v in m.items():
-            sums.setdefault(k, []).append(v)
+    hold = unsharded_accumulation and dp == 1 and hasattr(policy.model, "set_requires_gradient_sync")
+    last = len(step.microbatches) - 1
+    try:
+        for i, (mb, fields) in enumerate(step):
+            if hold:
+                _hold_unsharded(policy.model, i < last)
+            mb.fields = fields
+            if mb.sample_indices:
+                lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
+                loss, m = loss_fn(lp, mb, denominators)
+                sums.setdefault("loss/entropy_sum", []).append(ent.detach().float().sum())
+                if policy.router_aux is not None:  # MoE: each micro-batch's share of the step's scored tokens
+                    aux = policy.router_aux * (mb.num_targets / denominators["tokens"])
+                    loss = loss + policy.router_aux_coef * aux
+                    sums.setdefault("loss/router_aux_sum", []).append(aux.detach())
+            else:
+                lp, _ = policy.logprobs(mb, temperature=temperature)
+                loss, m = lp.sum() * 0.0, {}
+            (loss * dp).backward()
+            totals.append(loss.detach().float().reshape(()))
+            for k, v in m.items():
+                sums.setdefault(k, []).append(v)
+    finally:
+        if hold:
+            _hold_unsharded(policy.model, False)
     loss_total = float(torch.stack(totals).sum()) if totals else 0.0
     sums = {k: float(sum(v)) for k, v in sums.items()}  # one device read per key
     params = [p for p in policy.model.parameters() if p.grad is not None]

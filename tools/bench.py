@@ -207,7 +207,8 @@ def bench_train(trainer, args) -> dict:
 
     def step():
         return optimizer_step(trainer.policy, trainer.optimizer, batch, loss_fn, max_tokens=args.max_tokens,
-                              grad_clip=1.0, denominators={"tokens": scored})
+                              grad_clip=1.0, denominators={"tokens": scored},
+                              unsharded_accumulation=trainer.cfg.optim.unsharded_accumulation)
 
     step()  # warm-up: optimizer state, allocator, kernels
     if torch.cuda.is_available():

@@ -122,7 +122,7 @@ profile)
 update)
   # The update alone at the loop's shape, each variant of UPDATE_SETS (";"-separated config overrides,
   # "-" for none) in turn, the first one profiled.
-  IFS=";" read -ra sets <<< "${UPDATE_SETS:--;model.compile=true;model.liger_kernel=true;model.compile=true model.liger_kernel=true}"
+  IFS=";" read -ra sets <<< "${UPDATE_SETS:--;optim.unsharded_accumulation=true;model.compile=true;model.compile=true optim.unsharded_accumulation=true}"
   n=0
   for v in "${sets[@]}"; do
     args=""; [ "$v" != "-" ] && for kv in $v; do args="$args --set $kv"; done

@@ -120,10 +120,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.0
     tensor_parallel_size: int = 1  # ranks per engine (node-local groups of consecutive ranks; rollout/groups.py)
     enforce_eager: bool = False
-    # vLLM sleep level between generations: 1 copies the weights to host memory and back; 2 drops them
-    # (the refit after every update rewrites them all), saving that copy; 2 ran the 3B loop on an H200 with
-    # level 1's mismatch (docs/engines.md), but no same-machine speed comparison yet, so 1 stays the default
-    sleep_level: int = 1
+    # vLLM sleep level between generations: 2 drops the weights (the refit before every generation
+    # rewrites them all): no host copy, and the first sleep takes 0.2 s where level 1's took 5-8 s on the
+    # 3B shape (it allocates the pinned host copy); 1 copies the weights to host memory and back
+    sleep_level: int = 2
     # host memory (GiB) for vLLM's cache of processed images, keyed by content; 0 turns it off
     processor_cache_gb: float = 4.0
     # Multi-turn episodes with tools (docs/agents.md). No tools: single-turn, one model turn per episode.

@@ -306,3 +306,103 @@ def test_router_aux_loss_reaches_the_update(moe_folder, folder):
     assert with_aux["loss/router_aux_sum"] > 0
     _, grads_plain = router_grads(1e-12)
     assert any((a - b).abs().max() > 1e-4 for a, b in zip(grads_aux, grads_plain))
+
+
+# --- tools: Qwen3.5's XML calls in episodes ----------------------------------------------------------
+
+ZOOM_XML = ("<tool_call>\n<function=image_zoom_in_tool>\n<parameter=bbox_2d>\n[0, 0, 32, 32]\n</parameter>\n"
+            "</function>\n</tool_call><|im_end|>")
+BAD_XML = "<tool_call>\n<function=image_zoom_in_tool>\n<parameter=bbox_2d>\n[0, 0</function>\n</tool_call><|im_end|>"
+
+
+def test_tool_episode_appends_the_templates_rendering(folder):
+    """Token in, token out with XML calls: turn 2 is given exactly what the chat template renders for the
+    conversation with the tool message (its image expanded); a malformed call is a counted error."""
+    from data.processing import load_processor
+    from data.trajectories import render_chat
+    from grpo.algorithm import dynamic_sampling_keep
+    from models.family import FAMILIES
+    from models.policy import load_model_config
+    from rollout.groups import EngineGroup
+    from rollout.rollouts import Rollouts, awake, tool_prompt
+    from tests.test_episodes import ScriptedEngine, _cfg, _prompt, rollouts_params
+
+    processor = load_processor(str(folder))
+    cfg = _cfg(folder)
+    engine = ScriptedEngine(processor.tokenizer, [[ZOOM_XML, BAD_XML], ["<answer>3</answer><|im_end|>"]])
+    adapter = FAMILIES["qwen3_5"].adapter(load_model_config(str(folder)))
+    rollouts = Rollouts(cfg, adapter, processor, lambda: awake(engine), EngineGroup(), lambda v: v,
+                        dynamic_sampling_keep)
+    tp = tool_prompt(cfg, adapter, processor)
+    prompts = [_prompt(processor, 0, tool_prompt=tp)]
+    assert processor.tokenizer.decode(prompts[0].input_ids).startswith(
+        "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n")
+    try:
+        _, (zoomed, failed), _ = rollouts.generate_and_score(engine, prompts, rollouts_params(n=2))
+    finally:
+        rollouts.close()
+    (s1, e1), (s2, e2) = zoomed.turns
+    assert zoomed.tool_calls == 1 and not zoomed.tool_errors and zoomed.tool_images == 1
+    conversation = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]},
+        {"role": "assistant", "content": processor.tokenizer.decode(zoomed.token_ids[s1:e1 - 1])},
+        {"role": "tool", "content": [{"type": "image"}]},
+    ]
+    whole = processor(render_chat(processor, conversation, True, tp), zoomed.images)
+    assert zoomed.token_ids[:s2] == whole["input_ids"].tolist()
+    assert torch.equal(zoomed.pixel_values(), whole["pixel_values"])
+    assert failed.tool_errors == {"malformed_json": 1} and len(failed.turns) == 2
+    shown = processor.tokenizer.decode(failed.token_ids[failed.turns[0][1]:failed.turns[1][0]])
+    assert "an unclosed <parameter" in shown
+
+
+class XmlTeacher:
+    """Per prompt, sample 0 zooms and then answers, sample 1 writes malformed XML and then no answer;
+    each turn's logprobs are transformers' own on the whole sequence."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self.calls = model, tokenizer, 0
+
+    def generate(self, prompts, params):
+        from tests.test_episodes import _hf_logprobs
+
+        turn, self.calls = self.calls, self.calls + 1
+        out = []
+        for i, p in enumerate(prompts):
+            for j in range(params.n):
+                text = (ZOOM_XML if j == 0 else BAD_XML) if turn == 0 else (
+                    "<answer>1</answer><|im_end|>" if j == 0 else "no idea<|im_end|>")
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                lps = _hf_logprobs(self.model, list(p.input_ids) + ids, p.pixel_values, p.image_grid_thw,
+                                   len(p.input_ids))
+                out.append(Generation(i, ids, lps.tolist(), "stop"))
+        return out
+
+
+def test_grpo_step_with_the_zoom_tool(folder, clevr_parquet, tmp_path):
+    """A GRPO step through the trainer with XML zoom calls: the policy's packed logprobs of the model tokens,
+    with the zoomed images, equal transformers' on each whole episode; the malformed call is penalized."""
+    from grpo.config import load_config
+    from grpo.trainer import Trainer
+    from rollout.rollouts import awake
+    from tests.test_episodes import _hf_model
+
+    init_distributed()
+    cfg = load_config(None, [
+        "trainer.mode=grpo", f"model.path={folder}", f"data.train_path={clevr_parquet}", "rollout.engine=torch",
+        "rollout.n=2", "data.prompts_per_step=1", "data.min_pixels=3136", "data.max_pixels=3136",
+        f"trainer.run_dir={tmp_path / 'run'}", "logging.tensorboard=false", "checkpoint.resume=never",
+        "optim.max_tokens_per_microbatch=4096", "rollout.tools=[image_zoom_in_tool]", "rollout.max_turns=2",
+        "rollout.max_new_tokens=100", "algorithm.tool_error_penalty=0.5",
+    ])
+    trainer = Trainer(cfg)
+    engine = XmlTeacher(_hf_model(folder), trainer.tokenizer)
+    trainer.rollouts.generating = lambda: awake(engine)
+    try:
+        m = trainer.grpo_step(1)
+    finally:
+        trainer.rollouts.close()
+    assert engine.calls == 2 and m["agent/tool_calls"] == 2 and m["agent/images_per_episode"] == 1.5
+    assert m["agent/tool_errors"] == 1 and m["agent/tool_errors_malformed_json"] == 1
+    assert 1.0 <= m["fidelity/token_mult_prob_error"] <= 1.0001, m["fidelity/token_mult_prob_error"]
+    assert m["reward/std"] > 0 and m["loss/grad_norm"] > 0

@@ -93,9 +93,10 @@ def test_activation_checkpointing_keeps_the_packed_row_exact(folder):
 
 
 def _assert_close(grads, reference):
-    # fp32 sums over a row's tokens in another order: Qwen3.5's bar (tests/test_family_qwen3_5.py).
+    """Each gradient within 3e-5 of its largest entry: a parameter's gradient sums every token of the
+    row, in another order when packed (measured: 1.1e-5 at most, on a q/k norm weight)."""
     for name, g in grads.items():
-        assert torch.allclose(g, reference[name], rtol=1e-4, atol=1e-5), name
+        assert (g - reference[name]).abs().max().item() <= 3e-5 * g.abs().max().item() + 1e-6, name
 
 
 def test_the_policy_scores_what_transformers_forward_scores(folder):

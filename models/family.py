@@ -271,6 +271,11 @@ class FamilyAdapter:
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
         return list(self.language_model(model).layers)
 
+    def block_units(self, layer: nn.Module) -> list[nn.Module]:
+        """Submodules of a decoder block that are FSDP units of their own (sharded before the block,
+        which keeps the rest); none for a dense family."""
+        return []
+
     def final_norm(self, model: nn.Module) -> nn.Module:
         return self.language_model(model).norm
 

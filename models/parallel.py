@@ -2,7 +2,8 @@
 
 `ParallelDims` owns the device mesh; nothing else does rank arithmetic. `apply_parallelism`
 applies, in this order: tensor parallel plan → activation checkpointing → FSDP2 (vision tower as
-one unit, each decoder block as one unit, then the root, which keeps embeddings, the final norm
+one unit, each decoder block as one unit (an MoE block's experts as a unit of their own first:
+`FamilyAdapter.block_units`), then the root, which keeps embeddings, the final norm
 and lm_head: lm_head runs once per logprob chunk, so it lives in the unit that stays gathered
 for the whole forward).
 """
@@ -198,6 +199,8 @@ def apply_parallelism(
         kwargs["mp_policy"] = mp
     fully_shard(adapter.vision_tower(model), **kwargs)
     for layer in adapter.decoder_layers(model):
+        for unit in adapter.block_units(layer):  # MoE: the block's experts, gathered on their own
+            fully_shard(unit, **kwargs)
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -412,6 +412,12 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter):
     def routers(self, model: nn.Module) -> list[nn.Module]:
         return [layer.mlp.gate for layer in self.decoder_layers(model)]
 
+    def block_units(self, layer: nn.Module) -> list[nn.Module]:
+        # The fused experts are most of a block (Qwen3.5-35B-A3B's shapes: 256 × 3 × 512 × 2048, 0.8B of
+        # about 0.84B). FSDP2 holds the running unit and the next one's prefetch gathered: as their own
+        # unit that is about one experts block plus an attention block, not two whole blocks.
+        return [layer.mlp.experts]
+
     @property
     def experts_per_token(self) -> int:
         return self.top_k

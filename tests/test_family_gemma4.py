@@ -288,6 +288,17 @@ def test_the_tiny_checkpoint(folder):
     assert adapter.pad_token_id == 0  # vLLM reads image tokens as token 0 for the per-layer inputs
     assert adapter.end_of_turn == "<turn|>" and "gemma4" in VLLM_UNVERIFIED
     assert not adapter.batch_with_padding and adapter.packable
+    from transformers import AutoTokenizer
+
+    from data.processing import stop_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    turns = [{"role": "user", "content": [{"type": "text", "text": "How many?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "MARK"}]}]
+    text = tokenizer.apply_chat_template(turns, tokenize=False)
+    after = tokenizer.encode(text[text.index("MARK") + 4:], add_special_tokens=False)[0]
+    assert tokenizer.convert_ids_to_tokens(after) == "<turn|>"
+    assert stop_token_ids(str(folder), tokenizer, adapter.end_of_turn)[0] == after
     with pytest.raises(ValueError, match="parallel.tp"):
         adapter.tp_plan()
 

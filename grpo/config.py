@@ -139,6 +139,9 @@ class RolloutConfig:
     # tokens one episode may hold in all (prompt, model and tool tokens; the engine's context);
     # 0: data.max_prompt_tokens + rollout.max_new_tokens, the single-turn size
     max_context_tokens: int = 0
+    # exact on-policy mode (docs/fidelity.md, "Exact mode"): vLLM batch-invariant, and the policy's scoring
+    # forward through the engine's kernels, so engine and trainer logprobs are bitwise equal (GPU, vLLM)
+    exact: bool = False
 
 
 DEFAULT_TIS_CAP = 2.0  # veRL's default; TRL uses 3
@@ -687,6 +690,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
     if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
         yield f"config key 'rollout.top_k' must be -1 (off) or >= 1, got {cfg.rollout.top_k}"
     yield from _tool_errors(cfg)
+    yield from _exact_errors(cfg)
     if cfg.data.min_pixels > cfg.data.max_pixels:
         yield (f"config key 'data.min_pixels' ({cfg.data.min_pixels}) must be <= data.max_pixels "
                f"({cfg.data.max_pixels})")
@@ -738,6 +742,30 @@ def _tool_errors(cfg: Config) -> Iterator[str]:
     if r.max_context_tokens and r.max_context_tokens < floor:
         yield (f"config key 'rollout.max_context_tokens' ({r.max_context_tokens}) must be 0 or more than "
                f"data.max_prompt_tokens ({cfg.data.max_prompt_tokens}): the longest prompt needs room for an answer")
+
+
+def _exact_errors(cfg: Config) -> Iterator[str]:
+    """rollout.exact: the combinations whose engine and policy forwards cannot be made bitwise equal."""
+    if not cfg.rollout.exact:
+        return
+    r, m = cfg.rollout, cfg.model
+    refusals = (
+        ("rollout.engine", r.engine == "torch", f"{r.engine}; it needs vllm (or auto on a GPU)"),
+        ("rollout.tensor_parallel_size", r.tensor_parallel_size != 1,
+         f"{r.tensor_parallel_size}; it needs 1 (an all-reduce sums the shards in another order than one GPU's matmul)"),
+        ("parallel.tp", cfg.parallel.tp != 1, f"{cfg.parallel.tp}; it needs 1 (sharded projections reduce in another order)"),
+        ("model.compile", m.compile, "true; it needs false (compiled blocks fuse norms and rotary into other kernels)"),
+        ("model.liger_kernel", m.liger_kernel, "true; it needs false (liger's fused kernels are not the engine's)"),
+        ("model.attn_implementation", m.attn_implementation != "auto",
+         f"{m.attn_implementation}; it needs auto (the mode routes attention to the engine's kernel)"),
+        ("model.lora.rank", m.lora.rank > 0,
+         f"{m.lora.rank}; it needs 0 (the engine runs the merged weight, the policy W and B·A apart)"),
+        ("rollout.top_p", r.top_p != 1.0, f"{r.top_p}; it needs 1.0 (vLLM returns the truncated distribution's logprobs)"),
+        ("rollout.top_k", r.top_k != -1, f"{r.top_k}; it needs -1 (vLLM returns the truncated distribution's logprobs)"),
+    )
+    for key, bad, why in refusals:
+        if bad:
+            yield f"config key '{key}' is {why} with rollout.exact=true"
 
 
 def _algorithm_errors(a: AlgorithmConfig) -> Iterator[str]:

@@ -37,6 +37,7 @@ from rollout.episode import Episode, episode_batch
 from rollout.colocation import (
     KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, kv_bytes_per_token, tensor_bytes,
 )
+from rollout.exact import build_exact, prepare_process
 from rollout.factory import build_engine
 from rollout.groups import EngineGroup
 from rollout.rollouts import Rollouts, context_tokens, tool_prompt
@@ -73,7 +74,11 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed + self.dims.rank)
         self.engine_group = EngineGroup.build(cfg.rollout.tensor_parallel_size, self.dims.world_size, self.dims.rank,
                                               self.dims.local_world_size)
+        if cfg.rollout.exact:  # before the policy's first GEMM: cuBLAS reads the batch-invariant settings once
+            prepare_process()
         self.policy: Policy = build_policy(cfg.model, self.dims)
+        if cfg.rollout.exact:
+            build_exact(self.policy)
         self.adapter = self.policy.adapter
         self.optimizer = build_optimizer(self.policy, cfg.optim)
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
@@ -85,6 +90,8 @@ class Trainer:
         self.ref: Policy | None = None
         if cfg.trainer.mode == "grpo" and cfg.algorithm.kl_coef > 0:
             self.ref = build_policy(cfg.model, self.dims, trainable=False)
+            if cfg.rollout.exact:
+                build_exact(self.ref)
         self.colocation = Colocation(
             self.policy, self.optimizer, reference=self.ref, needs=self._memory_needs,
             build_engine=lambda share: build_engine(cfg, self.policy, gpu_memory_utilization=share,

@@ -209,6 +209,9 @@ class Policy:
         self.router_aux_coef = 0.0
         self.router_aux: torch.Tensor | None = None
         self._router_logits: list[torch.Tensor] | None = None
+        # exact mode (rollout.exact): (banned token ids, their logit bias) applied to the fp32 logits before the
+        # temperature and a log_softmax, the order and the op the vLLM sampler uses; None: logsumexp path
+        self.exact_logit_bias: tuple[tuple[int, ...], float] | None = None
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -360,9 +363,10 @@ class Policy:
             h = picked[start : start + LOGPROB_CHUNK]
             t = mb.target_ids[start : start + LOGPROB_CHUNK]
             if torch.is_grad_enabled():
-                lp, ent = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, use_reentrant=False)
+                lp, ent = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, self.exact_logit_bias,
+                                     use_reentrant=False)
             else:
-                lp, ent = _chunk_logprobs(head, h, t, temperature, with_entropy)
+                lp, ent = _chunk_logprobs(head, h, t, temperature, with_entropy, self.exact_logit_bias)
             lps.append(lp)
             ents.append(ent)
         if not lps:
@@ -426,12 +430,19 @@ class Policy:
         return export_hf_folder(self.full_state_dict(dtype), self.model.config, self.path, out, self.dims.is_main)
 
 
-def _chunk_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+def _chunk_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                    exact_bias: tuple[tuple[int, ...], float] | None = None):
     logits = head(h).float()
+    if exact_bias is not None and exact_bias[0]:
+        logits = logits.index_add(-1, torch.tensor(exact_bias[0], device=logits.device),
+                                  logits.new_full((logits.shape[0], len(exact_bias[0])), exact_bias[1]))
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
-    lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if exact_bias is not None:
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    else:
+        lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     ent = None
     if with_entropy:
         with torch.no_grad():

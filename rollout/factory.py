@@ -47,6 +47,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         from rollout.torch_engine import TorchEngine
 
         return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype, adapter=policy.adapter)
+    from rollout.exact import engine_mode
     from rollout.vllm_engine import VLLMEngine
 
     from data.processing import videos_per_row
@@ -65,4 +66,5 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         if policy.adapter.takes_video else 0,
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
+        exact=engine_mode(policy) if r.exact else None,
     )

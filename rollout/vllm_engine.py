@@ -395,6 +395,7 @@ class VLLMEngine(Engine):
         max_num_seqs: int | None = None,
         sleep_level: int = 1,
         processor_cache_gb: float = 4.0,
+        exact=None,
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -436,6 +437,14 @@ class VLLMEngine(Engine):
         self.last_stats: dict[str, int] = {}
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
         _ensure_launcher_env()
+        # rollout.exact (rollout/exact.py): batch-invariant vLLM, eager, its custom ops routed to torch code
+        self._exact = exact
+        if exact is not None:
+            from rollout import exact as exact_mode
+
+            exact_mode.prepare_process()
+            exact_mode.patch_vllm(exact.report)
+            enforce_eager = True
         for patch in vllm_compat(self.family):
             log.info("VLLMEngine: %s (vLLM 0.26 with transformers >= 5.17)", patch)
         self._device = int(os.environ["LOCAL_RANK"])
@@ -450,6 +459,11 @@ class VLLMEngine(Engine):
                 max_model_len, seed, dtype, min_pixels, max_pixels,
             )
         self._dp_rank = torch.distributed.get_rank() // tensor_parallel_size
+        if exact is not None:
+            exact_mode.enable_batch_invariance(exact.report)
+            exact.report["aligned"] = self._llm.apply_model(
+                lambda model: exact_mode.align_engine(model, exact.inv_freq, exact.vision_inv_freq))[0]
+            log.info("VLLMEngine: exact mode %s", exact.report)
         self._tied = self._lm_head_is_embedding()
         # The vocabulary vLLM's processor looks tokens up in (Gemma3's newline merging does).
         self._vocab = dict(self._llm.get_tokenizer().get_vocab())
@@ -487,6 +501,7 @@ class VLLMEngine(Engine):
             **self._batch_kwargs(enforce_eager),
             **({} if self._async_scheduling is None else {"async_scheduling": self._async_scheduling}),
             **self.adapter.vllm_engine_kwargs(),
+            **({} if self._exact is None else self._exact.engine_kwargs(max_model_len)),
         )
 
     def _kv_cache_kwargs(self, gpu_memory_utilization: float, dtype: str) -> dict:

@@ -1,0 +1,479 @@
+"""Exact on-policy mode (`rollout.exact=true`): the engine's and the policy's forwards computed by the same
+kernels in the same order, so the sampled tokens' logprobs agree bit for bit (docs/fidelity.md, "Exact mode").
+
+The vLLM engine runs in the trainer's own process, which is what makes this possible with little code:
+
+- **Matmuls, softmax, log-softmax, mean.** vLLM's batch-invariant mode (`VLLM_BATCH_INVARIANT=1`, read when
+  vLLM is imported) registers its own kernels for aten ops through `torch.library` on the CUDA dispatch key
+  (log_softmax, softmax, mean.dim and bmm everywhere; mm/addmm/matmul/linear on SM80) and limits cuBLAS's
+  workspace so Hopper GEMMs never split K. A dispatcher override is process-wide: the policy's
+  `torch.log_softmax`, `mean` and `bmm` reach the same kernels as the engine's. The cuBLAS settings are
+  environment variables torch reads once, at the first GEMM, so `prepare_process` sets them before the
+  policy is built.
+- **RMSNorm, SwiGLU, rotary.** vLLM's custom ops (a fused add + RMSNorm kernel, a fused SiLU-and-mul kernel,
+  a Triton m-rope kernel) round differently from transformers' modules. `patch_vllm` routes them, before the
+  engine builds its model, to the torch code transformers runs: the residual added in the model dtype, then
+  `rms_norm` below; `silu(gate) * up` in two ops; `q * cos ± rotate(q) * sin` in the model dtype, with the
+  cos/sin table rebuilt from the policy's own `inv_freq` on the GPU (`align_engine`).
+- **Attention.** The engine runs vLLM's FlashAttention backend with one KV split (what batch-invariant mode
+  sets), which is invariant between prefill and decode. The policy's language model calls the same
+  function, `flash_attn_varlen_func`, on the same paged layout (K/V in 16-token blocks with a block table),
+  so a training row is one prefill of all its sequences (`exact_attention`); its backward recomputes the
+  attention with torch's own kernel (the backward may differ). The vision tower runs torch's SDPA per window
+  on both sides (vLLM's `mm_encoder_attn_backend="TORCH_SDPA"`).
+- **Logprobs.** Both sides take log_softmax over fp32 logits, after the banned tokens' logit bias and the
+  temperature, in that order (`Policy.exact_logit_bias`).
+- **The engine's schedule.** Eager (no CUDA graphs, no torch.compile: Inductor would fuse the ops above into
+  other kernels), no prefix caching, no chunked prefill.
+
+Covered: Qwen2.5-VL (`EXACT_FAMILIES`). Everything that needs vLLM or CUDA is imported inside functions;
+the CPU tests exercise the paged layout, the routing and the validation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+EXACT_FAMILIES = ("qwen2_5_vl",)
+ATTENTION_NAME = "vlrl_exact"
+VISION_ATTENTION_NAME = "vlrl_exact_vision"
+KV_BLOCK = 16  # vLLM's KV block size in exact mode (set in the engine kwargs; the policy pages K/V the same)
+BAN_BIAS = -100.0  # the logit bias the vLLM engine puts on banned tokens (rollout/vllm_engine.py)
+
+# What vLLM 0.26's batch-invariant mode reads or sets for itself; set here before anything touches cuBLAS.
+PROCESS_ENV = {
+    "VLLM_BATCH_INVARIANT": "1",
+    "CUBLAS_WORKSPACE_CONFIG": ":16:8",  # no split-K GEMMs on Hopper (vLLM's enable_batch_invariant_mode)
+    "CUBLASLT_WORKSPACE_SIZE": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+}
+
+
+def prepare_process() -> dict:
+    """Set the environment and torch flags of batch-invariant mode. Call before the policy runs any GEMM
+    (torch reads the cuBLAS workspace settings once) and before vLLM is imported. Returns what it set."""
+    os.environ.update(PROCESS_ENV)
+    cuda = torch.backends.cuda.matmul
+    cuda.allow_tf32 = False
+    cuda.allow_bf16_reduced_precision_reduction = False
+    cuda.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cudnn.allow_tf32 = False
+    if torch.cuda.is_available():
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    return dict(PROCESS_ENV)
+
+
+def check_family(family: str) -> None:
+    if family not in EXACT_FAMILIES:
+        raise ValueError(f"config key 'rollout.exact' is true but model.path is a {family} model; the exact mode "
+                         f"covers {', '.join(EXACT_FAMILIES)}")
+
+
+def check_device() -> None:
+    """The mode needs CUDA and vLLM (the engine's kernels are the ones both sides run)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("config key 'rollout.exact' is true but no CUDA device is visible; the exact mode runs "
+                           "vLLM's kernels on both sides, so it needs a GPU and rollout.engine vllm")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError("config key 'rollout.exact' is true but vLLM is not installed") from err
+
+
+# --- the shared numerics -------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen2RMSNorm: fp32 statistics, the normalized value rounded to x's dtype, times weight."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
+
+
+def _policy_rms_norm(module):
+    def forward(hidden_states):
+        return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+    return forward
+
+
+def _engine_rms_norm(self, x, residual=None):
+    """vLLM's RMSNorm(x[, residual]) with transformers' rounding: the residual add in the model dtype."""
+    if residual is not None:
+        x = residual + x
+        residual = x
+    out = rms_norm(x, self.weight, self.variance_epsilon)
+    return out if residual is None else (out, residual)
+
+
+def _engine_silu_and_mul(self, x):
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb_vision for one tensor: in fp32, rounded back to x's dtype once.
+    cos/sin (..., D/2) are repeated to the head dim as vLLM's `apply_rotary_emb_torch` does."""
+    cos, sin = (torch.cat((c, c), dim=-1).unsqueeze(-2).float() for c in (cos, sin))
+    xf = x.float()
+    return ((xf * cos) + (rotate_half(xf) * sin)).to(x.dtype)
+
+
+def patch_embed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The vision patch embedding as one matmul over flattened patches (a Conv3d whose stride is its kernel):
+    (patches, C·T·P·P) → (patches, E), whatever shape the weight is stored in."""
+    w = weight.reshape(weight.shape[0], -1)
+    return F.linear(x.reshape(-1, w.shape[1]).to(w.dtype), w)
+
+
+def _policy_patch_embed(module):
+    def forward(hidden_states):
+        return patch_embed(hidden_states, module.proj.weight)
+
+    return forward
+
+
+def _engine_patch_embed(self, x):
+    return patch_embed(x, self.proj.weight)
+
+
+def _policy_text_rope(module):
+    """The language model's m-rope cos/sin with the angle as an elementwise fp32 product (as vLLM's table is
+    built): a K=1 matmul would go through batch-invariant mode's Triton bmm, which rounds its inputs to TF32."""
+
+    def forward(x, position_ids):
+        if position_ids.ndim == 2:
+            position_ids = position_ids.expand(3, -1, -1)
+        freqs = position_ids[..., None].float() * module.inv_freq.to(device=x.device, dtype=torch.float)
+        scale = getattr(module, "attention_scaling", 1.0)
+        if hasattr(module, "recomposition_frequencies"):
+            cos, sin = (module.recomposition_frequencies(f * scale) for f in (freqs.cos(), freqs.sin()))
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * scale, emb.sin() * scale
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    return forward
+
+
+# --- attention on the paged layout -----------------------------------------------------------------------------
+def paged_kv(k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, block: int = KV_BLOCK):
+    """A packed row's K/V (L, Hkv, D) laid out as vLLM's KV cache: (blocks, block, Hkv, D) each, plus the block
+    table (N, max blocks) int32 and the sequence lengths (N,) int32. Sequence i's token j sits in block
+    table[i, j // block] at offset j % block; blocks past a sequence's end are zero."""
+    lengths = (cu[1:] - cu[:-1]).to(torch.int64)
+    per_seq = (lengths + block - 1) // block
+    width, total = (int(x) for x in torch.stack([per_seq.max(), per_seq.sum()]).tolist())
+    first = torch.cumsum(per_seq, 0) - per_seq  # each sequence's first block
+    columns = torch.arange(width, device=k.device)
+    table = torch.where(columns < per_seq[:, None], first[:, None] + columns, 0).to(torch.int32)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=k.device), lengths, output_size=k.shape[0])
+    slot = first[seq] * block + torch.arange(k.shape[0], device=k.device) - cu[:-1].to(torch.int64)[seq]
+    k_cache, v_cache = (t.new_zeros(total * block, *t.shape[1:]).index_copy_(0, slot, t).view(total, block, *t.shape[1:])
+                        for t in (k, v))
+    return k_cache, v_cache, table, lengths.to(torch.int32)
+
+
+@functools.cache
+def _vllm_flash():
+    """(vLLM's flash_attn_varlen_func, the FlashAttention version it runs) or None without vLLM's build."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    version = None
+    for where in ("vllm.v1.attention.backends.fa_utils", "vllm.attention.utils.fa_utils"):
+        try:
+            module = __import__(where, fromlist=["get_flash_attn_version"])
+            version = module.get_flash_attn_version()
+            break
+        except (ImportError, AttributeError):
+            continue
+    return flash_attn_varlen_func, version
+
+
+def paged_flash(q, k, v, cu, longest: int, scale: float, kernel=None, block: int = KV_BLOCK) -> torch.Tensor:
+    """Causal attention over a packed row through the paged call vLLM's FlashAttention backend makes:
+    q (L, H, D), k/v (L, Hkv, D), one KV split → (L, H, D). `kernel` defaults to vLLM's function."""
+    fa_version = None
+    if kernel is None:
+        kernel, fa_version = _vllm_flash()
+    k_cache, v_cache, table, lengths = paged_kv(k, v, cu, block)
+    extra = {"fa_version": fa_version} if fa_version is not None else {}
+    return kernel(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu.to(torch.int32), max_seqlen_q=longest,
+                  seqused_k=lengths, max_seqlen_k=longest, softmax_scale=scale, causal=True, block_table=table,
+                  num_splits=1, **extra)
+
+
+def reference_attention(q, k, v, cu, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence of a packed row on its own (torch SDPA): q (L, H, D) → (L, H, D)."""
+    out = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if ks.shape[1] != qs.shape[1]:
+            ks, vs = (t.repeat_interleave(qs.shape[1] // t.shape[1], dim=1) for t in (ks, vs))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+class _EngineKernelAttention(torch.autograd.Function):
+    """Forward: the engine's kernel (bitwise the engine's). Backward: recomputed through torch's attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest, scale):
+        ctx.save_for_backward(q, k, v, cu)
+        ctx.scale = scale
+        return paged_flash(q, k, v, cu, longest, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, cu = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = reference_attention(*leaves, cu, ctx.scale)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+        return dq, dk, dv, None, None, None
+
+
+def exact_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                    **kwargs):
+    """transformers attention interface for the policy's language model in exact mode: (1, H, L, D) →
+    ((1, L, H, D), None). The row's sequence boundaries come from `models.attention.packed_row`."""
+    from models.attention import row_boundaries
+
+    if query.shape[0] != 1 or dropout:
+        raise RuntimeError("exact attention takes one packed row without dropout")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    position_ids = kwargs.get("position_ids")
+    length = query.shape[2]
+    if position_ids is None:
+        cu, longest = torch.tensor([0, length], device=query.device, dtype=torch.int32), length
+    else:
+        cu, longest = row_boundaries(position_ids, length)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    if q.is_cuda and _vllm_flash() is not None:
+        out = _EngineKernelAttention.apply(q, k, v, cu.to(q.device), longest, scale)
+    else:  # CPU or no vLLM build: the same math through SDPA (the CPU tests' path)
+        out = reference_attention(q, k, v, cu.to(q.device), scale)
+    return out.unsqueeze(0), None
+
+
+def exact_vision_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0, scaling=None,
+                           is_causal=None, **kwargs):
+    """One window of the vision tower through torch SDPA, as vLLM's TORCH_SDPA encoder backend runs each window
+    (transformers splits the windows itself for an implementation without "flash" in its name)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=False)
+
+
+def no_mask(*args, **kwargs):
+    """Neither exact implementation reads a mask: the language model's takes sequence boundaries."""
+    return None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, exact_attention)
+    AttentionInterface.register(VISION_ATTENTION_NAME, exact_vision_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, no_mask)
+    AttentionMaskInterface.register(VISION_ATTENTION_NAME, no_mask)
+
+
+# --- the mode ----------------------------------------------------------------------------------------------------
+@dataclass
+class ExactMode:
+    """What both sides need to agree: the family, the policy's rotary inverse frequencies, the banned tokens."""
+
+    family: str
+    inv_freq: torch.Tensor | None = None  # the policy's language-model rotary buffer (CPU copy)
+    vision_inv_freq: torch.Tensor | None = None  # the policy's vision rotary buffer (CPU copy)
+    banned_token_ids: tuple[int, ...] = ()
+    report: dict = field(default_factory=dict)  # what was patched and found, for logs and the GPU stage
+
+    def engine_kwargs(self, max_model_len: int) -> dict:
+        """`LLM(...)` arguments of the mode (enforce_eager is forced by the engine itself)."""
+        return {
+            "attention_config": {"backend": "FLASH_ATTN"},
+            "mm_encoder_attn_backend": "TORCH_SDPA",
+            "block_size": KV_BLOCK,
+            "enable_prefix_caching": False,
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(max_model_len, 16384),
+        }
+
+    def apply_to_policy(self, policy) -> None:
+        """Route the policy's attention, RMSNorm and logprobs to the exact implementations (in place)."""
+        check_family(policy.adapter.name)
+        policy.exact_logit_bias = (tuple(self.banned_token_ids), BAN_BIAS)
+        self.report["policy"] = apply_exact_modules(policy.model, policy.adapter)
+
+
+def apply_exact_modules(model, adapter) -> int:
+    """Set the exact attention implementations on the language model and the vision tower; every RMSNorm to
+    `rms_norm`, the text rotary to `_policy_text_rope`, the patch embedding to `patch_embed`. Returns the counts."""
+    register_attention()
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION_NAME
+    adapter.vision_tower(model).config._attn_implementation = VISION_ATTENTION_NAME
+    routed = {"rms_norm": 0, "text_rope": 0, "patch_embed": 0}
+    for m in model.modules():
+        kind = type(m).__name__
+        if kind.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
+            m.forward = _policy_rms_norm(m)
+            routed["rms_norm"] += 1
+        elif kind.endswith("RotaryEmbedding") and "Vision" not in kind and hasattr(m, "inv_freq"):
+            m.forward = _policy_text_rope(m)
+            routed["text_rope"] += 1
+        elif kind.endswith("PatchEmbed") and hasattr(m, "proj"):
+            m.forward = _policy_patch_embed(m)
+            routed["patch_embed"] += 1
+    return routed
+
+
+def engine_mode(policy) -> ExactMode:
+    """The mode's facts for the engine, read from the policy: its family, rotary buffers and banned tokens."""
+    check_family(policy.adapter.name)
+
+    def buffer(vision: bool):
+        return next((b.detach().to("cpu", copy=True) for n, b in policy.model.named_buffers()
+                     if n.endswith("inv_freq") and "original" not in n and ("visual" in n) == vision), None)
+
+    return ExactMode(policy.adapter.name, buffer(False), buffer(True), tuple(policy.adapter.banned_token_ids))
+
+
+def build_exact(policy) -> ExactMode:
+    """The mode for a trainer's policy (or its reference), the policy routed; raises in one line where the mode
+    cannot run (no CUDA, no vLLM, another family)."""
+    check_device()
+    mode = engine_mode(policy)
+    mode.apply_to_policy(policy)
+    return mode
+
+
+# --- the engine side -----------------------------------------------------------------------------------------------
+def patch_vllm(report: dict) -> None:
+    """Route vLLM's RMSNorm, SiLU-and-mul and m-rope custom ops to torch code with transformers' rounding
+    (class-level, before the engine builds its model); records in `report` what was patched or missing."""
+    targets = (
+        ("vllm.model_executor.layers.layernorm", "RMSNorm", _engine_rms_norm),
+        ("vllm.model_executor.layers.activation", "SiluAndMul", _engine_silu_and_mul),
+        ("vllm.model_executor.layers.rotary_embedding", "MRotaryEmbedding", None),
+        ("vllm.model_executor.layers.rotary_embedding.common", "ApplyRotaryEmb", None),
+    )
+    for where, name, impl in targets:
+        try:
+            cls = getattr(__import__(where, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            report[name] = f"not found in {where}"
+            continue
+        native = impl if impl is not None else cls.forward_native
+        for method in ("forward_cuda", "forward_native"):
+            setattr(cls, method, native)
+        report[name] = "routed to torch code" if impl is not None else "forward_cuda -> forward_native"
+    try:
+        from vllm.model_executor.models import qwen2_5_vl
+    except ImportError:
+        report["Qwen2_5_VisionPatchEmbed"] = "not found"
+        return
+    for name, attr, impl in (("Qwen2_5_VisionPatchEmbed", "forward", _engine_patch_embed),
+                             ("apply_rotary_pos_emb_vision", None, _engine_vision_rope)):
+        if not hasattr(qwen2_5_vl, name):
+            report[name] = "not found in vllm.model_executor.models.qwen2_5_vl"
+        elif attr is None:
+            setattr(qwen2_5_vl, name, impl)
+            report[name] = "routed to torch code"
+        else:
+            setattr(getattr(qwen2_5_vl, name), attr, impl)
+            report[name] = "routed to torch code"
+
+
+def _engine_vision_rope(t, freqs, *args, **kwargs):
+    """vLLM's apply_rotary_pos_emb_vision(t, freqs[, fn]) with transformers' fp32 formula."""
+    return vision_rope(t, freqs.cos(), freqs.sin())
+
+
+def align_engine(model, inv_freq: torch.Tensor | None, vision_inv_freq: torch.Tensor | None = None) -> dict:
+    """Inside the engine: rebuild every language-model m-rope cos/sin table from the policy's inv_freq on the
+    GPU, as an elementwise fp32 product (the policy's angle); give the vision rotary the policy's inv_freq and
+    route its rotation to `vision_rope`. Returns what was rebuilt or routed."""
+    done = {"rope_tables": 0, "vision_rotary": 0, "vision_rotation": 0}
+    for name, m in model.named_modules():
+        cache = getattr(m, "cos_sin_cache", None)
+        if (inv_freq is not None and isinstance(cache, torch.Tensor) and "visual" not in name
+                and cache.shape[-1] == 2 * inv_freq.numel()):
+            freq = inv_freq.to(cache.device, torch.float32)
+            t = torch.arange(cache.shape[0], device=cache.device, dtype=torch.float32)
+            freqs = t[:, None] * freq[None, :]
+            m.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(cache.dtype)
+            done["rope_tables"] += 1
+        if vision_inv_freq is not None and type(m).__name__.endswith("VisionRotaryEmbedding"):
+            _align_vision_rotary(m, vision_inv_freq)
+            done["vision_rotary"] += 1
+        if hasattr(m, "rotary_embedding_function"):
+            m.rotary_embedding_function = _rotary_torch
+            done["vision_rotation"] += 1
+    return done
+
+
+def _rotary_torch(x, cos, sin, *args, **kwargs):
+    """vLLM's vision rotary function slot (x fp32, cos/sin (..., D/2)) with transformers' formula."""
+    return vision_rope(x, cos, sin)
+
+
+def _align_vision_rotary(module, inv_freq: torch.Tensor) -> None:
+    """vLLM's vision rotary: the policy's inv_freq, and angles as an elementwise fp32 product of it."""
+    device = next((b.device for b in module.buffers()), torch.device("cuda"))
+    module.inv_freq = inv_freq.to(device, torch.float32)
+
+    def forward(seqlen: int) -> torch.Tensor:
+        seq = torch.arange(seqlen, device=module.inv_freq.device, dtype=torch.float32)
+        return seq[:, None] * module.inv_freq[None, :]
+
+    module.forward = forward
+
+
+def batch_invariant_state() -> dict:
+    """What vLLM's batch-invariant mode did in this process: its flag, the env it set, the torch flags."""
+    state = {"env": {k: os.environ.get(k) for k in PROCESS_ENV}}
+    try:
+        import vllm.model_executor.layers.batch_invariant as bi
+    except ImportError:
+        return {**state, "vllm": "not importable"}
+    state["mode_on"] = bool(getattr(bi, "_batch_invariant_MODE", False))
+    lib = getattr(bi, "_batch_invariant_LIB", None)
+    state["overrides_registered"] = lib is not None
+    state["functions"] = sorted(n for n in dir(bi) if n.endswith("_batch_invariant"))
+    state["bf16_reduced_precision"] = str(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    return state
+
+
+def enable_batch_invariance(report: dict) -> None:
+    """After the engine is built: make sure vLLM's overrides are registered in this process (vLLM 0.26 does it
+    while building the worker; call its own function where it has not) and record the state."""
+    try:
+        import vllm.model_executor.layers.batch_invariant as bi
+    except ImportError:
+        report["batch_invariant"] = {"vllm": "not importable"}
+        return
+    if not getattr(bi, "_batch_invariant_MODE", False) and hasattr(bi, "enable_batch_invariant_mode"):
+        bi.enable_batch_invariant_mode()
+        report["enabled_here"] = True
+    report["batch_invariant"] = batch_invariant_state()

@@ -1,0 +1,336 @@
+"""rollout.exact on CPU: the config's refusals, the paged attention call, the shared numerics, the policy's routing
+and the engine's arguments (vLLM's constructor replaced). The bitwise check itself is tests/gpu/test_exact.py."""
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo.config import ConfigError, load_config
+from rollout import exact
+
+
+# --- config --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, key", [
+    ("rollout.engine=torch", "rollout.engine"),
+    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size"),
+    ("parallel.tp=2", "parallel.tp"),
+    ("model.compile=true", "model.compile"),
+    ("model.liger_kernel=true", "model.liger_kernel"),
+    ("model.attn_implementation=sdpa", "model.attn_implementation"),
+    ("model.lora.rank=8", "model.lora.rank"),
+    ("rollout.top_p=0.9", "rollout.top_p"),
+    ("rollout.top_k=20", "rollout.top_k"),
+])
+def test_exact_refuses_what_cannot_be_exact(override, key):
+    with pytest.raises(ConfigError, match=rf"config key '{key}' is .* with rollout.exact=true"):
+        load_config(None, ["rollout.exact=true", override])
+    load_config(None, [override] if key != "rollout.tensor_parallel_size" else [])  # fine without the mode
+
+
+def test_exact_accepts_vllm_and_auto():
+    assert load_config(None, ["rollout.exact=true", "rollout.engine=vllm"]).rollout.exact
+    assert load_config(None, ["rollout.exact=true"]).rollout.engine == "auto"
+    assert not load_config(None, []).rollout.exact
+
+
+def test_family_and_device_checks_name_the_key():
+    with pytest.raises(ValueError, match="'rollout.exact' is true but model.path is a llava model"):
+        exact.check_family("llava")
+    exact.check_family("qwen2_5_vl")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="'rollout.exact' is true but no CUDA device"):
+            exact.check_device()
+
+
+def test_prepare_process_sets_batch_invariant_env(monkeypatch):
+    for k in exact.PROCESS_ENV:
+        monkeypatch.delenv(k, raising=False)
+    bf16 = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    try:
+        exact.prepare_process()
+        assert all(__import__("os").environ[k] == v for k, v in exact.PROCESS_ENV.items())
+        assert __import__("os").environ["VLLM_BATCH_INVARIANT"] == "1"
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16
+
+
+# --- paged attention -------------------------------------------------------------------------------------------------
+def _row(seed=0, lengths=(5, 17, 33), heads=4, kv_heads=2, dim=8):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=g)
+    k, v = (torch.randn(total, kv_heads, dim, generator=g) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu
+
+
+def test_paged_kv_places_every_token_in_its_block():
+    q, k, v, cu = _row()
+    k_cache, v_cache, table, lengths = exact.paged_kv(k, v, cu, block=16)
+    assert lengths.tolist() == [5, 17, 33] and table.dtype == torch.int32
+    assert k_cache.shape[1:] == (16, 2, 8) and k_cache.shape[0] == 1 + 2 + 3
+    for i, (start, n) in enumerate(zip(cu[:-1].tolist(), lengths.tolist())):
+        for j in range(n):
+            block, offset = table[i, j // 16], j % 16
+            assert torch.equal(k_cache[block, offset], k[start + j]) and torch.equal(v_cache[block, offset], v[start + j])
+    assert int((k_cache != 0).sum()) == int((k != 0).sum())  # padding slots stay zero
+
+
+def _paged_reference_kernel(calls):
+    """A stand-in for vLLM's flash_attn_varlen_func that reads the paged cache the way the kernel does."""
+
+    def kernel(*, q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal, block_table,
+               num_splits, **extra):
+        calls.append({"num_splits": num_splits, "causal": causal, "max_seqlen_q": max_seqlen_q, **extra})
+        block = k.shape[1]
+        out = []
+        for i, (start, end) in enumerate(zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist())):
+            n = int(seqused_k[i])
+            rows = block_table[i, : (n + block - 1) // block].long()
+            ks, vs = (c[rows].reshape(-1, *c.shape[2:])[:n] for c in (k, v))
+            qs = q[start:end]
+            rep = qs.shape[1] // ks.shape[1]
+            ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * softmax_scale
+            scores = scores.masked_fill(torch.ones(end - start, n, dtype=torch.bool).triu(1), float("-inf"))
+            out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+        return torch.cat(out)
+
+    return kernel
+
+
+def test_paged_flash_makes_the_engine_call_on_the_packed_row():
+    q, k, v, cu = _row()
+    calls = []
+    out = exact.paged_flash(q, k, v, cu, 33, 8 ** -0.5, kernel=_paged_reference_kernel(calls))
+    ref = exact.reference_attention(q, k, v, cu, 8 ** -0.5)
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    assert calls == [{"num_splits": 1, "causal": True, "max_seqlen_q": 33}]
+
+
+def test_engine_kernel_attention_backward_is_torchs(monkeypatch):
+    q, k, v, cu = _row(1)
+    monkeypatch.setattr(exact, "_vllm_flash", lambda: (_paged_reference_kernel([]), None))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    exact._EngineKernelAttention.apply(*leaves, cu, 33, 0.3).square().sum().backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    exact.reference_attention(*ref_leaves, cu, 0.3).square().sum().backward()
+    for a, b in zip(leaves, ref_leaves):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)
+
+
+# --- the shared numerics ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_swiglu_are_transformers_bitwise(dtype):
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = Qwen2RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g))
+    x, h = (torch.randn(3, 7, 64, generator=g).to(dtype) * 3 for _ in range(2))
+    with torch.no_grad():
+        assert torch.equal(exact.rms_norm(x, norm.weight, 1e-6), norm(x))
+        engine = types.SimpleNamespace(weight=norm.weight, variance_epsilon=1e-6)
+        out, residual = exact._engine_rms_norm(engine, h, x)  # vLLM's norm(attn_out, residual)
+        assert torch.equal(residual, x + h) and torch.equal(out, norm(x + h))  # transformers: residual + h, then norm
+        gate_up = torch.randn(5, 32, generator=g).to(dtype)
+        assert torch.equal(exact._engine_silu_and_mul(None, gate_up), F.silu(gate_up[:, :16]) * gate_up[:, 16:])
+
+
+def test_align_engine_rebuilds_mrope_tables_from_the_policys_inv_freq():
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLRotaryEmbedding
+
+    config = Qwen2_5_VLTextConfig(hidden_size=64, num_attention_heads=4, rope_scaling={"type": "mrope",
+                                                                                       "mrope_section": [2, 3, 3]})
+    rotary = Qwen2_5_VLRotaryEmbedding(config)
+    half = rotary.inv_freq.numel()
+    engine = torch.nn.Module()
+    engine.rope = torch.nn.Module()
+    engine.rope.cos_sin_cache = torch.zeros(50, 2 * half)
+    engine.visual = torch.nn.Module()
+    engine.visual.cos_sin_cache = torch.zeros(50, 2 * half)
+    assert exact.align_engine(engine, rotary.inv_freq)["rope_tables"] == 1
+    assert not engine.visual.cos_sin_cache.any()
+    positions = torch.arange(50).view(1, 1, -1).expand(3, 1, -1)
+    cos, sin = rotary(torch.zeros(1, 50, 64), positions)
+    table = engine.rope.cos_sin_cache
+    # every angle of the policy's (its m-rope sections pick among the same per-position values)
+    assert set(cos[0].flatten().tolist()) <= set(table[:, :half].flatten().tolist())
+    assert torch.equal(table[:, :half], (torch.arange(50.0)[:, None] * rotary.inv_freq).cos())
+    assert torch.equal(table[:, half:], (torch.arange(50.0)[:, None] * rotary.inv_freq).sin())
+    routed = exact._policy_text_rope(rotary)(torch.zeros(1, 50, 64), positions)
+    assert all(torch.equal(a, b) for a, b in zip(routed, (cos, sin)))  # the policy's routing changes no bit
+
+
+def test_vision_rope_and_patch_embed_are_transformers():
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(9, 2, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    freqs = torch.randn(9, 8, generator=g)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    expect_q, _ = m.apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
+    assert torch.equal(exact.vision_rope(q, freqs.cos(), freqs.sin()), expect_q)
+    assert torch.equal(exact._engine_vision_rope(q, freqs), expect_q)
+    conv = torch.nn.Conv3d(3, 12, kernel_size=(2, 4, 4), stride=(2, 4, 4), bias=False)
+    x = torch.randn(5, 3 * 2 * 4 * 4, generator=g)
+    with torch.no_grad():
+        ref = conv(x.view(-1, 3, 2, 4, 4)).view(-1, 12)
+        assert torch.allclose(exact.patch_embed(x, conv.weight), ref, atol=1e-6)
+        flat = torch.nn.Linear(96, 12, bias=False)  # vLLM keeps the weight flat
+        flat.weight.copy_(conv.weight.reshape(12, -1))
+        assert torch.equal(exact.patch_embed(x, flat.weight), exact.patch_embed(x, conv.weight))
+
+
+def test_chunk_logprobs_in_exact_mode_is_vllms_order():
+    from models.policy import _chunk_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False)
+    h, targets = torch.randn(6, 16, generator=g), torch.randint(0, 40, (6,), generator=g)
+    banned = (3, 7)
+    with torch.no_grad():
+        lp, _ = _chunk_logprobs(head, h, targets, 0.7, False, (banned, -100.0))
+        logits = head(h).float()
+        logits[:, list(banned)] += -100.0
+        expect = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+        plain, _ = _chunk_logprobs(head, h, targets, 0.7, False)
+    assert torch.equal(lp, expect)
+    assert not torch.equal(lp, plain)  # the banned tokens' mass is gone, as in the engine's distribution
+
+
+# --- the policy's routing -----------------------------------------------------------------------------------------------
+def test_policy_routing_keeps_logprobs_and_runs_the_exact_paths(tiny_model, monkeypatch):
+    from grpo.config import ModelConfig
+    from models.packing import pack, unpack_per_sequence
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from tests.test_packing import mixed_batch
+
+    init_distributed()
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    batch = mixed_batch(policy.adapter)
+    mb = pack(batch, list(range(len(batch))))
+    with torch.no_grad():
+        before = unpack_per_sequence(policy.logprobs(mb)[0], mb)
+    seen = {"attention": 0, "vision": 0}
+    for name, key in (("reference_attention", "attention"),):
+        original = getattr(exact, name)
+
+        def counted(*a, _o=original, _k=key, **kw):
+            seen[_k] += 1
+            return _o(*a, **kw)
+
+        monkeypatch.setattr(exact, name, counted)
+    from transformers.integrations import sdpa_attention
+
+    original_sdpa = sdpa_attention.sdpa_attention_forward
+
+    def counted_sdpa(*a, **kw):
+        seen["vision"] += 1
+        return original_sdpa(*a, **kw)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", counted_sdpa)
+    mode = exact.ExactMode(policy.adapter.name)  # no banned tokens: only the routing changes
+    mode.apply_to_policy(policy)
+    assert mode.report["policy"]["rms_norm"] > 0 and mode.report["policy"]["text_rope"] == 1
+    assert mode.report["policy"]["patch_embed"] == 1
+    assert policy.adapter.vision_tower(policy.model).config._attn_implementation == exact.VISION_ATTENTION_NAME
+    assert policy.model.config.get_text_config()._attn_implementation == exact.ATTENTION_NAME
+    with torch.no_grad():
+        after = unpack_per_sequence(policy.logprobs(mb)[0], mb)
+    layers = len(policy.adapter.decoder_layers(policy.model))
+    assert seen["attention"] == layers and seen["vision"] > 0
+    for a, b in zip(before, after):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+
+
+# --- the engine's side ------------------------------------------------------------------------------------------------------
+def _fake_vllm(monkeypatch, captured):
+    class RMSNorm:
+        def forward_cuda(self, x, residual=None):
+            return "fused kernel"
+
+        forward_native = forward_cuda
+
+    class SiluAndMul(RMSNorm):
+        pass
+
+    class MRotaryEmbedding:
+        def forward_native(self, positions, query, key=None):
+            return "native"
+
+        def forward_cuda(self, positions, query, key=None):
+            return "triton"
+
+    class LLM:
+        def __init__(self, **kwargs):
+            captured.update(kwargs)
+
+    modules = {"vllm": types.ModuleType("vllm"), "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+               "vllm.model_executor.layers": types.ModuleType("vllm.model_executor.layers")}
+    for name, cls in (("layernorm", RMSNorm), ("activation", SiluAndMul), ("rotary_embedding", MRotaryEmbedding)):
+        mod = types.ModuleType(f"vllm.model_executor.layers.{name}")
+        setattr(mod, cls.__name__, cls)
+        modules[mod.__name__] = mod
+    modules["vllm"].LLM = LLM
+    models = types.ModuleType("vllm.model_executor.models")
+    qwen = types.ModuleType("vllm.model_executor.models.qwen2_5_vl")
+    qwen.Qwen2_5_VisionPatchEmbed = type("Qwen2_5_VisionPatchEmbed", (), {"forward": lambda self, x: "linear"})
+    qwen.apply_rotary_pos_emb_vision = lambda t, freqs, fn=None: "flash_attn rotary"
+    models.qwen2_5_vl = qwen
+    modules.update({models.__name__: models, qwen.__name__: qwen})
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return RMSNorm, SiluAndMul, MRotaryEmbedding
+
+
+def test_patch_vllm_routes_the_custom_ops(monkeypatch):
+    rms, silu, rope = _fake_vllm(monkeypatch, {})
+    report = {}
+    exact.patch_vllm(report)
+    assert report == {"RMSNorm": "routed to torch code", "SiluAndMul": "routed to torch code",
+                      "MRotaryEmbedding": "forward_cuda -> forward_native",
+                      "ApplyRotaryEmb": "not found in vllm.model_executor.layers.rotary_embedding.common",
+                      "Qwen2_5_VisionPatchEmbed": "routed to torch code",
+                      "apply_rotary_pos_emb_vision": "routed to torch code"}
+    qwen = sys.modules["vllm.model_executor.models.qwen2_5_vl"]
+    assert qwen.apply_rotary_pos_emb_vision is exact._engine_vision_rope
+    assert qwen.Qwen2_5_VisionPatchEmbed.forward is exact._engine_patch_embed
+    norm = rms()
+    norm.weight, norm.variance_epsilon = torch.ones(4), 1e-6
+    x = torch.randn(2, 4)
+    assert torch.equal(norm.forward_cuda(x), exact.rms_norm(x, norm.weight, 1e-6))
+    assert rope().forward_cuda(None, None) == "native"
+    monkeypatch.delitem(sys.modules, "vllm.model_executor.layers.activation")
+    report = {}
+    exact.patch_vllm(report)
+    assert report["SiluAndMul"].startswith("not found")
+
+
+def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
+    from rollout.vllm_engine import VLLMEngine
+
+    captured = {}
+    _fake_vllm(monkeypatch, captured)
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.__dict__.update(_world=1, _processor_cache_gb=0.0, max_images_per_prompt=1, max_videos_per_prompt=0,
+                           _async_scheduling=None, _max_num_seqs=64, _routing=False,
+                           _exact=exact.ExactMode("qwen2_5_vl"))
+    engine.adapter = types.SimpleNamespace(vllm_processor_kwargs=lambda a, b: {}, vllm_engine_kwargs=lambda: {})
+    monkeypatch.setattr(VLLMEngine, "_kv_cache_kwargs", lambda self, *a: {})
+    engine._build_llm(str(tiny_model), 1, 0.3, True, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["attention_config"] == {"backend": "FLASH_ATTN"}
+    assert captured["mm_encoder_attn_backend"] == "TORCH_SDPA"
+    assert captured["enable_prefix_caching"] is False and captured["enable_chunked_prefill"] is False
+    assert captured["max_num_batched_tokens"] >= 4096 and captured["block_size"] == exact.KV_BLOCK
+    assert captured["enforce_eager"] is True and "compilation_config" not in captured
+    captured.clear()
+    engine._exact = None
+    engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
+    assert "attention_config" not in captured and "enable_prefix_caching" not in captured

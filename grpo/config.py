@@ -183,6 +183,9 @@ class AlgorithmConfig:
     # veto, with any rollout_correction: drop sequences whose per-token max exp|dlogp| exceeds this; 0 disables
     mismatch_mask_threshold: float = 0.0
     tool_error_penalty: float = 0.0  # subtracted from an episode's reward per failed tool call
+    # MoE families: the training forwards route each token to the experts the engine chose for it
+    # (vLLM's enable_return_routed_experts; the built-in engine records its own); models/moe.py
+    routing_replay: bool = False
 
     def correction(self) -> dict:
         """The rollout correction in force, as `grpo.algorithm.rollout_correction`'s mode and thresholds:

@@ -21,6 +21,8 @@ import inspect
 
 import torch
 
+from models.moe import current_routes, routes_as
+
 NAME = "varlen"
 _ROW: contextvars.ContextVar = contextvars.ContextVar("vlrl_packed_row", default=None)
 VISION_NAME = "flash_varlen_vision"  # "flash" in the name: transformers passes cu_seqlens to it
@@ -75,8 +77,15 @@ def _row_as(row):
 
 def checkpoint_context():
     """`context_fn` for activation checkpointing: the backward's recompute of a layer sees the
-    packed row its forward saw (backward runs after the `packed_row` block has closed)."""
-    return contextlib.nullcontext(), _row_as(_ROW.get())
+    packed row (and the MoE routes it replays) its forward saw (backward runs after those blocks
+    have closed)."""
+    return contextlib.nullcontext(), _recompute_as(_ROW.get(), current_routes())
+
+
+@contextlib.contextmanager
+def _recompute_as(row, routes):
+    with _row_as(row), routes_as(routes):
+        yield
 
 
 def given_row(length: int) -> tuple[torch.Tensor, int] | None:

@@ -48,6 +48,8 @@ class PackedMicrobatch:
     # Per-target values riding with this micro-batch through a step (grpo/update.py's PackedStep):
     # name → (K,) tensor on the micro-batch's device, in target order.
     fields: dict = field(default_factory=dict)
+    # MoE routing replay: the experts the engine chose for each token of the row, (L, layers, k).
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +67,7 @@ class PackedMicrobatch:
             list(self.sample_indices), self.image_group, self.images_per_group,
             pixel_values_videos=move(self.pixel_values_videos), video_grid_thw=move(self.video_grid_thw),
             video_group=self.video_group, videos_per_group=self.videos_per_group,
+            routed_experts=move(self.routed_experts),
         )
 
 
@@ -138,8 +141,9 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
     The batch needs `input_ids` (1-D per sample), `position_ids` ((4, L) per sample), `loss_mask`
     (1-D per sample, 1 where the token is scored), and optionally `pixel_values` and
     `image_grid_thw` (None for text-only samples), an episode's own images after its prompt's,
-    `tool_pixel_values` and `tool_image_grid_thw` (None where it has none), and the prompt's videos,
-    `pixel_values_videos` and `video_grid_thw` (None where it has none).
+    `tool_pixel_values` and `tool_image_grid_thw` (None where it has none), the prompt's videos,
+    `pixel_values_videos` and `video_grid_thw` (None where it has none), and for MoE routing replay
+    `routed_experts` ((L, layers, k) per sample).
     """
     sub = batch.slice(indices)
     ids, pos, masks = sub["input_ids"].items, sub["position_ids"].items, sub["loss_mask"].items
@@ -171,6 +175,7 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
         video_grid_thw=torch.cat(vgrids) if vgrids else None,
         video_group=vgroups,
         videos_per_group=[g.shape[0] for g in vgrids],
+        routed_experts=torch.cat(sub["routed_experts"].items) if "routed_experts" in sub else None,
     )
 
 

@@ -25,7 +25,7 @@ from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
 from models.lora import (
     adapters_detached, apply_lora, init_lora_weights, is_adapter_name, lora_module_names, lora_modules, merged_weight,
 )
-from models.moe import load_balancing_loss
+from models.moe import apply_routing_replay, load_balancing_loss, routes_as
 from models.packing import PackedMicrobatch
 from models.parallel import ParallelDims, apply_parallelism
 
@@ -263,8 +263,10 @@ class Policy:
                 extra.append(joint)
             image_mask = visual
             keepalive = None
+        if mb.routed_experts is not None:  # MoE routing replay: the engine's experts per token
+            apply_routing_replay(a.routers(self.model))
         if a.packable or mb.cu_seqlens.numel() <= 2:
-            with packed_row(mb.cu_seqlens.to(embeds.device), mb.input_ids.shape[1]):
+            with packed_row(mb.cu_seqlens.to(embeds.device), mb.input_ids.shape[1]), routes_as(mb.routed_experts):
                 hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, extra)[0]
         else:
             hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, extra))
@@ -279,8 +281,10 @@ class Policy:
             n = int(mask.sum())
             seq_extra = [s[used:used + n] for s in extra]
             used += n
-            out.append(self.adapter.run_language_model(
-                self.model, embeds[:, start:end], mb.position_ids[:, :, start:end], mask, seq_extra)[0])
+            routes = None if mb.routed_experts is None else mb.routed_experts[start:end]
+            with routes_as(routes):
+                out.append(self.adapter.run_language_model(
+                    self.model, embeds[:, start:end], mb.position_ids[:, :, start:end], mask, seq_extra)[0])
         return out
 
     def _vision_streams(self, mb: PackedMicrobatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -48,6 +48,10 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
+    # MoE routing replay: the experts each MoE layer chose for every token of the prompt and the
+    # response, (prompt + response tokens, layers, k) int ids, -1 for a token the engine did not run
+    # (the last sampled one); None unless the engine was asked to report them.
+    routed_experts: torch.Tensor | None = None
 
 
 class Engine(ABC):

@@ -53,6 +53,9 @@ class Episode:
     video_pixels: torch.Tensor | None = None
     video_grid: torch.Tensor | None = None
     video_seconds: torch.Tensor | None = None
+    # MoE routing replay: the experts the engine routed each token to, (tokens so far, layers, k); the
+    # last turn's generation reports the whole episode up to its end (its prompt was the episode so far)
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def start(cls, index: int, prompt) -> "Episode":
@@ -92,6 +95,8 @@ class Episode:
         self.logprobs += list(gen.logprobs)
         self.turns.append((start, len(self.token_ids)))
         self.engine_finish = gen.finish_reason
+        if gen.routed_experts is not None:
+            self.routed_experts = gen.routed_experts[: len(self.token_ids)]
 
     def add_tool_tokens(self, ids: list[int], pixels: torch.Tensor | None, grid: torch.Tensor | None,
                         images: list) -> None:
@@ -131,6 +136,14 @@ class Episode:
         """The whole sequence so far as an engine prompt (its ids and every image in order)."""
         return PromptInput(list(self.token_ids), list(self.images), self.pixel_values(), self.image_grid_thw(),
                            list(self.videos), self.video_pixels, self.video_grid, self.video_seconds)
+
+    def routes(self) -> torch.Tensor | None:
+        """The engine's routing of every token, (tokens, layers, k); -1 rows where it ran none (tool
+        tokens appended after the last model turn, the last sampled token)."""
+        r = self.routed_experts
+        if r is None or r.shape[0] >= len(self.token_ids):
+            return None if r is None else r[: len(self.token_ids)]
+        return torch.cat([r, r.new_full((len(self.token_ids) - r.shape[0], *r.shape[1:]), -1)])
 
     def loss_mask(self) -> torch.Tensor:
         """1 on model tokens, 0 on prompt and tool tokens."""
@@ -191,4 +204,9 @@ def episode_batch(episodes: list[Episode], adapter: FamilyAdapter) -> Batch:
               "video_grid_thw": [e.video_grid for e in episodes]}
     if any(t is not None for t in tpix):
         fields.update(tool_pixel_values=tpix, tool_image_grid_thw=tgrids)
+    routes = [e.routes() for e in episodes]
+    if any(r is not None for r in routes):  # MoE routing replay: the policy routes as the engine did
+        if any(r is None for r in routes):
+            raise ValueError("routing replay: some episodes of the batch carry the engine's routing and some do not")
+        fields["routed_experts"] = routes
     return Batch(fields)

@@ -43,10 +43,15 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
     rollout.gpu_memory_utilization); `max_num_seqs` the most sequences one generation call runs
     at once (vLLM sizes its scheduler and CUDA graphs by it)."""
     name = resolve_engine_name(cfg.rollout.engine, policy.model.config.model_type)
+    replay = cfg.algorithm.routing_replay
+    if replay and not policy.adapter.experts_per_token:
+        raise ValueError(f"config key 'algorithm.routing_replay' is true, but model family '{policy.adapter.name}' "
+                         "has no MoE router; set it to false")
     if name == "torch":
         from rollout.torch_engine import TorchEngine
 
-        return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype, adapter=policy.adapter)
+        return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype, adapter=policy.adapter,
+                           record_routing=replay)
     from rollout.exact import engine_mode
     from rollout.vllm_engine import VLLMEngine
 
@@ -66,5 +71,6 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         if policy.adapter.takes_video else 0,
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
+        return_routed_experts=replay,
         exact=engine_mode(policy) if r.exact else None,
     )

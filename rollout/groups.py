@@ -62,5 +62,5 @@ class EngineGroup:
     @staticmethod
     def own(gens: list[Generation], start: int, count: int) -> list[Generation]:
         """This member's generations out of the group's, renumbered to its own prompts."""
-        return [Generation(g.prompt_index - start, g.token_ids, g.logprobs, g.finish_reason)
+        return [Generation(g.prompt_index - start, g.token_ids, g.logprobs, g.finish_reason, g.routed_experts)
                 for g in gens if start <= g.prompt_index < start + count]

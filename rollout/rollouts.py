@@ -192,7 +192,7 @@ class Rollouts:
         for e, g, cap in zip(live, gens, allowed):
             cut = len(g.token_ids) > cap
             if cut:
-                g = Generation(g.prompt_index, g.token_ids[:cap], g.logprobs[:cap], "length")
+                g = Generation(g.prompt_index, g.token_ids[:cap], g.logprobs[:cap], "length", g.routed_experts)
             e.add_model_turn(g)
             if g.finish_reason == "length":
                 e.finish_reason = "max_tokens"

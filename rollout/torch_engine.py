@@ -15,7 +15,9 @@ it favours being exactly right over being fast:
   `Policy.logprobs(mb, temperature=...)` computes. Banned tokens (image placeholders) are
   removed only from the sampling distribution, not from the reported one: the trainer scores
   the unbanned distribution, and both sides must agree. Top-k and top-p likewise shape only
-  the sampling distribution. Greedy decoding (temperature 0) reports `log_softmax(logits)`.
+  the sampling distribution. Greedy decoding (temperature 0) reports `log_softmax(logits)`;
+- with `record_routing` (MoE routing replay) each Generation carries the experts every token of its
+  prompt and response was routed to (`models.moe.RouteRecorder`), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from models.family import FamilyAdapter, build_adapter
+from models.moe import RouteRecorder
 from models.policy import canonical_weight_name, load_model_config
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
 
@@ -45,6 +48,7 @@ class TorchEngine(Engine):
         attn_implementation: str = "sdpa",
         max_batch_size: int = 64,
         adapter: FamilyAdapter | None = None,
+        record_routing: bool = False,
     ):
         from transformers import AutoModelForImageTextToText
 
@@ -63,6 +67,8 @@ class TorchEngine(Engine):
         self._cache_kwarg = cache_kwarg_name(self.model.model)
         self._asleep = False
         self.last_stats: dict[str, float] = {}
+        # MoE routing replay: each Generation carries the experts its tokens were routed to
+        self.routes = RouteRecorder(self.adapter.routers(self.model)) if record_routing else None
 
     # --- weights ---------------------------------------------------------------------------
     def _named_tensors(self) -> dict[str, torch.Tensor]:
@@ -185,6 +191,7 @@ class TorchEngine(Engine):
     ) -> list[Generation]:
         n, budget = params.n, params.max_new_tokens
         logits, cache, mask = self._prefill(chunk)
+        routes = self._prompt_routes(chunk, n)
         # One prefill per prompt, then n decoding rows per prompt sharing its cached prompt.
         logits = logits.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
@@ -218,7 +225,23 @@ class TorchEngine(Engine):
                 active = [active[j] for j in keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             logits = self._decode(token, next_pos + step, mask, cache)
-        return [Generation(r, t, lp, f) for r, t, lp, f in zip(rows, tokens, lps, finish)]
+            if routes is not None:  # the routing of each active row's token just fed
+                for row, r in zip(active, self.routes.take()):
+                    routes[row].append(r[None])
+        if routes is None:
+            return [Generation(r, t, lp, f) for r, t, lp, f in zip(rows, tokens, lps, finish)]
+        # the last sampled token is never fed back: its row is -1
+        return [Generation(r, t, lp, f, _padded(torch.cat(rt), chunk[i // n].ids.numel() + len(t)))
+                for i, (r, t, lp, f, rt) in enumerate(zip(rows, tokens, lps, finish, routes))]
+
+    def _prompt_routes(self, chunk: list["_Prepared"], n: int) -> list[list[torch.Tensor]] | None:
+        """Per decoding row, the routing of its prompt's tokens in the prefill just run (its n rows share it)."""
+        if self.routes is None:
+            return None
+        width = max(p.ids.numel() for p in chunk)
+        prefill = self.routes.take()
+        prefill = prefill.reshape(len(chunk), width, *prefill.shape[1:])
+        return [[prefill[b, : p.ids.numel()]] for b, p in enumerate(chunk) for _ in range(n)]
 
     def _prefill(self, chunk: list["_Prepared"]):
         """Run the right-padded prompts once: last-token fp32 logits (B, V), the KV cache and the 2-D mask."""
@@ -288,6 +311,12 @@ class _Prepared:
     video_pixels: torch.Tensor | None = None
     video_grid: torch.Tensor | None = None
     video_seconds: torch.Tensor | None = None
+
+
+def _padded(routes: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`routes` (rows, layers, k) extended with rows of -1 to `tokens` rows."""
+    extra = routes.new_full((tokens - routes.shape[0], *routes.shape[1:]), -1)
+    return torch.cat([routes, extra])
 
 
 def cache_kwarg_name(inner: nn.Module) -> str:

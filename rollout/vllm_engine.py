@@ -227,6 +227,31 @@ def _sampled_logprobs(tokens: list[int], logprobs) -> list[float]:
     return values
 
 
+def engine_routes(prompt_routes, completion_routes, prompt_len: int, gen_len: int) -> torch.Tensor:
+    """vLLM's routing of one completion as (prompt_len + gen_len, MoE layers, k) int16 expert ids, -1 where
+    it reports none. vLLM reports the prompt's at the request level (`prompt_routed_experts`) and the
+    response's per completion (`routed_experts`), which may lack the last sampled token (never run); a
+    completion array that already covers the prompt (no request-level one) is taken as the whole sequence."""
+    import numpy as np
+
+    if completion_routes is None:
+        raise RuntimeError("vLLM returned no routed_experts for algorithm.routing_replay (it needs "
+                           "enable_return_routed_experts, the V2 model runner and prefix caching on)")
+    as_ids = lambda a: torch.from_numpy(np.asarray(a).astype(np.int16))  # noqa: E731
+    rows = [as_ids(completion_routes)]
+    if prompt_routes is not None:
+        rows.insert(0, as_ids(prompt_routes))
+    elif rows[0].shape[0] < prompt_len:
+        raise RuntimeError(f"vLLM reported routing for {rows[0].shape[0]} tokens and none for the prompt of "
+                           f"{prompt_len} tokens")
+    routes = torch.cat(rows)
+    total = prompt_len + gen_len
+    if routes.ndim != 3 or routes.shape[0] > total:
+        raise RuntimeError(f"vLLM's routing has shape {tuple(routes.shape)} for {prompt_len} prompt and {gen_len} "
+                           "response tokens")
+    return torch.cat([routes, routes.new_full((total - routes.shape[0], *routes.shape[1:]), -1)])
+
+
 def _finish_reason(reason: str | None) -> str:
     if reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a response with reason {reason!r}; expected 'stop' or 'length'")
@@ -395,6 +420,7 @@ class VLLMEngine(Engine):
         max_num_seqs: int | None = None,
         sleep_level: int = 1,
         processor_cache_gb: float = 4.0,
+        return_routed_experts: bool = False,
         exact=None,
     ):
         if not 0 < min_pixels <= max_pixels:
@@ -432,6 +458,7 @@ class VLLMEngine(Engine):
         if processor_cache_gb < 0:
             raise ValueError(f"VLLMEngine: processor_cache_gb must be >= 0, got {processor_cache_gb}")
         self._processor_cache_gb = processor_cache_gb
+        self._routing = return_routed_experts  # MoE routing replay: vLLM reports each token's experts
         self._seed = seed
         self._calls = 0
         self.last_stats: dict[str, int] = {}
@@ -501,6 +528,7 @@ class VLLMEngine(Engine):
             **self._batch_kwargs(enforce_eager),
             **({} if self._async_scheduling is None else {"async_scheduling": self._async_scheduling}),
             **self.adapter.vllm_engine_kwargs(),
+            **({"enable_return_routed_experts": True} if self._routing else {}),
             **({} if self._exact is None else self._exact.engine_kwargs(max_model_len)),
         )
 
@@ -562,7 +590,9 @@ class VLLMEngine(Engine):
             for c in completions:
                 tokens = list(c.token_ids)
                 logprobs = _sampled_logprobs(tokens, c.logprobs)
-                generations.append(Generation(i, tokens, logprobs, _finish_reason(c.finish_reason)))
+                routes = engine_routes(getattr(out, "prompt_routed_experts", None), c.routed_experts,
+                                       len(prompt.input_ids), len(tokens)) if self._routing else None
+                generations.append(Generation(i, tokens, logprobs, _finish_reason(c.finish_reason), routes))
         return generations
 
     def _vllm_prompt(self, index: int, prompt: PromptInput) -> dict:

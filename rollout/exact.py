@@ -307,8 +307,10 @@ class ExactMode:
     report: dict = field(default_factory=dict)  # what was patched and found, for logs and the GPU stage
 
     def engine_kwargs(self, max_model_len: int) -> dict:
-        """`LLM(...)` arguments of the mode (enforce_eager is forced by the engine itself)."""
-        return {
+        """`LLM(...)` arguments of the mode (enforce_eager is forced by the engine itself). Where the installed
+        vLLM's EngineArgs lacks one, it is left out and named in `report["engine_kwargs_dropped"]` (the decoder
+        backend then goes through `attention_backend` or the VLLM_ATTENTION_BACKEND variable)."""
+        kwargs = {
             "attention_config": {"backend": "FLASH_ATTN"},
             "mm_encoder_attn_backend": "TORCH_SDPA",
             "block_size": KV_BLOCK,
@@ -316,12 +318,36 @@ class ExactMode:
             "enable_chunked_prefill": False,
             "max_num_batched_tokens": max(max_model_len, 16384),
         }
+        fields = _engine_arg_names()
+        if fields is None:
+            return kwargs
+        if "attention_config" not in fields:
+            del kwargs["attention_config"]
+            if "attention_backend" in fields:
+                kwargs["attention_backend"] = "FLASH_ATTN"
+            else:
+                os.environ["VLLM_ATTENTION_BACKEND"] = "FLASH_ATTN"
+        dropped = sorted(k for k in kwargs if k not in fields)
+        if dropped:
+            self.report["engine_kwargs_dropped"] = dropped
+        return {k: v for k, v in kwargs.items() if k in fields}
 
     def apply_to_policy(self, policy) -> None:
         """Route the policy's attention, RMSNorm and logprobs to the exact implementations (in place)."""
         check_family(policy.adapter.name)
         policy.exact_logit_bias = (tuple(self.banned_token_ids), BAN_BIAS)
         self.report["policy"] = apply_exact_modules(policy.model, policy.adapter)
+
+
+def _engine_arg_names() -> set[str] | None:
+    """The fields of the installed vLLM's EngineArgs (what `LLM(...)` takes), or None without vLLM."""
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return None
+    return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def apply_exact_modules(model, adapter) -> int:

@@ -330,7 +330,46 @@ def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
     assert captured["enable_prefix_caching"] is False and captured["enable_chunked_prefill"] is False
     assert captured["max_num_batched_tokens"] >= 4096 and captured["block_size"] == exact.KV_BLOCK
     assert captured["enforce_eager"] is True and "compilation_config" not in captured
+    # a vLLM whose EngineArgs lacks a switch: left out and named, the backend through attention_backend
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    import dataclasses
+
+    arg_utils.EngineArgs = dataclasses.make_dataclass("EngineArgs", ["attention_backend", "block_size",
+                                                                     "enable_prefix_caching", "max_num_batched_tokens"])
+    monkeypatch.setitem(sys.modules, "vllm.engine", types.ModuleType("vllm.engine"))
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
+    mode = exact.ExactMode("qwen2_5_vl")
+    assert mode.engine_kwargs(4096) == {"attention_backend": "FLASH_ATTN", "block_size": exact.KV_BLOCK,
+                                        "enable_prefix_caching": False, "max_num_batched_tokens": 16384}
+    assert mode.report["engine_kwargs_dropped"] == ["enable_chunked_prefill", "mm_encoder_attn_backend"]
     captured.clear()
     engine._exact = None
     engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
     assert "attention_config" not in captured and "enable_prefix_caching" not in captured
+
+
+# --- the measuring tool ----------------------------------------------------------------------------------------------------
+def test_logprob_check_reports_the_exact_rows_keys_and_timings(tiny_model):
+    from grpo.config import ModelConfig
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from rollout.base import Generation
+    from tests.test_packing import mixed_batch
+    from tools import logprob_check
+
+    init_distributed()
+    gens = [Generation(0, [5, 6, 7], [-1.0, -2.0, -0.5], "length"), Generation(0, [8, 9], [-3.0, -0.25], "stop")]
+    policy_lp = [torch.tensor([-1.0, -2.5, -0.5]), torch.tensor([-3.0, -0.25])]
+    trainer = types.SimpleNamespace(tokenizer=types.SimpleNamespace(decode=lambda ids: "x"), engine=object(),
+                                    policy=types.SimpleNamespace(dtype=torch.float32))
+    args = types.SimpleNamespace(worst=2, png=None, packing="packed")
+    report = logprob_check._report(trainer, gens, policy_lp, None, args, 0.5)
+    assert report["max_abs_dlogprob"] == 0.5
+    assert report["token_mult_prob_error_median"] == report["token_mult_prob_error"]["median"]
+    assert report["token_mult_prob_error_max"] == report["token_mult_prob_error"]["max"] > 1.0
+
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    trainer = types.SimpleNamespace(policy=policy, optimizer=optimizer)
+    seconds = logprob_check._train_pass_s(trainer, mixed_batch(policy.adapter), 4096, 1.0)
+    assert seconds > 0 and all(p.grad is None for p in policy.model.parameters())

@@ -26,6 +26,9 @@
 #   qwen35    Qwen3.5-4B's shapes (random weights, make_tiny_model --size qwen3_5_4b): the update alone
 #             (bench.py, 128 sequences x 256 tokens) and train.py GRPO steps at 16 prompts x 8 x 256 tokens
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS)
+#   exact     rollout.exact on the tiny Qwen2.5-VL: tests/gpu/test_exact.py (256 sequences, exact and not, bitwise
+#             check and cost, exact_tiny.json), then op_diff --exact (op_diff_exact.json); ~5 min. EXACT_3B=1: the
+#             same test on the 3B shape at 448x448 instead (exact_3b.json; a call of its own)
 set -u
 STAGE=$1
 OUT=${2:-gpu_out}
@@ -228,6 +231,26 @@ op_diff)
   timeout ${OPDIFF_S:-240} $PY tools/op_diff.py --model $W/tiny --data $W/opd.parquet --task clevr --engine vllm \
     --dtype ${DTYPE:-bfloat16} ${OPDIFF_ARGS:-} --out "$OUT/op_diff.json" > "$OUT/op_diff.log" 2>&1
   echo "op_diff rc=$?"; grep -v "^INFO\|^WARNING\|^\[" "$OUT/op_diff.log" | tail -30
+  ;;
+exact)
+  if [ "${EXACT_3B:-0}" = 1 ]; then
+    [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
+      --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+    $PY tools/make_dataset.py --kind clevr --n 64 --seed 3 --out $W/exact3b.parquet --size 448x448 > /dev/null
+    EXACT_MODEL=$M EXACT_DATA=$W/exact3b.parquet EXACT_MIN_PIXELS=200704 EXACT_MAX_PIXELS=200704 \
+      EXACT_OUT="$OUT/exact_3b.json" EXACT_S=${EXACT_S:-280} timeout 580 $PY -m pytest -q -s tests/gpu/test_exact.py \
+      > "$OUT/exact_3b.log" 2>&1
+    echo "exact 3b rc=$?"; grep '"cost_pct"\|passed\|failed\|Error' "$OUT/exact_3b.log" | tail -4
+  else
+    EXACT_OUT="$OUT/exact_tiny.json" EXACT_S=${EXACT_S:-150} timeout 330 $PY -m pytest -q -s tests/gpu/test_exact.py \
+      > "$OUT/exact_tiny.log" 2>&1
+    echo "exact tiny rc=$?"; grep '"cost_pct"\|passed\|failed\|Error' "$OUT/exact_tiny.log" | tail -4
+    $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
+    $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/opd.parquet --size 56x56 > /dev/null
+    timeout ${OPDIFF_S:-200} $PY tools/op_diff.py --model $W/tiny --data $W/opd.parquet --task clevr --engine vllm \
+      --dtype bfloat16 --exact --out "$OUT/op_diff_exact.json" > "$OUT/op_diff_exact.log" 2>&1
+    echo "op_diff --exact rc=$?"; grep "first module\|exact mode" "$OUT/op_diff_exact.log" | tail -3
+  fi
   ;;
 *)
   echo "unknown stage $STAGE" >&2; exit 2

@@ -2,11 +2,15 @@
 
     python tools/logprob_check.py --model DIR --data FILE --task clevr --engine torch --num-prompts 8 --n 4
     torchrun --nproc-per-node 2 tools/logprob_check.py ... --packing padded
+    python tools/logprob_check.py ... --engine vllm --exact --time-train   # rollout.exact=true, with timings
 
 Prints one JSON object: packed_vs_padded_max_abs_dlogp (the policy's logprobs of the same tokens
 with and without packing), token_mult_prob_error {mean, median, max} over sequences (each
 sequence's mean of exp(|lp_engine − lp_policy|)), gen_kl, tokens, engine, dtype, and the worst
-tokens with their context; `--png` draws per-token |Δlogprob| for the worst sequences.
+tokens with their context; `--png` draws per-token |Δlogprob| for the worst sequences. Also: max_abs_dlogprob
+(the largest |lp_engine − lp_policy| over all scored tokens; 0 in exact mode), exact, model, and the seconds
+of generation (gen_s), of the policy's scoring pass (score_s) and, with `--time-train`, of one forward and
+backward over the batch (train_s) — the throughput cost of `--exact` is these against a run without it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ def _parse(argv):
                         "next-token distributions hide mismatch; sharper ones resemble a trained model's "
                         "(entropy_mean in the output says how sharp)")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--exact", action="store_true",
+                   help="rollout.exact=true: batch-invariant vLLM and the policy on the engine's kernels")
+    p.add_argument("--time-train", action="store_true",
+                   help="also time one forward and backward of the policy over the batch (train_s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a further config override, e.g. rollout.enforce_eager=true (repeatable)")
     p.add_argument("--png", default=None, help="write a PNG of per-token |dlogprob| for the worst sequences")
@@ -95,7 +103,7 @@ def check(args) -> dict:
         f"data.min_pixels={args.min_pixels}", f"data.max_pixels={args.max_pixels}",
         "trainer.run_dir=/tmp/vlrl_logprob_check", "checkpoint.resume=never", "logging.tensorboard=false",
         f"optim.max_tokens_per_microbatch={max_tokens}", f"data.prompts_per_step={args.num_prompts}",
-        *args.overrides,
+        *(["rollout.exact=true"] if args.exact else []), *args.overrides,
     ])
     trainer = Trainer(cfg)
     per_rank = max(args.num_prompts // trainer.dims.dp, 1)
@@ -107,7 +115,9 @@ def check(args) -> dict:
     batch = trainer._sequence_batch(prompts, responses, [g.prompt_index for g in gens])
     from grpo.update import sequence_logprobs
 
+    t0 = time.monotonic()
     policy_lp, entropies = sequence_logprobs(trainer.policy, batch, max_tokens, args.temperature, with_entropy=True)
+    score_s = _synced(t0, trainer.policy.device)
     other, _ = sequence_logprobs(trainer.policy, batch, 16384 if max_tokens == 1 else 1, args.temperature)
     diffs = [float((a - b).abs().max()) for a, b in zip(policy_lp, other) if a.numel()]
     report = _report(trainer, gens, policy_lp, batch, args, gen_s)
@@ -119,17 +129,48 @@ def check(args) -> dict:
     t = torch.tensor([max(diffs, default=0.0)], device=trainer.policy.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     report["packed_vs_padded_max_abs_dlogp"] = float(t.item())
+    report.update(exact=trainer.cfg.rollout.exact, model=Path(args.model).name, score_s=score_s)
+    mode = getattr(trainer.engine, "_exact", None)
+    if mode is not None:
+        report["exact_report"] = mode.report
+    if args.time_train:
+        report["train_s"] = _train_pass_s(trainer, batch, max_tokens, args.temperature)
     return report
 
 
+def _synced(t0: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic() - t0
+
+
+def _train_pass_s(trainer, batch, max_tokens: int, temperature: float) -> float:
+    """Seconds of one forward and backward of every micro-batch (gradients dropped after), after one untimed
+    micro-batch that warms the kernels up."""
+    from grpo.update import as_packed
+
+    policy = trainer.policy
+    step = as_packed(batch, max_tokens, policy.device)
+    micro = list(step)
+    for i, (mb, _) in enumerate([micro[0]] + micro):
+        if i == 1:
+            t0 = time.monotonic()
+        lp, _ = policy.logprobs(mb, temperature=temperature)
+        lp.sum().backward()
+    seconds = _synced(t0, policy.device)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return seconds
+
+
 def _report(trainer, gens, policy_lp, batch, args, gen_s) -> dict:
-    per_seq, worst, total_kl, tokens = [], [], 0.0, 0
+    per_seq, worst, total_kl, tokens, max_abs = [], [], 0.0, 0, 0.0
     for i, (g, lp) in enumerate(zip(gens, policy_lp)):
         eng = torch.tensor(g.logprobs, dtype=torch.float64)
         d = (eng - lp.double()).abs()
         if d.numel() == 0:
             continue
         per_seq.append(float(torch.exp(d).mean()))
+        max_abs = max(max_abs, float(d.max()))
         delta = lp.double() - eng
         total_kl += float((torch.exp(delta) - delta - 1).sum())
         tokens += d.numel()
@@ -142,7 +183,8 @@ def _report(trainer, gens, policy_lp, batch, args, gen_s) -> dict:
     series = {f"rank{dist.get_rank()} seq {i}": [
         (t, float(abs(gens[i].logprobs[t] - float(policy_lp[i][t])))) for t in range(policy_lp[i].numel())]
         for _, i in curves}
-    local = [json.dumps({"per_seq": per_seq, "worst": worst, "kl": total_kl, "tokens": tokens, "series": series})]
+    local = [json.dumps({"per_seq": per_seq, "worst": worst, "kl": total_kl, "tokens": tokens, "series": series,
+                         "max_abs": max_abs})]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local[0])
     parts = [json.loads(x) for x in gathered]
@@ -158,6 +200,8 @@ def _report(trainer, gens, policy_lp, batch, args, gen_s) -> dict:
              xlabel="response token", unit_range=False)
     return {
         "token_mult_prob_error": {"mean": float(seqs.mean()), "median": float(seqs.median()), "max": float(seqs.max())},
+        "token_mult_prob_error_median": float(seqs.median()), "token_mult_prob_error_max": float(seqs.max()),
+        "max_abs_dlogprob": max(p["max_abs"] for p in parts),
         "gen_kl": sum(p["kl"] for p in parts) / max(all_tokens, 1),
         "tokens": all_tokens, "sequences": int(seqs.numel()),
         "engine": type(trainer.engine).__name__, "dtype": str(trainer.policy.dtype).replace("torch.", ""),

@@ -3,6 +3,7 @@
     python tools/op_diff.py --model DIR --data FILE --task clevr --num-prompts 2 --dtype float32
     python tools/op_diff.py ... --random-responses --tol 1e-5 --out op_diff.json
     python tools/op_diff.py ... --perturb-engine model.language_model.layers.1.mlp.down_proj.weight=1e-2
+    python tools/op_diff.py ... --engine vllm --exact   # rollout.exact=true: the first module still not bitwise
 
 It builds the trainer (grpo.trainer.Trainer), so the policy is the real sharded policy, takes a few
 prompts, and gets responses from the configured engine (or random tokens, `--random-responses`).
@@ -25,6 +26,11 @@ the same tokens: max |engine − policy|, relative L2 ‖engine − policy‖ / 
 two are bitwise equal. The first module whose max |diff| passes `--tol` (default 0: any bit) is
 flagged. With generated responses, the engine's own sampled-token logprobs (KV-cache decoding) are
 compared with the policy's as well (`generation_logprobs`).
+
+With `--exact` (rollout.exact=true, docs/fidelity.md "Exact mode") both sides run the exact mode's kernels
+and the report carries the engine's account of what the mode patched (`exact`); the tolerance stays 0, so
+`first_over_tol` names the first module that is still not bitwise equal, and `logprobs_bitwise` says whether
+the scored tokens' logprobs are.
 
 Hooks on a compiled block see nothing inside it: the tool builds the policy with
 `model.compile=false` (a `--set` override wins). Tensor-parallel policies (`parallel.tp` > 1) are
@@ -74,6 +80,8 @@ def _parse(argv):
                    help="add EPS to one engine weight (transformers name) before comparing: checks the tool "
                         "points at the op that was changed")
     p.add_argument("--out", default=None, help="also write the JSON report here")
+    p.add_argument("--exact", action="store_true",
+                   help="rollout.exact=true: batch-invariant vLLM and the policy on the engine's kernels")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a further config override, e.g. rollout.enforce_eager=true (repeatable)")
     return p.parse_args(argv)
@@ -390,7 +398,7 @@ def _config(args):
         f"data.min_pixels={args.min_pixels}", f"data.max_pixels={args.max_pixels}",
         "trainer.run_dir=/tmp/vlrl_op_diff", "checkpoint.resume=never", "logging.tensorboard=false",
         f"data.prompts_per_step={args.num_prompts}", "model.compile=false", "rollout.enforce_eager=true",
-        *args.overrides,
+        *(["rollout.exact=true"] if args.exact else []), *args.overrides,
     ])
 
 
@@ -445,7 +453,12 @@ def op_diff(args) -> dict:
         "engine": type(engine).__name__, "dtype": str(trainer.policy.dtype).replace("torch.", ""),
         "sequences": len(seqs), "tokens": int(mb.input_ids.numel()), "scored_tokens": int(mb.target_ids.numel()),
         "random_responses": args.random_responses, "tol": args.tol, "first_over_tol": first, "modules": rows,
+        "exact": trainer.cfg.rollout.exact, "logprobs_bitwise": next(
+            (bool(r.get("bitwise")) for r in rows if r["name"] == "logprobs"), False),
     }
+    mode = getattr(engine, "_exact", None)
+    if mode is not None:
+        report["exact_report"] = mode.report
     if gens is not None:
         ours = torch.cat([torch.tensor(gens[i].logprobs, dtype=torch.float64) for i in mb.sample_indices])
         d = ours - policy_vals["logprobs"].double()
@@ -468,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
             if gen:
                 print(f"engine generation logprobs (KV cache) vs policy: max |diff| {gen['max_abs']:.3e}", flush=True)
             print(f"first module over tol={args.tol:g}: {report['first_over_tol']}", flush=True)
+            if report["exact"]:
+                print(f"exact mode: logprobs bitwise {report['logprobs_bitwise']}; "
+                      f"{json.dumps(report.get('exact_report', {}), default=str)}", flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps(report) + "\n")
         clean = True

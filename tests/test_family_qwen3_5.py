@@ -165,7 +165,7 @@ def test_prompts_collapse_to_what_vllm_expands(folder):
     from transformers import AutoConfig
 
     from data.processing import load_processor
-    from models.family import build_adapter
+    from models.family import FAMILIES, build_adapter
     from rollout.weight_names import VLLM_UNVERIFIED
 
     adapter = build_adapter(AutoConfig.from_pretrained(str(folder), local_files_only=True))
@@ -178,7 +178,7 @@ def test_prompts_collapse_to_what_vllm_expands(folder):
     assert adapter.vllm_processor_kwargs(3136, 12544) == {
         "size": {"shortest_edge": 3136, "longest_edge": 12544}, "do_resize": False}
     assert "qwen3_5" not in VLLM_UNVERIFIED and "qwen3_5_moe" in VLLM_UNVERIFIED
-    assert not adapter.batch_with_padding and adapter.tool_format is None
+    assert not adapter.batch_with_padding and adapter.tool_format is FAMILIES["qwen3_5"].tool_format is not None
     assert adapter.vllm_engine_kwargs() == {"additional_config": {"gdn_prefill_backend": "triton"}}
 
 

@@ -74,8 +74,9 @@ class LoraConfig:
 class ModelConfig:
     path: str = ""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 compute on CUDA, fp32 on CPU
-    # varlen: FlashAttention's variable-length kernel over packed rows (CUDA; sdpa elsewhere)
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "varlen"] = "auto"
+    # varlen: FlashAttention's variable-length kernel over packed rows (CUDA; sdpa elsewhere); vllm_paged: the
+    # call vLLM's FlashAttention backend makes (paged K/V, one KV split; needs vLLM on CUDA, sdpa elsewhere)
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "varlen", "vllm_paged"] = "auto"
     activation_checkpointing: bool = False
     # fused RMSNorm, rotary and SwiGLU kernels from the liger-kernel package (CUDA; Qwen-VL families)
     liger_kernel: bool = False
@@ -142,6 +143,8 @@ class RolloutConfig:
     # exact on-policy mode (docs/fidelity.md, "Exact mode"): vLLM batch-invariant, and the policy's scoring
     # forward through the engine's kernels, so engine and trainer logprobs are bitwise equal (GPU, vLLM)
     exact: bool = False
+    # vLLM's attention backend for the language model (auto: vLLM's choice, FlashAttention on an H200)
+    attention_backend: Literal["auto", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION"] = "auto"
 
 
 DEFAULT_TIS_CAP = 2.0  # veRL's default; TRL uses 3
@@ -759,12 +762,14 @@ def _exact_errors(cfg: Config) -> Iterator[str]:
         ("parallel.tp", cfg.parallel.tp != 1, f"{cfg.parallel.tp}; it needs 1 (sharded projections reduce in another order)"),
         ("model.compile", m.compile, "true; it needs false (compiled blocks fuse norms and rotary into other kernels)"),
         ("model.liger_kernel", m.liger_kernel, "true; it needs false (liger's fused kernels are not the engine's)"),
-        ("model.attn_implementation", m.attn_implementation != "auto",
-         f"{m.attn_implementation}; it needs auto (the mode routes attention to the engine's kernel)"),
+        ("model.attn_implementation", m.attn_implementation not in ("auto", "vllm_paged"),
+         f"{m.attn_implementation}; it needs auto or vllm_paged (the mode runs the engine's kernel)"),
         ("model.lora.rank", m.lora.rank > 0,
          f"{m.lora.rank}; it needs 0 (the engine runs the merged weight, the policy W and B·A apart)"),
         ("rollout.top_p", r.top_p != 1.0, f"{r.top_p}; it needs 1.0 (vLLM returns the truncated distribution's logprobs)"),
         ("rollout.top_k", r.top_k != -1, f"{r.top_k}; it needs -1 (vLLM returns the truncated distribution's logprobs)"),
+        ("rollout.attention_backend", r.attention_backend not in ("auto", "FLASH_ATTN"),
+         f"{r.attention_backend}; it needs auto or FLASH_ATTN (the kernel the policy calls too)"),
     )
     for key, bad, why in refusals:
         if bad:

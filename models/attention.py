@@ -175,3 +175,132 @@ def register() -> str:
     AttentionInterface.register(VISION_NAME, varlen_vision_attention)
     AttentionMaskInterface.register(VISION_NAME, _mask)
     return NAME
+
+
+# --- vLLM's FlashAttention on the paged layout (model.attn_implementation=vllm_paged; rollout.exact) -------------
+# The engine runs causal attention as vllm_flash_attn's flash_attn_varlen_func over its paged KV cache; with one
+# KV split (what vLLM's batch-invariant mode sets) the result does not depend on how the query rows are tiled,
+# so a training row computed as one prefill of all its sequences matches the engine's prefill and decode.
+ENGINE_FLASH_NAME = "vllm_paged"  # no "flash" in it: transformers takes such names for its own kernels
+KV_BLOCK = 16  # vLLM's KV block size (rollout.exact sets it in the engine; the policy pages K/V the same)
+
+
+def paged_kv(k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, block: int = KV_BLOCK):
+    """A packed row's K/V (L, Hkv, D) laid out as vLLM's KV cache: (blocks, block, Hkv, D) each, plus the block
+    table (N, max blocks) int32 and the sequence lengths (N,) int32. Sequence i's token j sits in block
+    table[i, j // block] at offset j % block; blocks past a sequence's end are zero."""
+    lengths = (cu[1:] - cu[:-1]).to(torch.int64)
+    per_seq = (lengths + block - 1) // block
+    width, total = (int(x) for x in torch.stack([per_seq.max(), per_seq.sum()]).tolist())
+    first = torch.cumsum(per_seq, 0) - per_seq  # each sequence's first block
+    columns = torch.arange(width, device=k.device)
+    table = torch.where(columns < per_seq[:, None], first[:, None] + columns, 0).to(torch.int32)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=k.device), lengths, output_size=k.shape[0])
+    slot = first[seq] * block + torch.arange(k.shape[0], device=k.device) - cu[:-1].to(torch.int64)[seq]
+    k_cache, v_cache = (t.new_zeros(total * block, *t.shape[1:]).index_copy_(0, slot, t).view(total, block, *t.shape[1:])
+                        for t in (k, v))
+    return k_cache, v_cache, table, lengths.to(torch.int32)
+
+
+@functools.cache
+def _vllm_flash_kernel():
+    """(vLLM's flash_attn_varlen_func, the FlashAttention version it runs) or None without vLLM's build."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    version = None
+    for where in ("vllm.v1.attention.backends.fa_utils", "vllm.attention.utils.fa_utils"):
+        try:
+            module = __import__(where, fromlist=["get_flash_attn_version"])
+            version = module.get_flash_attn_version()
+            break
+        except (ImportError, AttributeError):
+            continue
+    return flash_attn_varlen_func, version
+
+
+def paged_flash(q, k, v, cu, longest: int, scale: float, kernel=None, block: int = KV_BLOCK) -> torch.Tensor:
+    """Causal attention over a packed row through the paged call vLLM's FlashAttention backend makes:
+    q (L, H, D), k/v (L, Hkv, D), one KV split → (L, H, D). `kernel` defaults to vLLM's function."""
+    fa_version = None
+    if kernel is None:
+        kernel, fa_version = _vllm_flash_kernel()
+    k_cache, v_cache, table, lengths = paged_kv(k, v, cu, block)
+    extra = {"fa_version": fa_version} if fa_version is not None else {}
+    return kernel(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu.to(torch.int32), max_seqlen_q=longest,
+                  seqused_k=lengths, max_seqlen_k=longest, softmax_scale=scale, causal=True, block_table=table,
+                  num_splits=1, **extra)
+
+
+def reference_attention(q, k, v, cu, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence of a packed row on its own (torch SDPA): q (L, H, D) → (L, H, D)."""
+    out = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if ks.shape[1] != qs.shape[1]:
+            ks, vs = (t.repeat_interleave(qs.shape[1] // t.shape[1], dim=1) for t in (ks, vs))
+        out.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+class _EngineKernelAttention(torch.autograd.Function):
+    """Forward: the engine's kernel (bitwise the engine's). Backward: recomputed through torch's attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest, scale):
+        ctx.save_for_backward(q, k, v, cu)
+        ctx.scale = scale
+        return paged_flash(q, k, v, cu, longest, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, cu = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = reference_attention(*leaves, cu, ctx.scale)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+        return dq, dk, dv, None, None, None
+
+
+def engine_flash_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           is_causal=None, **kwargs):
+    """transformers attention interface `vllm_paged`: the language model's causal attention through the call
+    vLLM's FlashAttention backend makes (paged K/V, one KV split; `paged_flash`), (1, H, L, D) → ((1, L, H, D),
+    None). The row's sequence boundaries come from `packed_row`. Without CUDA or vLLM's build, the same
+    math through SDPA per sequence (`reference_attention`)."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if not causal:  # a vision tower's windows: bidirectional, through SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=False)
+    if query.shape[0] != 1 or dropout:
+        raise RuntimeError("vllm_paged attention takes one packed row without dropout")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    position_ids = kwargs.get("position_ids")
+    length = query.shape[2]
+    if position_ids is None:
+        cu, longest = torch.tensor([0, length], device=query.device, dtype=torch.int32), length
+    else:
+        cu, longest = row_boundaries(position_ids, length)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    if q.is_cuda and _vllm_flash_kernel() is not None:
+        out = _EngineKernelAttention.apply(q, k, v, cu.to(q.device), longest, scale)
+    else:
+        out = reference_attention(q, k, v, cu.to(q.device), scale)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register_engine_flash() -> str:
+    """Make `attn_implementation="vllm_paged"` known to transformers; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ENGINE_FLASH_NAME, engine_flash_attention)
+    AttentionMaskInterface.register(ENGINE_FLASH_NAME, _no_mask)
+    return ENGINE_FLASH_NAME

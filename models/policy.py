@@ -184,6 +184,10 @@ def resolve_attn_implementation(name: str, device_type: str, varlen_ok: bool = F
                 name = "sdpa"
     if name == "varlen":
         register()
+    elif name == "vllm_paged":  # vLLM's FlashAttention call on the paged layout (SDPA per sequence off CUDA)
+        from models.attention import register_engine_flash
+
+        register_engine_flash()
     return name
 
 

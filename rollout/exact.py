@@ -18,7 +18,8 @@ The vLLM engine runs in the trainer's own process, which is what makes this poss
 - **Attention.** The engine runs vLLM's FlashAttention backend with one KV split (what batch-invariant mode
   sets), which is invariant between prefill and decode. The policy's language model calls the same
   function, `flash_attn_varlen_func`, on the same paged layout (K/V in 16-token blocks with a block table),
-  so a training row is one prefill of all its sequences (`exact_attention`); its backward recomputes the
+  so a training row is one prefill of all its sequences (`models.attention.engine_flash_attention`, also
+  `model.attn_implementation=vllm_paged` on its own, without the rest of the mode); its backward recomputes the
   attention with torch's own kernel (the backward may differ). The vision tower runs torch's SDPA per window
   on both sides (vLLM's `mm_encoder_attn_backend="TORCH_SDPA"`).
 - **Logprobs.** Both sides take log_softmax over fp32 logits, after the banned tokens' logit bias and the
@@ -32,7 +33,6 @@ the CPU tests exercise the paged layout, the routing and the validation.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from models.attention import ENGINE_FLASH_NAME, KV_BLOCK, register_engine_flash
+
 log = logging.getLogger(__name__)
 
 EXACT_FAMILIES = ("qwen2_5_vl",)
-ATTENTION_NAME = "vlrl_exact"
+ATTENTION_NAME = ENGINE_FLASH_NAME  # the language model's attention: vLLM's FlashAttention call (models/attention.py)
 VISION_ATTENTION_NAME = "vlrl_exact_vision"
-KV_BLOCK = 16  # vLLM's KV block size in exact mode (set in the engine kwargs; the policy pages K/V the same)
 BAN_BIAS = -100.0  # the logit bias the vLLM engine puts on banned tokens (rollout/vllm_engine.py)
 
 # What vLLM 0.26's batch-invariant mode reads or sets for itself; set here before anything touches cuBLAS.
@@ -169,108 +170,6 @@ def _policy_text_rope(module):
     return forward
 
 
-# --- attention on the paged layout -----------------------------------------------------------------------------
-def paged_kv(k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, block: int = KV_BLOCK):
-    """A packed row's K/V (L, Hkv, D) laid out as vLLM's KV cache: (blocks, block, Hkv, D) each, plus the block
-    table (N, max blocks) int32 and the sequence lengths (N,) int32. Sequence i's token j sits in block
-    table[i, j // block] at offset j % block; blocks past a sequence's end are zero."""
-    lengths = (cu[1:] - cu[:-1]).to(torch.int64)
-    per_seq = (lengths + block - 1) // block
-    width, total = (int(x) for x in torch.stack([per_seq.max(), per_seq.sum()]).tolist())
-    first = torch.cumsum(per_seq, 0) - per_seq  # each sequence's first block
-    columns = torch.arange(width, device=k.device)
-    table = torch.where(columns < per_seq[:, None], first[:, None] + columns, 0).to(torch.int32)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=k.device), lengths, output_size=k.shape[0])
-    slot = first[seq] * block + torch.arange(k.shape[0], device=k.device) - cu[:-1].to(torch.int64)[seq]
-    k_cache, v_cache = (t.new_zeros(total * block, *t.shape[1:]).index_copy_(0, slot, t).view(total, block, *t.shape[1:])
-                        for t in (k, v))
-    return k_cache, v_cache, table, lengths.to(torch.int32)
-
-
-@functools.cache
-def _vllm_flash():
-    """(vLLM's flash_attn_varlen_func, the FlashAttention version it runs) or None without vLLM's build."""
-    try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    version = None
-    for where in ("vllm.v1.attention.backends.fa_utils", "vllm.attention.utils.fa_utils"):
-        try:
-            module = __import__(where, fromlist=["get_flash_attn_version"])
-            version = module.get_flash_attn_version()
-            break
-        except (ImportError, AttributeError):
-            continue
-    return flash_attn_varlen_func, version
-
-
-def paged_flash(q, k, v, cu, longest: int, scale: float, kernel=None, block: int = KV_BLOCK) -> torch.Tensor:
-    """Causal attention over a packed row through the paged call vLLM's FlashAttention backend makes:
-    q (L, H, D), k/v (L, Hkv, D), one KV split → (L, H, D). `kernel` defaults to vLLM's function."""
-    fa_version = None
-    if kernel is None:
-        kernel, fa_version = _vllm_flash()
-    k_cache, v_cache, table, lengths = paged_kv(k, v, cu, block)
-    extra = {"fa_version": fa_version} if fa_version is not None else {}
-    return kernel(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu.to(torch.int32), max_seqlen_q=longest,
-                  seqused_k=lengths, max_seqlen_k=longest, softmax_scale=scale, causal=True, block_table=table,
-                  num_splits=1, **extra)
-
-
-def reference_attention(q, k, v, cu, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence of a packed row on its own (torch SDPA): q (L, H, D) → (L, H, D)."""
-    out = []
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        if ks.shape[1] != qs.shape[1]:
-            ks, vs = (t.repeat_interleave(qs.shape[1] // t.shape[1], dim=1) for t in (ks, vs))
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1))
-    return torch.cat(out)
-
-
-class _EngineKernelAttention(torch.autograd.Function):
-    """Forward: the engine's kernel (bitwise the engine's). Backward: recomputed through torch's attention."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, longest, scale):
-        ctx.save_for_backward(q, k, v, cu)
-        ctx.scale = scale
-        return paged_flash(q, k, v, cu, longest, scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, cu = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = reference_attention(*leaves, cu, ctx.scale)
-        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
-        return dq, dk, dv, None, None, None
-
-
-def exact_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-                    **kwargs):
-    """transformers attention interface for the policy's language model in exact mode: (1, H, L, D) →
-    ((1, L, H, D), None). The row's sequence boundaries come from `models.attention.packed_row`."""
-    from models.attention import row_boundaries
-
-    if query.shape[0] != 1 or dropout:
-        raise RuntimeError("exact attention takes one packed row without dropout")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    position_ids = kwargs.get("position_ids")
-    length = query.shape[2]
-    if position_ids is None:
-        cu, longest = torch.tensor([0, length], device=query.device, dtype=torch.int32), length
-    else:
-        cu, longest = row_boundaries(position_ids, length)
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-    if q.is_cuda and _vllm_flash() is not None:
-        out = _EngineKernelAttention.apply(q, k, v, cu.to(q.device), longest, scale)
-    else:  # CPU or no vLLM build: the same math through SDPA (the CPU tests' path)
-        out = reference_attention(q, k, v, cu.to(q.device), scale)
-    return out.unsqueeze(0), None
-
-
 def exact_vision_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0, scaling=None,
                            is_causal=None, **kwargs):
     """One window of the vision tower through torch SDPA, as vLLM's TORCH_SDPA encoder backend runs each window
@@ -281,7 +180,7 @@ def exact_vision_attention(module, query, key, value, attention_mask=None, dropo
 
 
 def no_mask(*args, **kwargs):
-    """Neither exact implementation reads a mask: the language model's takes sequence boundaries."""
+    """The vision windows are split by transformers; no mask is read."""
     return None
 
 
@@ -289,9 +188,8 @@ def register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, exact_attention)
+    register_engine_flash()
     AttentionInterface.register(VISION_ATTENTION_NAME, exact_vision_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, no_mask)
     AttentionMaskInterface.register(VISION_ATTENTION_NAME, no_mask)
 
 

@@ -72,5 +72,5 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
         return_routed_experts=replay,
-        exact=engine_mode(policy) if r.exact else None,
+        exact=engine_mode(policy) if r.exact else None, attention_backend=r.attention_backend,
     )

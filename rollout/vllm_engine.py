@@ -422,6 +422,7 @@ class VLLMEngine(Engine):
         processor_cache_gb: float = 4.0,
         return_routed_experts: bool = False,
         exact=None,
+        attention_backend: str = "auto",
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -466,6 +467,7 @@ class VLLMEngine(Engine):
         _ensure_launcher_env()
         # rollout.exact (rollout/exact.py): batch-invariant vLLM, eager, its custom ops routed to torch code
         self._exact = exact
+        self._attention_backend = attention_backend  # "auto": vLLM's choice
         if exact is not None:
             from rollout import exact as exact_mode
 
@@ -530,6 +532,8 @@ class VLLMEngine(Engine):
             **self.adapter.vllm_engine_kwargs(),
             **({"enable_return_routed_experts": True} if self._routing else {}),
             **({} if self._exact is None else self._exact.engine_kwargs(max_model_len)),
+            **({"attention_config": {"backend": self._attention_backend}}
+               if self._exact is None and getattr(self, "_attention_backend", "auto") != "auto" else {}),
         )
 
     def _kv_cache_kwargs(self, gpu_memory_utilization: float, dtype: str) -> dict:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.config import ConfigError, load_config
+from models import attention
 from rollout import exact
 
 
@@ -23,6 +24,7 @@ from rollout import exact
     ("model.lora.rank=8", "model.lora.rank"),
     ("rollout.top_p=0.9", "rollout.top_p"),
     ("rollout.top_k=20", "rollout.top_k"),
+    ("rollout.attention_backend=TRITON_ATTN", "rollout.attention_backend"),
 ])
 def test_exact_refuses_what_cannot_be_exact(override, key):
     with pytest.raises(ConfigError, match=rf"config key '{key}' is .* with rollout.exact=true"):
@@ -70,7 +72,7 @@ def _row(seed=0, lengths=(5, 17, 33), heads=4, kv_heads=2, dim=8):
 
 def test_paged_kv_places_every_token_in_its_block():
     q, k, v, cu = _row()
-    k_cache, v_cache, table, lengths = exact.paged_kv(k, v, cu, block=16)
+    k_cache, v_cache, table, lengths = attention.paged_kv(k, v, cu, block=16)
     assert lengths.tolist() == [5, 17, 33] and table.dtype == torch.int32
     assert k_cache.shape[1:] == (16, 2, 8) and k_cache.shape[0] == 1 + 2 + 3
     for i, (start, n) in enumerate(zip(cu[:-1].tolist(), lengths.tolist())):
@@ -106,19 +108,19 @@ def _paged_reference_kernel(calls):
 def test_paged_flash_makes_the_engine_call_on_the_packed_row():
     q, k, v, cu = _row()
     calls = []
-    out = exact.paged_flash(q, k, v, cu, 33, 8 ** -0.5, kernel=_paged_reference_kernel(calls))
-    ref = exact.reference_attention(q, k, v, cu, 8 ** -0.5)
+    out = attention.paged_flash(q, k, v, cu, 33, 8 ** -0.5, kernel=_paged_reference_kernel(calls))
+    ref = attention.reference_attention(q, k, v, cu, 8 ** -0.5)
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
     assert calls == [{"num_splits": 1, "causal": True, "max_seqlen_q": 33}]
 
 
 def test_engine_kernel_attention_backward_is_torchs(monkeypatch):
     q, k, v, cu = _row(1)
-    monkeypatch.setattr(exact, "_vllm_flash", lambda: (_paged_reference_kernel([]), None))
+    monkeypatch.setattr(attention, "_vllm_flash_kernel", lambda: (_paged_reference_kernel([]), None))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    exact._EngineKernelAttention.apply(*leaves, cu, 33, 0.3).square().sum().backward()
+    attention._EngineKernelAttention.apply(*leaves, cu, 33, 0.3).square().sum().backward()
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    exact.reference_attention(*ref_leaves, cu, 0.3).square().sum().backward()
+    attention.reference_attention(*ref_leaves, cu, 0.3).square().sum().backward()
     for a, b in zip(leaves, ref_leaves):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
 
@@ -219,14 +221,13 @@ def test_policy_routing_keeps_logprobs_and_runs_the_exact_paths(tiny_model, monk
     with torch.no_grad():
         before = unpack_per_sequence(policy.logprobs(mb)[0], mb)
     seen = {"attention": 0, "vision": 0}
-    for name, key in (("reference_attention", "attention"),):
-        original = getattr(exact, name)
+    original = attention.reference_attention
 
-        def counted(*a, _o=original, _k=key, **kw):
-            seen[_k] += 1
-            return _o(*a, **kw)
+    def counted(*a, **kw):
+        seen["attention"] += 1
+        return original(*a, **kw)
 
-        monkeypatch.setattr(exact, name, counted)
+    monkeypatch.setattr(attention, "reference_attention", counted)
     from transformers.integrations import sdpa_attention
 
     original_sdpa = sdpa_attention.sdpa_attention_forward
@@ -328,7 +329,7 @@ def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
     assert captured["attention_config"] == {"backend": "FLASH_ATTN"}
     assert captured["mm_encoder_attn_backend"] == "TORCH_SDPA"
     assert captured["enable_prefix_caching"] is False and captured["enable_chunked_prefill"] is False
-    assert captured["max_num_batched_tokens"] >= 4096 and captured["block_size"] == exact.KV_BLOCK
+    assert captured["max_num_batched_tokens"] >= 4096 and captured["block_size"] == attention.KV_BLOCK
     assert captured["enforce_eager"] is True and "compilation_config" not in captured
     # a vLLM whose EngineArgs lacks a switch: left out and named, the backend through attention_backend
     arg_utils = types.ModuleType("vllm.engine.arg_utils")
@@ -339,13 +340,33 @@ def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
     monkeypatch.setitem(sys.modules, "vllm.engine", types.ModuleType("vllm.engine"))
     monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
     mode = exact.ExactMode("qwen2_5_vl")
-    assert mode.engine_kwargs(4096) == {"attention_backend": "FLASH_ATTN", "block_size": exact.KV_BLOCK,
+    assert mode.engine_kwargs(4096) == {"attention_backend": "FLASH_ATTN", "block_size": attention.KV_BLOCK,
                                         "enable_prefix_caching": False, "max_num_batched_tokens": 16384}
     assert mode.report["engine_kwargs_dropped"] == ["enable_chunked_prefill", "mm_encoder_attn_backend"]
     captured.clear()
     engine._exact = None
     engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
     assert "attention_config" not in captured and "enable_prefix_caching" not in captured
+    engine._attention_backend = "TRITON_ATTN"  # rollout.attention_backend, the non-exact lever
+    engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["attention_config"] == {"backend": "TRITON_ATTN"}
+
+
+def test_vllm_paged_attention_builds_and_keeps_logprobs(tiny_model):
+    from grpo.config import ModelConfig
+    from models.packing import pack
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from tests.test_packing import mixed_batch
+
+    init_distributed()
+    lps = []
+    for attn in ("auto", "vllm_paged"):  # off CUDA vllm_paged is SDPA per sequence; the vision tower keeps SDPA
+        policy = build_policy(ModelConfig(path=str(tiny_model), attn_implementation=attn), build_parallel_dims())
+        batch = mixed_batch(policy.adapter)
+        with torch.no_grad():
+            lps.append(policy.logprobs(pack(batch, list(range(len(batch)))))[0])
+    assert torch.allclose(lps[0], lps[1], atol=1e-5, rtol=0), (lps[0] - lps[1]).abs().max()
 
 
 # --- the measuring tool ----------------------------------------------------------------------------------------------------

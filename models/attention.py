@@ -215,7 +215,7 @@ def _vllm_flash_kernel():
             module = __import__(where, fromlist=["get_flash_attn_version"])
             version = module.get_flash_attn_version()
             break
-        except (ImportError, AttributeError):
+        except (ImportError, AttributeError, TypeError, RuntimeError):
             continue
     return flash_attn_varlen_func, version
 

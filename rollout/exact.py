@@ -25,7 +25,7 @@ The vLLM engine runs in the trainer's own process, which is what makes this poss
 - **Logprobs.** Both sides take log_softmax over fp32 logits, after the banned tokens' logit bias and the
   temperature, in that order (`Policy.exact_logit_bias`).
 - **The engine's schedule.** Eager (no CUDA graphs, no torch.compile: Inductor would fuse the ops above into
-  other kernels), no prefix caching, no chunked prefill.
+  other kernels), no prefix caching, no chunked prefill, no cascade attention over the shared prompt.
 
 Covered: Qwen2.5-VL (`EXACT_FAMILIES`). Everything that needs vLLM or CUDA is imported inside functions;
 the CPU tests exercise the paged layout, the routing and the validation.
@@ -215,6 +215,9 @@ class ExactMode:
             "enable_prefix_caching": False,
             "enable_chunked_prefill": False,
             "max_num_batched_tokens": max(max_model_len, 16384),
+            # the G responses of a prompt share its prefix: cascade attention would attend to it in a separate
+            # kernel call and merge the two softmaxes, another reduction than the policy's one pass
+            "disable_cascade_attn": True,
         }
         fields = _engine_arg_names()
         if fields is None:

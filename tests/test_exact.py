@@ -331,6 +331,7 @@ def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
     assert captured["enable_prefix_caching"] is False and captured["enable_chunked_prefill"] is False
     assert captured["max_num_batched_tokens"] >= 4096 and captured["block_size"] == attention.KV_BLOCK
     assert captured["enforce_eager"] is True and "compilation_config" not in captured
+    assert captured["disable_cascade_attn"] is True
     # a vLLM whose EngineArgs lacks a switch: left out and named, the backend through attention_backend
     arg_utils = types.ModuleType("vllm.engine.arg_utils")
     import dataclasses
@@ -342,7 +343,8 @@ def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
     mode = exact.ExactMode("qwen2_5_vl")
     assert mode.engine_kwargs(4096) == {"attention_backend": "FLASH_ATTN", "block_size": attention.KV_BLOCK,
                                         "enable_prefix_caching": False, "max_num_batched_tokens": 16384}
-    assert mode.report["engine_kwargs_dropped"] == ["enable_chunked_prefill", "mm_encoder_attn_backend"]
+    assert mode.report["engine_kwargs_dropped"] == ["disable_cascade_attn", "enable_chunked_prefill",
+                                                    "mm_encoder_attn_backend"]
     captured.clear()
     engine._exact = None
     engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)

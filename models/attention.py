@@ -285,7 +285,7 @@ def engine_flash_attention(module, query, key, value, attention_mask, dropout: f
     else:
         cu, longest = row_boundaries(position_ids, length)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-    if q.is_cuda and _vllm_flash_kernel() is not None:
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _vllm_flash_kernel() is not None:
         out = _EngineKernelAttention.apply(q, k, v, cu.to(q.device), longest, scale)
     else:
         out = reference_attention(q, k, v, cu.to(q.device), scale)

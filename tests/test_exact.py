@@ -25,6 +25,7 @@ from rollout import exact
     ("rollout.top_p=0.9", "rollout.top_p"),
     ("rollout.top_k=20", "rollout.top_k"),
     ("rollout.attention_backend=TRITON_ATTN", "rollout.attention_backend"),
+    ("model.dtype=float32", "model.dtype"),
 ])
 def test_exact_refuses_what_cannot_be_exact(override, key):
     with pytest.raises(ConfigError, match=rf"config key '{key}' is .* with rollout.exact=true"):

@@ -238,6 +238,7 @@ exact)
       --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
     $PY tools/make_dataset.py --kind clevr --n 64 --seed 3 --out $W/exact3b.parquet --size 448x448 > /dev/null
     EXACT_MODEL=$M EXACT_DATA=$W/exact3b.parquet EXACT_MIN_PIXELS=200704 EXACT_MAX_PIXELS=200704 \
+      EXACT_ARGS="${EXACT_ARGS:---set model.activation_checkpointing=true}" \
       EXACT_OUT="$OUT/exact_3b.json" EXACT_S=${EXACT_S:-280} timeout 580 $PY -m pytest -q -s tests/gpu/test_exact.py \
       > "$OUT/exact_3b.log" 2>&1
     echo "exact 3b rc=$?"; grep '"cost_pct"\|passed\|failed\|Error' "$OUT/exact_3b.log" | tail -4

@@ -24,6 +24,8 @@ The vLLM engine runs in the trainer's own process, which is what makes this poss
   on both sides (vLLM's `mm_encoder_attn_backend="TORCH_SDPA"`).
 - **Logprobs.** Both sides take log_softmax over fp32 logits, after the banned tokens' logit bias and the
   temperature, in that order (`Policy.exact_logit_bias`).
+- **Projections.** vLLM multiplies by [q; k; v] and [gate; up] in one GEMM each; the policy's separate
+  layers are computed the same way (`_FusedLinears`), so every output column comes from the same GEMM shape.
 - **The engine's schedule.** Eager (no CUDA graphs, no torch.compile: Inductor would fuse the ops above into
   other kernels), no prefix caching, no chunked prefill, no cascade attention over the shared prompt.
 
@@ -151,6 +153,42 @@ def _engine_patch_embed(self, x):
     return patch_embed(x, self.proj.weight)
 
 
+class _FusedLinears:
+    """Linear layers that read the same input computed as one GEMM over their concatenated weights, as vLLM's
+    QKVParallelLinear and MergedColumnParallelLinear do ([q; k; v], [gate; up]), then split. Each member's
+    forward returns its slice; the GEMM runs when the first member sees a new input."""
+
+    def __init__(self, members: list):
+        self.members = members
+        self.sizes = [m.weight.shape[0] for m in members]
+        self.key, self.parts, self.served = None, None, 0
+
+    def forward_of(self, index: int):
+        def forward(x):
+            if self.key is not x:
+                weight = torch.cat([m.weight for m in self.members])
+                biases = [m.bias for m in self.members]
+                bias = torch.cat(biases) if all(b is not None for b in biases) else None
+                self.key, self.parts, self.served = x, F.linear(x, weight, bias).split(self.sizes, dim=-1), 0
+            out = self.parts[index]
+            self.served += 1
+            if self.served == len(self.members):  # all read: hold no activation past the layer
+                self.key, self.parts = None, None
+            return out
+
+        return forward
+
+
+def _fuse(module, names: tuple[str, ...]) -> bool:
+    members = [getattr(module, n, None) for n in names]
+    if not all(isinstance(m, torch.nn.Linear) for m in members):
+        return False
+    fused = _FusedLinears(members)
+    for i, m in enumerate(members):
+        m.forward = fused.forward_of(i)
+    return True
+
+
 def _policy_text_rope(module):
     """The language model's m-rope cos/sin with the angle as an elementwise fp32 product (as vLLM's table is
     built): a K=1 matmul would go through batch-invariant mode's Triton bmm, which rounds its inputs to TF32."""
@@ -253,16 +291,19 @@ def _engine_arg_names() -> set[str] | None:
 
 def apply_exact_modules(model, adapter) -> int:
     """Set the exact attention implementations on the language model and the vision tower; every RMSNorm to
-    `rms_norm`, the text rotary to `_policy_text_rope`, the patch embedding to `patch_embed`. Returns the counts."""
+    `rms_norm`, the text rotary to `_policy_text_rope`, the patch embedding to `patch_embed`, q/k/v and gate/up
+    to one GEMM each (the engine's fused projections). Returns the counts."""
     register_attention()
     for m in model.modules():
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             config._attn_implementation = ATTENTION_NAME
     adapter.vision_tower(model).config._attn_implementation = VISION_ATTENTION_NAME
-    routed = {"rms_norm": 0, "text_rope": 0, "patch_embed": 0}
+    routed = {"rms_norm": 0, "text_rope": 0, "patch_embed": 0, "fused_qkv": 0, "fused_gate_up": 0}
     for m in model.modules():
         kind = type(m).__name__
+        routed["fused_qkv"] += _fuse(m, ("q_proj", "k_proj", "v_proj"))
+        routed["fused_gate_up"] += _fuse(m, ("gate_proj", "up_proj"))
         if kind.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
             m.forward = _policy_rms_norm(m)
             routed["rms_norm"] += 1

@@ -190,6 +190,31 @@ def test_vision_rope_and_patch_embed_are_transformers():
         assert torch.equal(exact.patch_embed(x, flat.weight), exact.patch_embed(x, conv.weight))
 
 
+def test_fused_projections_compute_one_gemm_with_the_same_values_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    block = torch.nn.Module()
+    block.q_proj, block.k_proj, block.v_proj = (torch.nn.Linear(8, n, bias=True) for n in (8, 4, 4))
+    reference = [torch.nn.Linear(8, n) for n in (8, 4, 4)]
+    for r, m in zip(reference, (block.q_proj, block.k_proj, block.v_proj)):
+        r.load_state_dict(m.state_dict())
+    assert exact._fuse(block, ("q_proj", "k_proj", "v_proj")) and not exact._fuse(block, ("gate_proj", "up_proj"))
+    x = torch.randn(3, 8, generator=g, requires_grad=True)
+    calls = []
+    original = F.linear
+    try:
+        F.linear = lambda *a, **k: calls.append(a[1].shape) or original(*a, **k)
+        outs = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
+    finally:
+        F.linear = original
+    assert calls == [torch.Size([16, 8])]  # one GEMM over [q; k; v]
+    refs = [r(x) for r in reference]
+    assert all(torch.allclose(o, r, atol=1e-6) for o, r in zip(outs, refs))
+    sum(o.square().sum() for o in outs).backward()
+    grads = [m.weight.grad.clone() for m in (block.q_proj, block.k_proj, block.v_proj)]
+    sum(r.square().sum() for r in refs).backward()
+    assert all(torch.allclose(a, r.weight.grad, atol=1e-5) for a, r in zip(grads, reference))
+
+
 def test_chunk_logprobs_in_exact_mode_is_vllms_order():
     from models.policy import _chunk_logprobs
 
@@ -242,11 +267,13 @@ def test_policy_routing_keeps_logprobs_and_runs_the_exact_paths(tiny_model, monk
     mode.apply_to_policy(policy)
     assert mode.report["policy"]["rms_norm"] > 0 and mode.report["policy"]["text_rope"] == 1
     assert mode.report["policy"]["patch_embed"] == 1
+    layers = len(policy.adapter.decoder_layers(policy.model))
+    assert mode.report["policy"]["fused_qkv"] == layers  # the vision tower's qkv is one layer already
+    assert mode.report["policy"]["fused_gate_up"] >= layers
     assert policy.adapter.vision_tower(policy.model).config._attn_implementation == exact.VISION_ATTENTION_NAME
     assert policy.model.config.get_text_config()._attn_implementation == exact.ATTENTION_NAME
     with torch.no_grad():
         after = unpack_per_sequence(policy.logprobs(mb)[0], mb)
-    layers = len(policy.adapter.decoder_layers(policy.model))
     assert seen["attention"] == layers and seen["vision"] > 0
     for a, b in zip(before, after):
         assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()

@@ -29,6 +29,15 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory) -> Path:
+    """The tiny Qwen3.5-MoE (test_family_qwen3_5, test_moe_*)."""
+    from tools.make_tiny_model import make_tiny_model
+
+    return Path(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_qwen3_5_moe", family="qwen3_5_moe",
+                                size="tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
 def clevr_parquet(tmp_path_factory) -> Path:
     from tools.make_dataset import make_dataset
 

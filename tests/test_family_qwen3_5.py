@@ -31,10 +31,8 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def moe_folder(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe") / "tiny", family="qwen3_5_moe", size="tiny", seed=0)
+def moe_folder(tiny_moe_model):
+    return tiny_moe_model
 
 
 def _policy(folder, activation_checkpointing=False):

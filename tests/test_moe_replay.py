@@ -18,10 +18,8 @@ from tests.test_torch_engine import generation_batch
 
 
 @pytest.fixture(scope="module")
-def moe_folder(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("moe_replay") / "tiny", family="qwen3_5_moe", size="tiny", seed=0)
+def moe_folder(tiny_moe_model):
+    return tiny_moe_model
 
 
 @pytest.fixture(scope="module")

@@ -382,16 +382,16 @@ def align_engine(model, inv_freq: torch.Tensor | None, vision_inv_freq: torch.Te
     """Inside the engine: rebuild every language-model m-rope cos/sin table from the policy's inv_freq on the
     GPU, as an elementwise fp32 product (the policy's angle); give the vision rotary the policy's inv_freq and
     route its rotation to `vision_rope`. Returns what was rebuilt or routed."""
-    done = {"rope_tables": 0, "vision_rotary": 0, "vision_rotation": 0}
+    done = {"rope_tables": 0, "vision_rope_tables": 0, "vision_rotary": 0, "vision_rotation": 0}
     for name, m in model.named_modules():
         cache = getattr(m, "cos_sin_cache", None)
-        if (inv_freq is not None and isinstance(cache, torch.Tensor) and "visual" not in name
-                and cache.shape[-1] == 2 * inv_freq.numel()):
-            freq = inv_freq.to(cache.device, torch.float32)
+        freq = vision_inv_freq if "visual" in name else inv_freq  # a vision rope built as a table too
+        if freq is not None and isinstance(cache, torch.Tensor) and cache.shape[-1] == 2 * freq.numel():
+            freq = freq.to(cache.device, torch.float32)
             t = torch.arange(cache.shape[0], device=cache.device, dtype=torch.float32)
             freqs = t[:, None] * freq[None, :]
             m.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(cache.dtype)
-            done["rope_tables"] += 1
+            done["vision_rope_tables" if "visual" in name else "rope_tables"] += 1
         if vision_inv_freq is not None and type(m).__name__.endswith("VisionRotaryEmbedding"):
             _align_vision_rotary(m, vision_inv_freq)
             done["vision_rotary"] += 1

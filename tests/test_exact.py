@@ -158,7 +158,10 @@ def test_align_engine_rebuilds_mrope_tables_from_the_policys_inv_freq():
     engine.visual = torch.nn.Module()
     engine.visual.cos_sin_cache = torch.zeros(50, 2 * half)
     assert exact.align_engine(engine, rotary.inv_freq)["rope_tables"] == 1
-    assert not engine.visual.cos_sin_cache.any()
+    assert not engine.visual.cos_sin_cache.any()  # no vision inv_freq given: the vision table is left alone
+    vision_freq = torch.rand(half)
+    assert exact.align_engine(engine, rotary.inv_freq, vision_freq)["vision_rope_tables"] == 1
+    assert torch.equal(engine.visual.cos_sin_cache[:, :half], (torch.arange(50.0)[:, None] * vision_freq).cos())
     positions = torch.arange(50).view(1, 1, -1).expand(3, 1, -1)
     cos, sin = rotary(torch.zeros(1, 50, 64), positions)
     table = engine.rope.cos_sin_cache

@@ -768,6 +768,8 @@ def _exact_errors(cfg: Config) -> Iterator[str]:
          f"{m.lora.rank}; it needs 0 (the engine runs the merged weight, the policy W and B·A apart)"),
         ("rollout.top_p", r.top_p != 1.0, f"{r.top_p}; it needs 1.0 (vLLM returns the truncated distribution's logprobs)"),
         ("rollout.top_k", r.top_k != -1, f"{r.top_k}; it needs -1 (vLLM returns the truncated distribution's logprobs)"),
+        ("algorithm.routing_replay", cfg.algorithm.routing_replay,
+         "true; it needs false (vLLM reports the experts only with prefix caching, which exact mode turns off)"),
         ("model.dtype", m.dtype == "float32", "float32; it needs auto or bfloat16 (vLLM's FlashAttention has no fp32 kernel)"),
         ("rollout.attention_backend", r.attention_backend not in ("auto", "FLASH_ATTN"),
          f"{r.attention_backend}; it needs auto or FLASH_ATTN (the kernel the policy calls too)"),

@@ -183,3 +183,10 @@ def test_vllm_routing_arrays_become_one_row_per_token():
         engine_routes(prompt, None, 5, 4)
     with pytest.raises(RuntimeError, match=r"shape \(10, 3, 2\)"):
         engine_routes(prompt, np.ones((5, 3, 2)), 5, 4)
+
+
+def test_routing_replay_is_refused_with_exact_mode():
+    from grpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"'algorithm.routing_replay' is true; it needs false .*rollout.exact=true"):
+        load_config(None, ["rollout.engine=vllm", "rollout.exact=true", "algorithm.routing_replay=true"])

@@ -118,14 +118,16 @@ def test_qwen3_5_schema_types_of_each_kind():
 
     assert _schema_value(" 12 ", {"type": "integer"}) == 12 and _schema_value("1.5", {"type": "integer"}) == "1.5"
     assert _schema_value("3", {"type": "number"}) == 3 and _schema_value("-2.5e1", {"type": "number"}) == -25.0
-    assert _schema_value("True", {"type": "boolean"}) is True and _schema_value("{\"a\": 1}", {"type": "object"}) == {"a": 1}
+    assert _schema_value("True", {"type": "boolean"}) is True
+    assert _schema_value('{"a": 1}', {"type": "object"}) == {"a": 1}
     assert _schema_value("[1, 2]", {"type": ["string", "array"]}) == "[1, 2]"  # the first type that takes it
     assert _schema_value("nan", {"type": "number"}) == "nan"  # no conversion: the text, for the schema check
 
 
 @pytest.mark.parametrize("text, kind, message", [
-    (_xml("image_zoom_in_tool", bbox_2d="[1, 2"), "bad_arguments", r"image_zoom_in_tool: argument 'bbox_2d' must be array"),
-    (_xml("image_zoom_in_tool", bbox_2d="[1, 2, 3, \"x\"]"), "bad_arguments", r"argument 'bbox_2d\[3\]' must be number"),
+    (_xml("image_zoom_in_tool", bbox_2d="[1, 2"), "bad_arguments",
+     r"image_zoom_in_tool: argument 'bbox_2d' must be array"),
+    (_xml("image_zoom_in_tool", bbox_2d='[1, 2, 3, "x"]'), "bad_arguments", r"argument 'bbox_2d\[3\]' must be number"),
     (_xml("calculator"), "bad_arguments", r"calculator: missing argument 'expression'"),
     (_xml("no_such_tool", x="1"), "unknown_tool", r"unknown tool 'no_such_tool'"),
     ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>', "malformed_json",

@@ -26,8 +26,8 @@ The vLLM engine runs in the trainer's own process, which is what makes this poss
   temperature, in that order (`Policy.exact_logit_bias`).
 - **Projections.** vLLM multiplies by [q; k; v] and [gate; up] in one GEMM each; the policy's separate
   layers are computed the same way (`_FusedLinears`), so every output column comes from the same GEMM shape.
-- **The engine's schedule.** Eager (no CUDA graphs, no torch.compile: Inductor would fuse the ops above into
-  other kernels), no prefix caching, no chunked prefill, no cascade attention over the shared prompt.
+- **The engine's schedule.** Eager (no CUDA graphs, and no torch.compile, `compilation_config` mode 0:
+  Inductor would fuse the ops above into other kernels), no prefix caching, no chunked prefill, no cascade attention over the shared prompt.
 
 Covered: Qwen2.5-VL (`EXACT_FAMILIES`). Everything that needs vLLM or CUDA is imported inside functions;
 the CPU tests exercise the paged layout, the routing and the validation.
@@ -257,6 +257,9 @@ class ExactMode:
             # kernel call and merge the two softmaxes, another reduction than the policy's one pass
             "disable_cascade_attn": True,
         }
+        off = _compilation_off()
+        if off is not None:
+            kwargs["compilation_config"] = off
         fields = _engine_arg_names()
         if fields is None:
             return kwargs
@@ -276,6 +279,23 @@ class ExactMode:
         check_family(policy.adapter.name)
         policy.exact_logit_bias = (tuple(self.banned_token_ids), BAN_BIAS)
         self.report["policy"] = apply_exact_modules(policy.model, policy.adapter)
+
+
+def _compilation_off() -> dict | None:
+    """vLLM's compilation config with torch.compile and CUDA graphs off, in the installed version's field names
+    (`mode` or the older `level`, 0: no compilation); None without vLLM. enforce_eager alone turns off only the
+    CUDA graphs in some versions, and Inductor would fuse the routed ops into other kernels."""
+    try:
+        import dataclasses
+
+        from vllm.config import CompilationConfig
+    except ImportError:
+        return None
+    names = {f.name for f in dataclasses.fields(CompilationConfig)}
+    off = {key: 0 for key in ("mode", "level") if key in names}
+    if "cudagraph_mode" in names:
+        off["cudagraph_mode"] = "NONE"
+    return off or None
 
 
 def _engine_arg_names() -> set[str] | None:

@@ -371,11 +371,17 @@ def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
                                                                      "enable_prefix_caching", "max_num_batched_tokens"])
     monkeypatch.setitem(sys.modules, "vllm.engine", types.ModuleType("vllm.engine"))
     monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
+    config = types.ModuleType("vllm.config")  # a vLLM that names the compilation switch `level`
+    config.CompilationConfig = dataclasses.make_dataclass("CompilationConfig", ["level", "cudagraph_mode"])
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
     mode = exact.ExactMode("qwen2_5_vl")
     assert mode.engine_kwargs(4096) == {"attention_backend": "FLASH_ATTN", "block_size": attention.KV_BLOCK,
                                         "enable_prefix_caching": False, "max_num_batched_tokens": 16384}
-    assert mode.report["engine_kwargs_dropped"] == ["disable_cascade_attn", "enable_chunked_prefill",
-                                                    "mm_encoder_attn_backend"]
+    assert mode.report["engine_kwargs_dropped"] == ["compilation_config", "disable_cascade_attn",
+                                                    "enable_chunked_prefill", "mm_encoder_attn_backend"]
+    arg_utils.EngineArgs = dataclasses.make_dataclass("EngineArgs", ["attention_config", "compilation_config"])
+    assert mode.engine_kwargs(4096) == {"attention_config": {"backend": "FLASH_ATTN"},
+                                        "compilation_config": {"level": 0, "cudagraph_mode": "NONE"}}
     captured.clear()
     engine._exact = None
     engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)

@@ -243,6 +243,18 @@ exact)
       > "$OUT/exact_3b.log" 2>&1
     echo "exact 3b rc=$?"; grep '"cost_pct"\|passed\|failed\|Error' "$OUT/exact_3b.log" | tail -4
   else
+    # what the installed vLLM's batch-invariant mode replaces and accepts (docs/fidelity.md, "Exact mode")
+    $PY - > "$OUT/vllm_batch_invariant.txt" 2>&1 <<'PYEOF'
+import inspect, vllm
+import vllm.model_executor.layers.batch_invariant as bi
+print("vllm", vllm.__version__)
+for name in ("enable_batch_invariant_mode", "override_envs_for_invariance", "init_batch_invariance"):
+    f = getattr(bi, name, None)
+    print(f"--- {name}{inspect.signature(f) if f else ' (absent)'}")
+    if f:
+        print("\n".join(l for l in inspect.getsource(f).splitlines() if "impl(" in l or "Backend" in l or "environ" in l))
+PYEOF
+    echo "vLLM batch-invariant facts: $(head -1 "$OUT/vllm_batch_invariant.txt")"
     EXACT_OUT="$OUT/exact_tiny.json" EXACT_S=${EXACT_S:-150} timeout 330 $PY -m pytest -q -s tests/gpu/test_exact.py \
       > "$OUT/exact_tiny.log" 2>&1
     echo "exact tiny rc=$?"; grep '"cost_pct"\|passed\|failed\|Error' "$OUT/exact_tiny.log" | tail -4

@@ -197,8 +197,8 @@ def paged_kv(k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, block: int = KV
     table = torch.where(columns < per_seq[:, None], first[:, None] + columns, 0).to(torch.int32)
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=k.device), lengths, output_size=k.shape[0])
     slot = first[seq] * block + torch.arange(k.shape[0], device=k.device) - cu[:-1].to(torch.int64)[seq]
-    k_cache, v_cache = (t.new_zeros(total * block, *t.shape[1:]).index_copy_(0, slot, t).view(total, block, *t.shape[1:])
-                        for t in (k, v))
+    k_cache, v_cache = (t.new_zeros(total * block, *t.shape[1:]).index_copy_(0, slot, t)
+                        .view(total, block, *t.shape[1:]) for t in (k, v))
     return k_cache, v_cache, table, lengths.to(torch.int32)
 
 
@@ -240,7 +240,8 @@ def reference_attention(q, k, v, cu, scale: float) -> torch.Tensor:
         qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if ks.shape[1] != qs.shape[1]:
             ks, vs = (t.repeat_interleave(qs.shape[1] // t.shape[1], dim=1) for t in (ks, vs))
-        out.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1))
+        attended = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out.append(attended[0].transpose(0, 1))
     return torch.cat(out)
 
 

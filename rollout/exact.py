@@ -27,7 +27,13 @@ The vLLM engine runs in the trainer's own process, which is what makes this poss
 - **Projections.** vLLM multiplies by [q; k; v] and [gate; up] in one GEMM each; the policy's separate
   layers are computed the same way (`_FusedLinears`), so every output column comes from the same GEMM shape.
 - **The engine's schedule.** Eager (no CUDA graphs, and no torch.compile, `compilation_config` mode 0:
-  Inductor would fuse the ops above into other kernels), no prefix caching, no chunked prefill, no cascade attention over the shared prompt.
+  Inductor would fuse the ops above into other kernels), no prefix caching, no chunked prefill, no cascade
+  attention over the shared prompt.
+
+What vLLM's batch-invariant mode replaces is as read in vLLM's source (docs/fidelity.md gives the commits);
+the engine records what the installed version did (`ExactMode.report`), and every patch below reports
+"routed" or "not found", so a module vLLM 0.26 names differently shows in the report, and op_diff --exact
+names the first module that still differs.
 
 Covered: Qwen2.5-VL (`EXACT_FAMILIES`). Everything that needs vLLM or CUDA is imported inside functions;
 the CPU tests exercise the paged layout, the routing and the validation.

@@ -13,7 +13,7 @@ from models import attention
 from rollout import exact
 
 
-# --- config --------------------------------------------------------------------------------------------------------
+# --- config ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override, key", [
     ("rollout.engine=torch", "rollout.engine"),
     ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size"),
@@ -61,7 +61,7 @@ def test_prepare_process_sets_batch_invariant_env(monkeypatch):
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16
 
 
-# --- paged attention -------------------------------------------------------------------------------------------------
+# --- paged attention ------------------------------------------------------------------------------------------------
 def _row(seed=0, lengths=(5, 17, 33), heads=4, kv_heads=2, dim=8):
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
@@ -79,7 +79,8 @@ def test_paged_kv_places_every_token_in_its_block():
     for i, (start, n) in enumerate(zip(cu[:-1].tolist(), lengths.tolist())):
         for j in range(n):
             block, offset = table[i, j // 16], j % 16
-            assert torch.equal(k_cache[block, offset], k[start + j]) and torch.equal(v_cache[block, offset], v[start + j])
+            assert torch.equal(k_cache[block, offset], k[start + j])
+            assert torch.equal(v_cache[block, offset], v[start + j])
     assert int((k_cache != 0).sum()) == int((k != 0).sum())  # padding slots stay zero
 
 
@@ -126,7 +127,7 @@ def test_engine_kernel_attention_backward_is_torchs(monkeypatch):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
 
 
-# --- the shared numerics ------------------------------------------------------------------------------------------------
+# --- the shared numerics --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_swiglu_are_transformers_bitwise(dtype):
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
@@ -235,7 +236,7 @@ def test_chunk_logprobs_in_exact_mode_is_vllms_order():
     assert not torch.equal(lp, plain)  # the banned tokens' mass is gone, as in the engine's distribution
 
 
-# --- the policy's routing -----------------------------------------------------------------------------------------------
+# --- the policy's routing -------------------------------------------------------------------------------------------
 def test_policy_routing_keeps_logprobs_and_runs_the_exact_paths(tiny_model, monkeypatch):
     from grpo.config import ModelConfig
     from models.packing import pack, unpack_per_sequence
@@ -282,7 +283,7 @@ def test_policy_routing_keeps_logprobs_and_runs_the_exact_paths(tiny_model, monk
         assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
 
 
-# --- the engine's side ------------------------------------------------------------------------------------------------------
+# --- the engine's side ----------------------------------------------------------------------------------------------
 def _fake_vllm(monkeypatch, captured):
     class RMSNorm:
         def forward_cuda(self, x, residual=None):
@@ -408,7 +409,7 @@ def test_vllm_paged_attention_builds_and_keeps_logprobs(tiny_model):
     assert torch.allclose(lps[0], lps[1], atol=1e-5, rtol=0), (lps[0] - lps[1]).abs().max()
 
 
-# --- the measuring tool ----------------------------------------------------------------------------------------------------
+# --- the measuring tool ---------------------------------------------------------------------------------------------
 def test_logprob_check_reports_the_exact_rows_keys_and_timings(tiny_model):
     from grpo.config import ModelConfig
     from models.parallel import build_parallel_dims, init_distributed

@@ -4,7 +4,8 @@ tools/logprob_check.py runs twice in fresh processes (batch-invariant mode is pr
 vLLM is imported): with `--exact` and without, on the same prompts, 64 prompts x 4 responses (256 sequences)
 of the tiny Qwen2.5-VL, or the model in EXACT_MODEL (with EXACT_DATA, e.g. the 3B shape). The exact run must
 give max |Δlogprob| == 0 over every sampled token; the test prints, and writes to EXACT_OUT when set, both
-reports and the cost of the mode in generation, scoring and one training pass (%, exact against not). EXACT_ARGS adds arguments to both runs.
+reports and the cost of the mode in generation, scoring and one training pass (%, exact against not).
+EXACT_ARGS adds arguments to both runs.
 If the exact run is not bitwise, `tools/op_diff.py --exact` names the first module that still differs
 (tools/gpu_session.sh's exact stage runs it next). Skipped without CUDA or vLLM.
 """

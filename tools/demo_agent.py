@@ -21,6 +21,7 @@ box from where the black quadrant is, which 40 SFT steps did not teach the demo-
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 from tools.demo import _final_eval, _run, torchrun  # noqa: E402
 
 PIXELS = dict(min_pixels=3136, max_pixels=12544)  # the configs' data.min_pixels / data.max_pixels
+# SFT steps of the without-tools baseline: its answers sit at chance (the colours are grey at the model's view)
+BASELINE_STEPS = 40
 
 
 def _merge(run: Path, out: Path) -> None:
@@ -39,7 +42,9 @@ def _merge(run: Path, out: Path) -> None:
 
 
 def build_inputs(work: Path, sft_rows: int, train_rows: int, eval_rows: int, places: int) -> dict[str, Path]:
-    """The demo-size model and the three data files (built once; later runs reuse them)."""
+    """The demo-size model and the three data files, built once; later runs reuse them while
+    `inputs.json` (the generator's version and the row counts) says they were made the same way."""
+    from data.generators.zoom import VERSION
     from tools.make_dataset import make_dataset
     from tools.make_tiny_model import make_tiny_model
 
@@ -48,10 +53,14 @@ def build_inputs(work: Path, sft_rows: int, train_rows: int, eval_rows: int, pla
              "eval": work / "eval.parquet"}
     if not (paths["model"] / "config.json").is_file():
         make_tiny_model(paths["model"], family="qwen2_5_vl", size="demo", seed=0, overwrite=True)
+    stamp = {"zoom_version": VERSION, "places": places, "rows": [sft_rows, train_rows, eval_rows], **PIXELS}
+    made = work / "inputs.json"
+    fresh = made.is_file() and json.loads(made.read_text()) == stamp
     for key, kind, n, seed in (("sft", "zoom_sft", sft_rows, 1), ("train", "zoom", train_rows, 2),
                                ("eval", "zoom", eval_rows, 3)):
-        if not paths[key].is_file():
+        if not (fresh and paths[key].is_file()):
             make_dataset(kind, n, seed, paths[key], places=places, **PIXELS)
+    made.write_text(json.dumps(stamp))
     return paths
 
 
@@ -75,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== stage 1: without tools (SFT on the answers alone) ==", flush=True)
     out = _run(torchrun(args.nproc, "configs/demo_agent_sft.yaml", f"model.path={paths['model']}",
                         f"data.train_path={paths['train']}", f"trainer.run_dir={runs / 'demo_agent_notools'}",
-                        "rollout.tools=[]", "rollout.max_turns=1", "trainer.eval_max_new_tokens=16", *common))
+                        "rollout.tools=[]", "rollout.max_turns=1", "trainer.eval_max_new_tokens=16",
+                        f"trainer.max_steps={BASELINE_STEPS}", *common))
     without = _final_eval(out)
 
     print("\n== stage 2: SFT warm start on tool-using trajectories ==", flush=True)

@@ -2,7 +2,7 @@
 
 Each canvas (448x448 by default) holds four squares, one per quadrant, each a fine checkerboard
 (1-pixel checks) of one colour and its complement: red/cyan, green/magenta, blue/yellow or
-black/white. One square is framed: its whole quadrant around it is black. The question asks for
+white/black. One square is framed: its whole quadrant around it is black. The question asks for
 the checks' colour in the framed square. Every pair averages to the same grey, and a checkerboard
 (unlike stripes) still averages to it where it meets its surroundings, so once the image rule
 shrinks the canvas to the model's view (data.max_pixels: 112x112 for 12544) the four squares are
@@ -39,14 +39,20 @@ from PIL import Image, ImageDraw
 from data.images import smart_resize_dims
 from data.zoom import zoom
 
+# Bumped whenever the rows a (seed, options) pair gives change (tools/demo_agent.py rebuilds its data then).
+VERSION = 2
 TOOL_NAME = "image_zoom_in_tool"
 DATA_SOURCE = "vlrl/zoom"
-# The answer -> the two colours its checks alternate; each pair averages to (127.5, 127.5, 127.5).
+# The answer -> the two colours its checks alternate; each pair averages to (127.5, 127.5, 127.5). The
+# four differences first - second are the corners (+-1, +-1, +-1) with an even number of minus signs, equally
+# far apart, and the four names start with different tokens in the demo tokenizer (w, re, gre, b). With
+# black/white named "black" (a difference of (-1, -1, -1), and "black" and "blue" sharing their first two
+# tokens) the demo's SFT model told only black|blue from green|red.
 CHECKS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
     "red": ((255, 0, 0), (0, 255, 255)),
     "green": ((0, 255, 0), (255, 0, 255)),
     "blue": ((0, 0, 255), (255, 255, 0)),
-    "black": ((0, 0, 0), (255, 255, 255)),
+    "white": ((255, 255, 255), (0, 0, 0)),
 }
 BACKGROUND = (200, 200, 200)
 FRAME = (0, 0, 0)

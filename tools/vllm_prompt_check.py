@@ -25,7 +25,9 @@ transformers, torchvision). For a CPU machine without vLLM's compiled extensions
 patches two things in this process only (vLLM's files are not touched): vLLM inspects a model
 class in a subprocess, which is replaced by an in-process call; and the engine's own
 `vllm_compat` shim for LLaVA (vLLM 0.26's pixtral.py, which llava.py imports, names two
-transformers functions that transformers 5.17 removed; they get placeholders that raise if used).
+transformers functions that transformers 5.17 removed; they get placeholders that raise if used);
+and, on transformers newer than 5.17, the one input check that refuses vLLM's Qwen3-VL text call
+(`_lenient_video_token_check`).
 `vllm._C` is left missing: vLLM only warns about it. Importing this file needs no vLLM.
 """
 
@@ -54,7 +56,39 @@ def _patch_vllm() -> list[str]:
 
     registry._run_in_subprocess = lambda fn: fn()  # the subprocess would not see the patches above
     patched.append("model inspection in-process")
+    patched += _lenient_video_token_check()
     return patched
+
+
+def _lenient_video_token_check() -> list[str]:
+    """vLLM 0.26's Qwen3-VL processor runs a clip through transformers in a call of its own and then
+    calls it on text that still holds `<|video_pad|>` without the clip; transformers 5.17 (vLLM's, the
+    GPU image's) accepts that, later versions' `validate_inputs` refuse it. Let that one refusal pass."""
+    from transformers import processing_utils
+
+    original = processing_utils.ProcessorMixin.validate_inputs
+    if getattr(original, "_vlrl_lenient", False) or "no videos were passed" not in _source(original):
+        return []
+
+    def validate_inputs(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except ValueError as err:
+            if "but no videos were passed" not in str(err):
+                raise
+
+    validate_inputs._vlrl_lenient = True
+    processing_utils.ProcessorMixin.validate_inputs = validate_inputs
+    return ["transformers validate_inputs: video tokens without videos (vLLM's Qwen3-VL text call)"]
+
+
+def _source(fn) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
 
 
 def build_vllm_processor(model: str, kwargs: dict, max_images: int, max_model_len: int = 4096, max_videos: int = 0):

@@ -59,8 +59,10 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   so ranks of a tensor-parallel group sample identically whatever the trainer did with the
   global generator in between, and the trainer's stream is left as it was. With
   `SamplingParams.seed` set, prompt i uses seed + i*n (vLLM adds the sample index).
-- Memory: sleep level 1 (weights copied to host, KV cache dropped; level 2 corrupted VLM
-  rollouts in one report). Families vLLM runs through FlexAttention (Gemma3's bidirectional
+- Memory: sleep level 1 by default here (weights copied to host, KV cache dropped); the trainer
+  passes `rollout.sleep_level`, 2 by default (weights dropped: it refits before every generation
+  that follows; level 2 corrupted VLM rollouts in one public report on an older vLLM, and matched
+  level 1's mismatch in the 3B loop here). Families vLLM runs through FlexAttention (Gemma3's bidirectional
   image attention) get their KV cache capped where its per-step block map would grow past
   256 MiB (`flex_kv_cap_bytes`; only models with little KV per token, like the tiny ones). A refit of a sleeping engine wakes only the weights; `wake` then
   brings the KV cache back.

@@ -33,6 +33,9 @@ wheels)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
     --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0 mathruler==0.1.0 pylatexenc==2.11 \
     compressed-tensors==0.20.0 loguru==0.7.3 fla-core==0.6.0 einops==0.8.2
+  # PyAV for video decoding (36 MB, an abi3 wheel): carry .whl in a call of its own if the tree is large
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
+    --platform manylinux2014_x86_64 -d .whl av==18.1.0
   ls .whl
   ;;
 setup)

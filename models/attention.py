@@ -210,10 +210,11 @@ def _vllm_flash_kernel():
     except ImportError:
         return None
     version = None
-    for where in ("vllm.v1.attention.backends.fa_utils", "vllm.attention.utils.fa_utils"):
+    places = (lambda: __import__("vllm.v1.attention.backends.fa_utils", fromlist=["get_flash_attn_version"]),
+              lambda: __import__("vllm.attention.utils.fa_utils", fromlist=["get_flash_attn_version"]))
+    for place in places:
         try:
-            module = __import__(where, fromlist=["get_flash_attn_version"])
-            version = module.get_flash_attn_version()
+            version = place().get_flash_attn_version()
             break
         except (ImportError, AttributeError, TypeError, RuntimeError):
             continue

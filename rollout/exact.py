@@ -366,15 +366,19 @@ def build_exact(policy) -> ExactMode:
 def patch_vllm(report: dict) -> None:
     """Route vLLM's RMSNorm, SiLU-and-mul and m-rope custom ops to torch code with transformers' rounding
     (class-level, before the engine builds its model); records in `report` what was patched or missing."""
-    targets = (
-        ("vllm.model_executor.layers.layernorm", "RMSNorm", _engine_rms_norm),
-        ("vllm.model_executor.layers.activation", "SiluAndMul", _engine_silu_and_mul),
-        ("vllm.model_executor.layers.rotary_embedding", "MRotaryEmbedding", None),
-        ("vllm.model_executor.layers.rotary_embedding.common", "ApplyRotaryEmb", None),
+    targets = (  # (module, class, its import: a fixed module name each, implementation or None)
+        ("vllm.model_executor.layers.layernorm", "RMSNorm",
+         lambda: __import__("vllm.model_executor.layers.layernorm", fromlist=["RMSNorm"]), _engine_rms_norm),
+        ("vllm.model_executor.layers.activation", "SiluAndMul",
+         lambda: __import__("vllm.model_executor.layers.activation", fromlist=["SiluAndMul"]), _engine_silu_and_mul),
+        ("vllm.model_executor.layers.rotary_embedding", "MRotaryEmbedding",
+         lambda: __import__("vllm.model_executor.layers.rotary_embedding", fromlist=["MRotaryEmbedding"]), None),
+        ("vllm.model_executor.layers.rotary_embedding.common", "ApplyRotaryEmb",
+         lambda: __import__("vllm.model_executor.layers.rotary_embedding.common", fromlist=["ApplyRotaryEmb"]), None),
     )
-    for where, name, impl in targets:
+    for where, name, module, impl in targets:
         try:
-            cls = getattr(__import__(where, fromlist=[name]), name)
+            cls = getattr(module(), name)
         except (ImportError, AttributeError):
             report[name] = f"not found in {where}"
             continue

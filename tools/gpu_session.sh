@@ -38,6 +38,23 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 W=/tmp/vlrl_bench
 M=$W/model_3b
+
+# train.py with configs/clevr_qwen2_5_vl_3b.yaml as shipped apart from paths, at the benchmark's shape
+# (16 prompts x 8 responses x 256 new tokens, 448x448 images) on one GPU: recipe_loop MODEL NAME LABEL STEPS
+recipe_loop() {
+  local model=$1 name=$2 label=$3 steps=$4
+  $PY tools/make_dataset.py --kind clevr --n 256 --seed 3 --out $W/loop.parquet --size 448x448 > /dev/null
+  rm -rf $W/$name
+  timeout ${LOOP_S:-400} $PY -m torch.distributed.run --standalone --nproc-per-node 1 train.py \
+    --config configs/clevr_qwen2_5_vl_3b.yaml model.path=$model data.train_path=$W/loop.parquet \
+    data.eval_path=$W/loop.parquet trainer.run_dir=$W/$name trainer.max_steps=$steps trainer.eval_every=0 \
+    data.prompts_per_step=16 rollout.max_new_tokens=256 checkpoint.every_steps=0 trainer.progress=false \
+    ${LOOP_ARGS:-} > "$OUT/$name.log" 2>&1
+  echo "$label GRPO loop rc=$?"
+  cp $W/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  cp $W/$name/config.yaml "$OUT/${name}_config.yaml" 2>/dev/null
+  $PY tools/loop_summary.py "$OUT/${name}_metrics.jsonl" --config "$OUT/${name}_config.yaml" | tee "$OUT/${name}_summary.json"
+}
 case "$STAGE" in
 tiny)
   bash tools/gpu_check.sh "$OUT/check"
@@ -103,17 +120,7 @@ loop)
   # benchmark's shape (16 prompts x 8 responses x 256 new tokens, 448x448 images), STEPS steps on one GPU.
   [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
     --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
-  $PY tools/make_dataset.py --kind clevr --n 256 --seed 3 --out $W/loop.parquet --size 448x448 > /dev/null
-  rm -rf $W/loop
-  timeout ${LOOP_S:-400} $PY -m torch.distributed.run --standalone --nproc-per-node 1 train.py \
-    --config configs/clevr_qwen2_5_vl_3b.yaml model.path=$M data.train_path=$W/loop.parquet \
-    data.eval_path=$W/loop.parquet trainer.run_dir=$W/loop trainer.max_steps=${STEPS:-8} trainer.eval_every=0 \
-    data.prompts_per_step=16 rollout.max_new_tokens=256 checkpoint.every_steps=0 trainer.progress=false \
-    ${LOOP_ARGS:-} > "$OUT/loop.log" 2>&1
-  echo "3B GRPO loop rc=$?"
-  cp $W/loop/metrics.jsonl "$OUT/loop_metrics.jsonl" 2>/dev/null
-  cp $W/loop/config.yaml "$OUT/loop_config.yaml" 2>/dev/null
-  $PY tools/loop_summary.py "$OUT/loop_metrics.jsonl" --config "$OUT/loop_config.yaml" | tee "$OUT/loop_summary.json"
+  recipe_loop $M loop "3B" ${STEPS:-8}
   ;;
 profile)
   # The update alone at the loop's shape, profiled (op tables), and the engine in-process against a
@@ -231,17 +238,7 @@ qwen35)
     --response-len 256 --max-tokens 8192 --image-size 448 --train-steps 3 --json-out "$OUT/q35_update.json" \
     > "$OUT/q35_update.log" 2>&1
   echo "qwen3.5-4b update rc=$? $(tail -c 400 "$OUT/q35_update.json" 2>/dev/null)"
-  $PY tools/make_dataset.py --kind clevr --n 256 --seed 3 --out $W/loop.parquet --size 448x448 > /dev/null
-  rm -rf $W/q35loop
-  timeout ${LOOP_S:-400} $PY -m torch.distributed.run --standalone --nproc-per-node 1 train.py \
-    --config configs/clevr_qwen2_5_vl_3b.yaml model.path=$Q data.train_path=$W/loop.parquet \
-    data.eval_path=$W/loop.parquet trainer.run_dir=$W/q35loop trainer.max_steps=${STEPS:-4} trainer.eval_every=0 \
-    data.prompts_per_step=16 rollout.max_new_tokens=256 checkpoint.every_steps=0 trainer.progress=false \
-    ${LOOP_ARGS:-} > "$OUT/q35_loop.log" 2>&1
-  echo "qwen3.5-4b GRPO loop rc=$?"
-  cp $W/q35loop/metrics.jsonl "$OUT/q35_loop_metrics.jsonl" 2>/dev/null
-  cp $W/q35loop/config.yaml "$OUT/q35_loop_config.yaml" 2>/dev/null
-  $PY tools/loop_summary.py "$OUT/q35_loop_metrics.jsonl" --config "$OUT/q35_loop_config.yaml" | tee "$OUT/q35_loop_summary.json"
+  recipe_loop $Q q35_loop "qwen3.5-4b" ${STEPS:-4}
   ;;
 op_diff)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null

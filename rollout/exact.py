@@ -420,13 +420,21 @@ def align_engine(model, inv_freq: torch.Tensor | None, vision_inv_freq: torch.Te
             freq = freq.to(cache.device, torch.float32)
             t = torch.arange(cache.shape[0], device=cache.device, dtype=torch.float32)
             freqs = t[:, None] * freq[None, :]
-            m.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(cache.dtype)
+            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+            # the vision tower's cos/sin stay fp32, as transformers computes them; the language model's
+            # m-rope rounds them to the model dtype, as transformers' text rotary does
+            m.cos_sin_cache = table if "visual" in name else table.to(cache.dtype)
             done["vision_rope_tables" if "visual" in name else "rope_tables"] += 1
         if vision_inv_freq is not None and type(m).__name__.endswith("VisionRotaryEmbedding"):
             _align_vision_rotary(m, vision_inv_freq)
             done["vision_rotary"] += 1
         if hasattr(m, "rotary_embedding_function"):
             m.rotary_embedding_function = _rotary_torch
+            done["vision_rotation"] += 1
+        elif "visual" in name and type(m).__name__ == "ApplyRotaryEmb":
+            # vLLM 0.26's vision attention rotates q/k through an ApplyRotaryEmb op whose torch path computes
+            # in the model dtype (enable_fp32_compute off); transformers rotates in fp32 and rounds once
+            m.forward = _rotary_torch
             done["vision_rotation"] += 1
     return done
 

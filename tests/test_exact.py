@@ -163,6 +163,18 @@ def test_align_engine_rebuilds_mrope_tables_from_the_policys_inv_freq():
     vision_freq = torch.rand(half)
     assert exact.align_engine(engine, rotary.inv_freq, vision_freq)["vision_rope_tables"] == 1
     assert torch.equal(engine.visual.cos_sin_cache[:, :half], (torch.arange(50.0)[:, None] * vision_freq).cos())
+    # a bf16 vision table (vLLM builds it in the model dtype) comes back fp32, as transformers' vision cos/sin;
+    # the vision attention's ApplyRotaryEmb op is routed to the fp32 rotation, a text one is left alone
+    ApplyRotaryEmb = type("ApplyRotaryEmb", (torch.nn.Module,), {"forward": lambda self, x, cos, sin: x})
+    engine.visual.cos_sin_cache = torch.zeros(50, 2 * half, dtype=torch.bfloat16)
+    engine.visual.apply_rotary_emb = ApplyRotaryEmb()
+    engine.rope.apply_rotary_emb = ApplyRotaryEmb()
+    done = exact.align_engine(engine, rotary.inv_freq, vision_freq)
+    assert done["vision_rotation"] == 1 and engine.visual.cos_sin_cache.dtype == torch.float32
+    x = torch.randn(2, 50, 3, 2 * half).to(torch.bfloat16)
+    table_cos, table_sin = engine.visual.cos_sin_cache.chunk(2, dim=-1)
+    assert torch.equal(engine.visual.apply_rotary_emb(x, table_cos, table_sin), exact.vision_rope(x, table_cos, table_sin))
+    assert engine.rope.apply_rotary_emb(x, table_cos, table_sin) is x
     positions = torch.arange(50).view(1, 1, -1).expand(3, 1, -1)
     cos, sin = rotary(torch.zeros(1, 50, 64), positions)
     table = engine.rope.cos_sin_cache

@@ -1,14 +1,15 @@
 """tools/op_diff.py on the tiny Qwen2.5-VL in fp32: the policy and the built-in engine agree at every module it
-captures, and a weight changed in the engine only is reported first at its own decoder layer's MLP."""
+captures, a weight changed in the engine only is reported first at its own decoder layer's MLP, and one changed in
+its vision tower shows at the language model's input on image tokens only."""
 
 import json
 
 import pytest
 
 from models.parallel import init_distributed
-from tools.op_diff import _parse, first_over, op_diff
+from tools.op_diff import _ForwardTap, _parse, first_over, op_diff
 
-LAYER_PARTS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+LAYER_PARTS = ("input_layernorm[input]", "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                "self_attn.o_proj[input]", "self_attn.o_proj", "post_attention_layernorm", "mlp")
 
 
@@ -58,3 +59,32 @@ def test_engine_only_weight_change_is_found_at_that_layers_mlp(tiny_model, clevr
     assert report["modules"][at]["max_abs"] > 1e-3 and not report["modules"][at]["bitwise"]
     assert report["modules"][-1]["name"] == "logprobs" and report["modules"][-1]["max_abs"] > 1e-4
     assert "generation_logprobs" not in report  # random responses: no generation to compare
+
+
+def test_engine_only_vision_change_shows_on_image_tokens_only(tiny_model, clevr_parquet, tmp_path):
+    report = run(tiny_model, clevr_parquet, tmp_path / "run", "--random-responses", "--tol", "1e-4",
+                 "--perturb-engine", "model.visual.merger.mlp.2.weight=1e-2")
+    assert report["first_over_tol"] == "model.visual.merger"
+    row = next(r for r in report["modules"] if r["name"] == "model.language_model.layers.0.input_layernorm[input]")
+    assert row["max_abs_image"] > 1e-3 and row["max_abs_text"] == 0.0, row
+    patches = next(r for r in report["modules"] if r["name"] == "model.visual.patch_embed")
+    assert "max_abs_image" not in patches and patches["bitwise"]  # vision rows are not split by token kind
+
+
+def test_forward_tap_sees_a_module_whose_call_skips_hooks():
+    import torch
+
+    class Decorated(torch.nn.Linear):  # as vLLM's torch.compile decorator, when not compiling
+        do_not_compile = True
+
+        def __call__(self, *args, **kwargs):
+            return self.forward(*args, **kwargs)
+
+    m = Decorated(3, 2)
+    seen = []
+    m.register_forward_hook(lambda mod, args, out: seen.append("hook"))
+    tap = _ForwardTap(m, lambda mod, args, kwargs, out: seen.append(out.shape))
+    out = m(torch.ones(4, 3))
+    assert seen == [torch.Size([4, 2])]  # the plain hook never fired; the tap did
+    tap.remove()
+    assert torch.equal(m(torch.ones(4, 3)), out) and len(seen) == 1 and "forward" not in m.__dict__

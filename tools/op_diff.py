@@ -58,7 +58,7 @@ from tools.logprob_check import add_run_arguments  # noqa: E402
 # Inside each decoder layer, in the order they finish: (path under the layer, capture its input).
 # o_proj's input is the attention kernel's output.
 _LAYER_PARTS = (
-    ("input_layernorm", False), ("self_attn.q_proj", False), ("self_attn.k_proj", False),
+    ("input_layernorm", True), ("input_layernorm", False), ("self_attn.q_proj", False), ("self_attn.k_proj", False),
     ("self_attn.v_proj", False), ("self_attn.o_proj", True), ("self_attn.o_proj", False),
     ("post_attention_layernorm", False), ("mlp", False),
 )
@@ -249,15 +249,18 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -
 
 
 class _VLLMSide:
-    """vLLM's own model modules, hooked through `LLM.apply_model`. NOT YET RUN (written without a GPU).
+    """vLLM's own model modules, hooked through `LLM.apply_model` (run on an H200 with vLLM 0.26).
 
     Each sequence is one request generating one token, after the prefix and encoder caches are
     cleared, so its whole prompt is prefilled and every hooked module sees it (a prefill split in
     chunks is joined back). It needs `rollout.enforce_eager=true` (the tool sets it, so the
     generations it compares are eager ones too): module hooks do not fire inside CUDA graphs or
-    compiled regions, and a module that never fired shows as "not captured in the engine". Module paths are the policy's mapped by the
+    compiled regions, and a module that never fired shows as "not captured in the engine". Modules
+    under vLLM's torch.compile decorator (the vision tower's) skip module hooks even in eager mode,
+    so their forward is wrapped instead (`_ForwardTap`). Module paths are the policy's mapped by the
     family's vLLM name table (rollout/weight_names.py). vLLM's layers return (hidden, residual)
-    pairs: a decoder layer's output is their sum, a norm's its first element; q/k/v are cut from
+    pairs: a decoder layer's output is their sum, a norm's its first element, a norm's input the
+    sum of its two arguments; q/k/v are cut from
     the fused qkv_proj by size. The logits are vLLM's `compute_logits` on its own final-norm output
     at the scored positions. One rank and vLLM tensor parallel 1 only (a shard of qkv_proj is not
     the policy's q).
@@ -306,15 +309,27 @@ class _VLLMSide:
 
     def _hook(self, model: nn.Module, captured: dict) -> list:
         def hook(p):
-            return lambda m, args, out: captured.setdefault(p.name, []).append(self._value(p, args, out).detach().cpu())
+            return lambda m, args, kwargs, out: captured.setdefault(p.name, []).append(
+                self._value(p, args, kwargs, out).detach().cpu())
 
-        return [model.get_submodule(self.paths[p.name]).register_forward_hook(hook(p))
-                for p in self.probes if p.role != "head"]
+        handles = []
+        for p in self.probes:
+            if p.role == "head":
+                continue
+            module = model.get_submodule(self.paths[p.name])
+            if hasattr(module, "do_not_compile"):  # vLLM's support_torch_compile: its __call__ skips module hooks
+                handles.append(_ForwardTap(module, hook(p)))
+            else:
+                handles.append(module.register_forward_hook(hook(p), with_kwargs=True))
+        return handles
 
-    def _value(self, p: Probe, args, out) -> torch.Tensor:
+    def _value(self, p: Probe, args, kwargs, out) -> torch.Tensor:
         """A vLLM module's output in the policy's layout: rows for vision, (1, tokens, ...) for the decoder."""
         if p.take_input:
             value = args[0]
+            residual = args[1] if len(args) > 1 else kwargs.get("residual")
+            if isinstance(residual, torch.Tensor):  # a norm with the residual add fused: its input is the sum
+                value = value + residual
         elif p.role == "layer" and isinstance(out, tuple) and out[1] is not None:
             value = out[0] + out[1]  # (hidden, residual): the residual add is fused into the next norm
         else:
@@ -325,6 +340,26 @@ class _VLLMSide:
             q, k, v = value.split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], dim=-1)
             value = {"q_proj": q, "k_proj": k, "v_proj": v}[member]
         return value.reshape(-1, value.shape[-1]) if p.vision else value.reshape(1, -1, value.shape[-1])
+
+
+class _ForwardTap:
+    """A forward hook for a module whose `__call__` bypasses nn.Module's hooks (vLLM's torch.compile decorator
+    calls `self.forward` directly when it does not compile, as for the vision tower's blocks): the instance's
+    forward is wrapped until `remove()`."""
+
+    def __init__(self, module: nn.Module, hook):
+        self.module = module
+        inner = module.forward
+
+        def forward(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            hook(module, args, kwargs, out)
+            return out
+
+        module.forward = forward
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
 
 
 def engine_forward(side, seqs: list[Sequence], image_group: list[int] | None, order: list[str],
@@ -345,8 +380,11 @@ def engine_forward(side, seqs: list[Sequence], image_group: list[int] | None, or
 
 
 # --- comparison --------------------------------------------------------------------------------
-def compare(engine: dict[str, torch.Tensor], policy: dict[str, torch.Tensor], order: list[str]) -> list[dict]:
-    """One row per module in forward order: max |engine − policy|, ‖engine − policy‖ / ‖policy‖, bitwise equal."""
+def compare(engine: dict[str, torch.Tensor], policy: dict[str, torch.Tensor], order: list[str],
+            image_tokens: torch.Tensor | None = None) -> list[dict]:
+    """One row per module in forward order: max |engine − policy|, ‖engine − policy‖ / ‖policy‖, bitwise equal.
+    With `image_tokens` (a mask over the packed row's tokens), a decoder activation's row also gives the max
+    over image-token and over text-token positions apart (an image-only difference points at the tower)."""
     rows = []
     for name in order:
         a, b = engine.get(name), policy.get(name)
@@ -363,6 +401,11 @@ def compare(engine: dict[str, torch.Tensor], policy: dict[str, torch.Tensor], or
             "rel_l2": float(d.norm() / b.double().norm().clamp_min(1e-30)),
             "bitwise": a.dtype == b.dtype and torch.equal(a, b),
         })
+        if image_tokens is not None and image_tokens.any() and d.dim() >= 2 and d.shape[0] == 1 \
+                and d.shape[1] == image_tokens.numel():
+            per_token = d[0].abs().reshape(d.shape[1], -1).amax(dim=1)
+            rows[-1]["max_abs_image"] = float(per_token[image_tokens].max())
+            rows[-1]["max_abs_text"] = float(per_token[~image_tokens].max()) if (~image_tokens).any() else 0.0
     return rows
 
 
@@ -375,7 +418,7 @@ def first_over(rows: list[dict], tol: float) -> str | None:
 
 
 def format_table(rows: list[dict], first: str | None) -> str:
-    lines = [f"{'module':<62} {'max |diff|':>11} {'rel L2':>10} bitwise"]
+    lines = [f"{'module':<62} {'max |diff|':>11} {'rel L2':>10} bitwise  (image / text tokens)"]
     for r in rows:
         mark = "  <-- first over tol" if r["name"] == first else ""
         if "missing_in" in r:
@@ -384,8 +427,9 @@ def format_table(rows: list[dict], first: str | None) -> str:
             lines.append(f"{r['name']:<62} shapes differ: engine {r['shape_engine']} "
                          f"policy {r['shape_policy']}{mark}")
         else:
+            split = f"  ({r['max_abs_image']:.3e} / {r['max_abs_text']:.3e})" if "max_abs_image" in r else ""
             lines.append(f"{r['name']:<62} {r['max_abs']:>11.3e} {r['rel_l2']:>10.3e} "
-                         f"{'yes' if r['bitwise'] else 'no':>7}{mark}")
+                         f"{'yes' if r['bitwise'] else 'no':>7}{split}{mark}")
     return "\n".join(lines)
 
 
@@ -447,7 +491,8 @@ def op_diff(args) -> dict:
             _perturb(engine, args.perturb_engine)
         side = _TorchSide(engine) if isinstance(engine, TorchEngine) else _VLLMSide(engine, trainer.policy)
         engine_vals = engine_forward(side, seqs, mb.image_group, order, roles, args.temperature)
-    rows = compare(engine_vals, policy_vals, order)
+    image_tokens = mb.input_ids.reshape(-1).cpu() == trainer.adapter.image_token_id
+    rows = compare(engine_vals, policy_vals, order, image_tokens)
     first = first_over(rows, args.tol)
     report = {
         "engine": type(engine).__name__, "dtype": str(trainer.policy.dtype).replace("torch.", ""),

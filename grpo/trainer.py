@@ -233,6 +233,7 @@ class Trainer:
             phases = sum(metrics.get(k, 0.0) for k in STEP_PHASES)
             metrics["perf/other_s"] = metrics["perf/step_s"] - phases if phases else 0.0
             metrics["memory/peak_gb"] = self.colocation.peak.end()
+            metrics["memory/alloc_retries"] = self.colocation.peak.alloc_retries()
             metrics["data/skipped_samples"] = self._skipped_total()
             if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 and self.eval_feeder:
                 metrics.update(self.evaluate())
@@ -256,7 +257,8 @@ class Trainer:
                     print(f"preempted at step {self.step}; checkpoint written: {path}; "
                           "resume with checkpoint.resume=auto", flush=True)
                 break
-        if not self.preempted and (cfg.checkpoint.every_steps == 0 or self.step % cfg.checkpoint.every_steps):
+        if not self.preempted and cfg.checkpoint.at_end and (
+                cfg.checkpoint.every_steps == 0 or self.step % cfg.checkpoint.every_steps):
             self.save()
         self.logger.close()
         return last

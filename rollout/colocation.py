@@ -240,6 +240,7 @@ class DevicePeak:
         self.device = device
         self._cuda = device.type == "cuda"
         self._peak = 0
+        self._retries = 0
 
     def _used(self) -> int:
         torch.cuda.synchronize(self.device)
@@ -248,6 +249,15 @@ class DevicePeak:
 
     def begin(self) -> None:
         self._peak = self._used() if self._cuda else 0
+        self._retries = self._retry_count()
+
+    def _retry_count(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)) if self._cuda else 0
+
+    def alloc_retries(self) -> float:
+        """How often torch's allocator found the device full since `begin`, freed its cached blocks and tried
+        again (each retry synchronizes the device: a step near the device's size pays for it)."""
+        return float(self._retry_count() - self._retries)
 
     def sample(self) -> None:
         if self._cuda:

@@ -29,6 +29,7 @@ SETTINGS = {
     "lora_alpha": ("model", "lora", "alpha"), "activation_checkpointing": ("model", "activation_checkpointing"),
     "prompts_per_step": ("data", "prompts_per_step"), "n": ("rollout", "n"),
     "max_new_tokens": ("rollout", "max_new_tokens"),
+    "unsharded_accumulation": ("optim", "unsharded_accumulation"),
 }
 
 
@@ -67,6 +68,7 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
         non_gen_train_frac=(step - out["gen_s"] - out["train_s"]) / step, untimed_frac=out["other_s"] / step,
         token_mult_prob_error=mean("fidelity/token_mult_prob_error"),
         peak_gb=max(r.get("memory/peak_gb", 0.0) for r in rows),
+        alloc_retries=sum(r.get("memory/alloc_retries", 0.0) for r in rows),
     )
     first = next((r for r in rows if r.get("step") == 1), None)
     if first:

@@ -1,0 +1,31 @@
+"""The end of a run: `checkpoint.at_end` decides whether the last step is saved, and every step's metrics carry
+`memory/alloc_retries` (0 on CPU, where torch's device allocator is not used)."""
+
+import json
+
+import pytest
+
+from grpo.config import load_config
+from models.parallel import init_distributed
+
+
+def _train(model, data, run_dir, *extra):
+    from grpo.trainer import Trainer
+
+    init_distributed()
+    cfg = load_config(None, [
+        f"model.path={model}", f"data.train_path={data}", "rollout.engine=torch", "rollout.n=2",
+        "data.prompts_per_step=2", "rollout.max_new_tokens=4", "data.min_pixels=3136", "data.max_pixels=3136",
+        f"trainer.run_dir={run_dir}", "logging.tensorboard=false", "checkpoint.resume=never",
+        "trainer.max_steps=1", *extra,
+    ])
+    Trainer(cfg).train()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("at_end", [True, False])
+def test_checkpoint_at_end(tiny_model, clevr_parquet, tmp_path, at_end):
+    run = tmp_path / "run"
+    (row,) = _train(tiny_model, clevr_parquet, run, f"checkpoint.at_end={str(at_end).lower()}")
+    assert (run / "checkpoints" / "step_1").is_dir() == at_end
+    assert row["memory/alloc_retries"] == 0.0 and row["memory/peak_gb"] > 0

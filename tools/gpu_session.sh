@@ -26,6 +26,7 @@
 #             crops with vLLM's processed-image cache off and on (CACHES="0 4"), then text tool messages
 #   qwen35    Qwen3.5-4B's shapes (random weights, make_tiny_model --size qwen3_5_4b): the update alone
 #             (bench.py, 128 sequences x 256 tokens) and train.py GRPO steps at 16 prompts x 8 x 256 tokens
+#   tests     TESTS (default tests/gpu/test_device_peak.py) under pytest, up to TEST_S=120 s
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS)
 #   exact     rollout.exact on the tiny Qwen2.5-VL: tests/gpu/test_exact.py (256 sequences, exact and not, bitwise
 #             check and cost, exact_tiny.json), then op_diff --exact (op_diff_exact.json); ~5 min. EXACT_3B=1: the
@@ -241,6 +242,11 @@ qwen35)
     > "$OUT/q35_update.log" 2>&1
   echo "qwen3.5-4b update rc=$? $(tail -c 400 "$OUT/q35_update.json" 2>/dev/null)"
   recipe_loop $Q q35_loop "qwen3.5-4b" ${STEPS:-4}
+  ;;
+tests)
+  # a few GPU tests on their own (TESTS, default the memory metric's check against mem_get_info)
+  timeout ${TEST_S:-120} $PY -m pytest -q -s ${TESTS:-tests/gpu/test_device_peak.py} > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; tail -3 "$OUT/tests.log"
   ;;
 op_diff)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null

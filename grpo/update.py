@@ -131,10 +131,11 @@ def as_packed(batch: "Batch | PackedStep", max_tokens: int, device) -> PackedSte
 def packed_logprobs(policy: Policy, step: PackedStep, name: str, temperature: float = 1.0) -> None:
     """Scored-token logprobs of every micro-batch into the packed field `name`, on the device
     (old or reference logprobs); a collective across ranks."""
-    for mb, f in step:
-        lp, _ = policy.logprobs(mb, temperature=temperature)
-        if mb.sample_indices:
-            f[name] = lp.float()
+    with policy.gathered():
+        for mb, f in step:
+            lp, _ = policy.logprobs(mb, temperature=temperature)
+            if mb.sample_indices:
+                f[name] = lp.float()
 
 
 @torch.no_grad()
@@ -142,12 +143,13 @@ def sequence_logprobs(policy: Policy, batch: "Batch | PackedStep", max_tokens: i
                       with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Scored-token logprobs (and entropies) per sample, in batch order, on CPU; collective across ranks."""
     step = as_packed(batch, max_tokens, policy.device)
-    for mb, f in step:
-        lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=with_entropy)
-        if mb.sample_indices:
-            f["_logprobs"] = lp.float()
-            if with_entropy:
-                f["_entropy"] = ent.float()
+    with policy.gathered():
+        for mb, f in step:
+            lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=with_entropy)
+            if mb.sample_indices:
+                f["_logprobs"] = lp.float()
+                if with_entropy:
+                    f["_entropy"] = ent.float()
     return step.per_sample("_logprobs"), (step.per_sample("_entropy") if with_entropy else None)
 
 

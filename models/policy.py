@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -404,6 +405,29 @@ class Policy:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """A forward-only pass over many micro-batches (reference or old logprobs) with one data-parallel
+        rank: each FSDP unit's compute copy is made at the first micro-batch and kept to the last, instead
+        of copied out and cast again for every micro-batch; freed when the pass ends. The same copies, so
+        the same logprobs. With more ranks (a real all-gather per unit and micro-batch) nothing changes."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        if self.dims.dp != 1 or not units:
+            yield
+            return
+        # how apply_parallelism built the units with one rank: a frozen model reshards after forward
+        frozen = not any(p.requires_grad for p in self.model.parameters())
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(frozen, recurse=False)
 
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Move only the optimizer state to CPU (the parameters stay where they are)."""

@@ -47,7 +47,8 @@ recipe_loop() {
   local model=$1 name=$2 label=$3 steps=$4
   $PY tools/make_dataset.py --kind clevr --n 256 --seed 3 --out $W/loop.parquet --size 448x448 > /dev/null
   rm -rf $W/$name
-  timeout ${LOOP_S:-400} $PY -m torch.distributed.run --standalone --nproc-per-node 1 train.py \
+  # -k 5: SIGTERM makes the trainer write a checkpoint before it exits (minutes at 3B); KILL 5 s later
+  timeout -k 5 ${LOOP_S:-400} $PY -m torch.distributed.run --standalone --nproc-per-node 1 train.py \
     --config configs/clevr_qwen2_5_vl_3b.yaml model.path=$model data.train_path=$W/loop.parquet \
     data.eval_path= trainer.run_dir=$W/$name trainer.max_steps=$steps trainer.eval_every=0 \
     data.prompts_per_step=16 rollout.max_new_tokens=256 checkpoint.every_steps=0 checkpoint.at_end=false \

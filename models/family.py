@@ -351,6 +351,11 @@ class FamilyAdapter:
         """(the `multi_modal_data["video"]` items, the per-request `mm_processor_kwargs`) for canonical clips."""
         raise ValueError(f"model family '{self.name}' takes no video")
 
+    def vllm_processor_cache_safe(self, max_videos_per_prompt: int) -> bool:
+        """Whether vLLM's multimodal processor cache gives right results for this family's prompts of up
+        to `max_videos_per_prompt` videos (see `QwenVLAdapter`'s for one where it does not)."""
+        return True
+
     def vllm_engine_kwargs(self) -> dict:
         """Extra `vllm.LLM(...)` arguments the family's vLLM module needs (default: none)."""
         return {}

@@ -40,6 +40,9 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   (`FamilyAdapter.vllm_video_items`: Qwen3-VL in the item, Qwen2.5-VL as the request's
   `video_metadata` processor argument); the video expansion is collapsed and checked like the
   images' (`vllm_collapse_videos`). `limit_mm_per_prompt` has `max_videos_per_prompt` videos.
+  Qwen2/2.5-VL engines for two or more videos per prompt run without the processor cache: on a
+  partial hit vLLM hands transformers the missed clips with the request's whole `video_metadata`
+  (`processor_cache`, `QwenVLAdapter.vllm_processor_cache_safe`).
 - Logprobs: `logprobs_mode="processed_logprobs"` returns log_softmax of the fp32 logits after
   vLLM's logit processors and temperature (V1 `Sampler`: bias → logits / T → top-k/top-p →
   log_softmax). With top_p=1 and top_k off this is the trainer's log_softmax(logits / T) over
@@ -397,6 +400,16 @@ def check_loaded(loaded: set[str], expected: set[str]) -> None:
         )
 
 
+def processor_cache(adapter: FamilyAdapter, cache_gb: float, max_videos_per_prompt: int) -> float:
+    """The multimodal processor cache (GiB) to give vLLM: `cache_gb`, or 0 where the family's prompts of
+    that many videos would get wrong or failing results from it (`vllm_processor_cache_safe`)."""
+    if cache_gb and not adapter.vllm_processor_cache_safe(max_videos_per_prompt):
+        log.warning("VLLMEngine: processor cache off (rollout.processor_cache_gb=%s ignored): %s prompts of up "
+                    "to %d videos cannot use it in vLLM 0.26", cache_gb, adapter.name, max_videos_per_prompt)
+        return 0.0
+    return cache_gb
+
+
 class VLLMEngine(Engine):
     """Rollouts with vLLM in this process; sleeps to give the GPU to training; takes weights by refit."""
 
@@ -460,7 +473,7 @@ class VLLMEngine(Engine):
         self.sleep_level = sleep_level
         if processor_cache_gb < 0:
             raise ValueError(f"VLLMEngine: processor_cache_gb must be >= 0, got {processor_cache_gb}")
-        self._processor_cache_gb = processor_cache_gb
+        self._processor_cache_gb = processor_cache(self.adapter, processor_cache_gb, max_videos_per_prompt)
         self._routing = return_routed_experts  # MoE routing replay: vLLM reports each token's experts
         self._seed = seed
         self._calls = 0

@@ -15,6 +15,10 @@ does (the family's `vllm_processor_kwargs`, a per-prompt image limit) and checks
             ids equal the trainer's (Qwen3-VL: its timestamp text), `pixel_values_videos`,
             `video_grid_thw` and `second_per_grid_ts` equal the trainer's, and the placeholder
             ranges cover exactly the video tokens.
+  video_cache  two-video prompts [a, b], [a, c], [c, a] of equal metadata through one processor
+            with the processor cache the engine gives vLLM ([a, c] is a partial hit where it is on):
+            ids and `second_per_grid_ts` equal the trainer's (`--video-cache-gb` forces a size).
+
 
 One JSON line per check on stdout; the exit status is 1 if any check failed.
 
@@ -266,8 +270,72 @@ def check_video_prompt(processor, config, trainer_processor, adapter, vocab, cas
     return out
 
 
+def _cache_clips(side: int):
+    """Three clips of equal metadata (4 frames at 2 fps, one size) and different pixels."""
+    from PIL import Image
+
+    from data.video import Video
+
+    return [Video([Image.new("RGB", (side, side), ((37 * i + 50 * k) % 256, 90 + 40 * k, 30)) for i in range(4)],
+                  fps=2.0) for k in range(3)]
+
+
+def check_video_cache(model: str, kwargs: dict, trainer_processor, adapter, task: str,
+                      cache_gb: float | None = None) -> dict:
+    """Two-video prompts [a, b], [a, c], [c, a] (equal metadata) through one vLLM processor with the
+    processor cache the engine gives it (`rollout.vllm_engine.processor_cache` of 4 GiB for 2 videos;
+    `cache_gb` forces a size): [a, c] is a partial hit where a cache is on. Each prompt's ids and
+    `second_per_grid_ts` must equal the trainer's."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.cache import MultiModalProcessorOnlyCache
+    from vllm.multimodal.processing import ProcessorInputs
+    from vllm.multimodal.processing.context import TimingContext
+
+    from data.datasets import Sample
+    from data.processing import encode_prompt
+    from rollout.vllm_engine import processor_cache
+
+    gb = processor_cache(adapter, 4.0, 2) if cache_gb is None else cache_gb
+    out = {"check": "video_cache", "processor_cache_gb": gb, "prompts": []}
+    try:
+        config = ModelConfig(model=model, tokenizer=model, dtype="float32", seed=0, max_model_len=4096,
+                             mm_processor_kwargs=kwargs, mm_processor_cache_gb=gb,
+                             limit_mm_per_prompt={"image": 1, "video": 2})
+        cache = MultiModalProcessorOnlyCache(config) if gb > 0 else None
+        processor = MULTIMODAL_REGISTRY.create_processor(config, cache=cache)
+    except Exception as err:  # noqa: BLE001 - reported as this check's failure
+        return {**out, "ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+    a, b, c = _cache_clips(trainer_processor.images.factor)
+    for name, videos in (("ab", [a, b]), ("ac", [a, c]), ("ca", [c, a])):
+        encoded = encode_prompt(trainer_processor, Sample(0, [], "<video> and <video>: same?", "1", videos=videos),
+                                task, config.max_model_len)
+        ids = encoded.input_ids.tolist()
+        row = {"videos": name}
+        try:
+            collapsed, _ = adapter.vllm_collapse_videos(ids)
+            items, request_kwargs = adapter.vllm_video_items(list(encoded.videos))
+            result = processor.apply(ProcessorInputs(prompt=collapsed,
+                                                     mm_data_items=processor.info.parse_mm_data({"video": items}),
+                                                     hf_processor_mm_kwargs=request_kwargs),
+                                     timing_ctx=TimingContext(enabled=False))
+        except Exception as err:  # noqa: BLE001 - reported as this prompt's failure
+            cause = f" (from {type(err.__cause__).__name__}: {err.__cause__})" if err.__cause__ else ""
+            out["prompts"].append({**row, "ok": False, "error": f"{type(err).__name__}{cause}"[:600]})
+            continue
+        row["ids_equal"] = list(result["prompt_token_ids"]) == ids
+        video_items = result["mm_kwargs"]["video"]
+        if any("second_per_grid_ts" in item for item in video_items):
+            seconds = [float(item["second_per_grid_ts"].data) for item in video_items]
+            row["seconds_equal"] = seconds == encoded.second_per_grid_ts.tolist()
+        row["ok"] = bool(row["ids_equal"] and row.get("seconds_equal", True))
+        out["prompts"].append(row)
+    out["ok"] = all(r["ok"] for r in out["prompts"])
+    return out
+
+
 def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr",
-               kwargs: dict | None = None) -> list[dict]:
+               kwargs: dict | None = None, video_cache_gb: float | None = None) -> list[dict]:
     """All checks for one model folder; `kwargs` replaces the adapter's `vllm_processor_kwargs`."""
     from transformers import AutoConfig
 
@@ -293,6 +361,8 @@ def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr"
         results.append(check_prompt(processor, config, trainer_processor, adapter, vocab, count, task))
     for case in range(3 if videos else 0):
         results.append(check_video_prompt(processor, config, trainer_processor, adapter, vocab, case, task))
+    if videos:
+        results.append(check_video_cache(model, kwargs, trainer_processor, adapter, task, video_cache_gb))
     return results
 
 
@@ -303,11 +373,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-images", type=int, default=2)
     parser.add_argument("--processor-kwargs", type=json.loads, default=None,
                         help="JSON mm_processor_kwargs to try instead of the adapter's")
+    parser.add_argument("--video-cache-gb", type=float, default=None,
+                        help="processor cache of the video_cache check (default: what the engine gives vLLM)")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout holds the JSON lines only
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    results = run_checks(args.family, args.model, args.max_images, kwargs=args.processor_kwargs)
+    results = run_checks(args.family, args.model, args.max_images, kwargs=args.processor_kwargs,
+                         video_cache_gb=args.video_cache_gb)
     for r in results:
         print(json.dumps(r, default=str), flush=True)
     return 0 if all(r.get("ok") for r in results) else 1

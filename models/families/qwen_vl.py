@@ -346,6 +346,16 @@ class QwenVLAdapter(FamilyAdapter):
         metas = [{k: val for k, val in video_metadata(v).items() if k != "do_sample_frames"} for v in videos]
         return arrays, {"video_metadata": metas}
 
+    def vllm_processor_cache_safe(self, max_videos_per_prompt: int) -> bool:
+        """Not with two or more videos. vLLM 0.26's processor cache keys an item by its content and the
+        request's processor kwargs, and on a partial hit (prompt [a, c] after [a, b], the clips' metadata
+        equal; or one of a prompt's clips evicted) hands transformers only the missed clips, with the
+        request's `video_metadata` whole: transformers 5.17's Qwen2.5-VL processor then refuses the call
+        (fps for 2 clips, grids for 1), and later versions refuse it earlier. The timing has no per-item
+        route here (the parser drops an item's own metadata), so such engines run without the cache
+        (tools/vllm_prompt_check.py's `video_cache` check replays the case through vLLM's processor)."""
+        return max_videos_per_prompt < 2
+
 
 @dataclass
 class Qwen3VLAdapter(QwenVLAdapter):
@@ -399,6 +409,10 @@ class Qwen3VLAdapter(QwenVLAdapter):
         from data.processing import video_metadata
 
         return [(np.stack([np.asarray(f) for f in v.frames]), video_metadata(v)) for v in videos], {}
+
+    def vllm_processor_cache_safe(self, max_videos_per_prompt: int) -> bool:
+        # each item carries its own metadata, so a missed clip is processed with its own timing
+        return True
 
     def video_segments(self, video_grid_thw, second_per_grid_ts):
         """One run per temporal group, each like a one-frame image: the groups are separated by their

@@ -202,14 +202,32 @@ def kv_heads(text: dict) -> int:
     return text.get("num_key_value_heads") or text["num_attention_heads"]
 
 
+def layer_kv_shape(text: dict, index: int) -> tuple[int, int]:
+    """(KV heads, head size) of decoder layer `index` of a text config dict: the layer's own entry in
+    `per_layer_config` (transformers' per-layer overrides) first, then Gemma4's full-attention
+    `global_head_dim` and, with `attention_k_eq_v`, `num_global_key_value_heads`, then the config's."""
+    overrides = text.get("per_layer_config") or {}
+    own = overrides.get(str(index)) or overrides.get(index) or {}
+    types = text.get("layer_types") or []
+    full = index < len(types) and types[index] == "full_attention"
+    head = own.get("head_dim") or (full and text.get("global_head_dim")) or text.get("head_dim") \
+        or text["hidden_size"] // text["num_attention_heads"]
+    heads = own.get("num_key_value_heads") or (full and text.get("attention_k_eq_v") and
+                                               text.get("num_global_key_value_heads")) or kv_heads(text)
+    return heads, head
+
+
 def kv_bytes_per_token(config: dict, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
     """K and V bytes one token takes over all decoder layers (an upper bound for sliding layers), per
     GPU of a tensor-parallel engine: TP splits the KV heads (more GPUs than heads replicate them).
-    `config` is config.json's dict."""
+    `config` is config.json's dict. Each layer counts its own head size and KV heads
+    (`layer_kv_shape`); the last `num_kv_shared_layers` read an earlier layer's cache and add none."""
     text = config.get("text_config", config)
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    split = max(1, min(tensor_parallel_size, kv_heads(text)))
-    return 2 * text["num_hidden_layers"] * kv_heads(text) * head_dim * dtype_bytes // split
+    total = 0
+    for index in range(text["num_hidden_layers"] - (text.get("num_kv_shared_layers") or 0)):
+        heads, head = layer_kv_shape(text, index)
+        total += 2 * heads * head * dtype_bytes // max(1, min(tensor_parallel_size, heads))
+    return total
 
 
 def tensor_bytes(tensors) -> int:

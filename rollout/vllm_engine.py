@@ -390,6 +390,19 @@ def refit_stream(family: str, skips: VLLMSkips, tied: bool, named_tensors: Itera
         yield vllm_load_name(family, name), tensor.detach()
 
 
+def load_into(model, stream) -> set[str]:
+    """vLLM's `model.load_weights(stream)`: the names it reports loaded that name a parameter or buffer of the model.
+
+    vLLM 0.26's Gemma4 text model (gemma4.py `Gemma4Model.load_weights`) reports a stacked tensor
+    under the fused parameter's name and under its own (q_proj, gate_proj, ...), which names nothing
+    in the model; an unexpected name that is a real parameter still fails `check_loaded`.
+    """
+    loaded = set(model.load_weights(stream))
+    tensors = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    tensors |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    return loaded & tensors
+
+
 def check_loaded(loaded: set[str], expected: set[str]) -> None:
     """Raise unless vLLM's load_weights loaded exactly the parameters the name table predicts."""
     if loaded != expected:
@@ -701,7 +714,7 @@ class VLLMEngine(Engine):
         expected: set[str] = set()
         skipped: dict[str, str] = {}
         stream = refit_stream(self.family, self._skips, self._tied, named_tensors, expected, skipped)
-        loaded = set(self._llm.apply_model(lambda model: set(model.load_weights(stream)))[0])
+        loaded = self._llm.apply_model(lambda model: load_into(model, stream))[0]
         check_loaded(loaded, expected)
         if skipped and self.skipped_in_refit != len(skipped):
             first = next(iter(skipped.items()))

@@ -325,3 +325,147 @@ def test_the_decoder_needs_the_rows_token_ids(folder):
     a._row[:] = [None, 0]
     with pytest.raises(RuntimeError, match="token ids"):
         a.run_language_model(policy.model, embeds, torch.arange(5)[None, None], torch.zeros(1, 5, dtype=torch.bool), [])
+
+
+# --- vLLM 0.26.0: names, config, KV bytes --------------------------------------------------------
+# Read from vLLM 0.26.0's gemma4_mm.py (Gemma4ForConditionalGeneration) and gemma4.py (Gemma4Model):
+# its mapper's prefixes, applied one after another (WeightsMapper._map_name_with_shard), and the
+# (param, shard name, shard id) table of Gemma4Model.load_weights, which stacks when the fused
+# parameter exists.
+VLLM_PREFIXES = {"model.vision_tower": "vision_tower", "model.embed_vision": "embed_vision",
+                 "model.audio_tower.": "audio_tower.", "model.embed_audio.": "embed_audio.",
+                 "model.language_model.": "language_model.model.", "lm_head.": "language_model.lm_head.",
+                 "model": "language_model.model"}
+VLLM_STACKED = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+                ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+
+
+def _vllm_0_26_parameters(config) -> set[str]:
+    """The parameters (and the layer_scalar buffers) vLLM 0.26 builds for a Gemma4 config without MoE or audio."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4VisionModel
+
+    text = config.text_config
+    lm = "language_model.model."
+    names = {f"{lm}embed_tokens.weight", f"{lm}norm.weight"}
+    if text.hidden_size_per_layer_input:
+        names |= {f"{lm}embed_tokens_per_layer.weight", f"{lm}per_layer_model_projection.weight",
+                  f"{lm}per_layer_projection_norm.weight"}
+    for i in range(text.num_hidden_layers):
+        layer = f"{lm}layers.{i}."
+        # every layer, KV-sharing or not, builds qkv_proj, q_norm and k_norm (v_norm has no weight)
+        names |= {layer + n for n in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+                                      "self_attn.k_norm.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
+                                      "input_layernorm.weight", "post_attention_layernorm.weight",
+                                      "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+                                      "layer_scalar")}
+        if text.hidden_size_per_layer_input:
+            names |= {layer + n for n in ("per_layer_input_gate.weight", "per_layer_projection.weight",
+                                          "post_per_layer_input_norm.weight")}
+    if not text.tie_word_embeddings:
+        names.add("language_model.lm_head.weight")
+    # the tower is transformers' own module (AutoModel.from_config), its nn.Linear swapped for vLLM's
+    # ReplicatedLinear under the same names; the embedder keeps only embedding_projection's weight
+    names |= {f"vision_tower.{n}" for n in Gemma4VisionModel(config.vision_config).state_dict()}
+    names.add("embed_vision.embedding_projection.weight")
+    return names
+
+
+def _vllm_0_26_home(name: str, parameters: set[str]) -> tuple[str, str | int | None]:
+    for prefix, new in VLLM_PREFIXES.items():
+        if name.startswith(prefix):
+            name = name.replace(prefix, new, 1)
+    for param, shard_name, shard in VLLM_STACKED:
+        if shard_name in name and name.replace(shard_name, param) in parameters:
+            return name.replace(shard_name, param), shard
+    return name, None
+
+
+def test_every_checkpoint_tensor_lands_where_vllm_0_26_loads_it(folder):
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    parameters = _vllm_0_26_parameters(AutoConfig.from_pretrained(str(folder)))
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    homes = {}
+    for name in names:
+        home = vllm_param_for("gemma4", name)
+        assert home == _vllm_0_26_home(name, parameters), name
+        assert home[0] in parameters, name
+        assert home not in homes, f"{name} and {homes[home]} both land in {home}"
+        homes[home] = name
+    # every parameter vLLM builds gets a tensor but the KV-sharing layers' (2, 3) k_norm, which vLLM
+    # never applies there; those layers fill only the q slot of qkv_proj
+    assert parameters - {param for param, _ in homes} == {f"language_model.model.layers.{i}.self_attn.k_norm.weight"
+                                                           for i in (2, 3)}
+    assert {s for (p, s) in homes if p.endswith("layers.2.self_attn.qkv_proj.weight")} == {"q"}
+    assert {s for (p, s) in homes if p.endswith("layers.1.self_attn.qkv_proj.weight")} == {"q", "k", "v"}
+
+
+def test_refit_counts_only_the_models_own_tensors_as_loaded():
+    """vLLM 0.26's Gemma4Model.load_weights reports `q_proj.weight` beside `qkv_proj.weight`."""
+    from rollout.vllm_engine import check_loaded, load_into
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(2, 6, bias=False)
+            self.other = torch.nn.Linear(2, 2, bias=False)
+            self.register_buffer("layer_scalar", torch.ones(1))
+
+        def load_weights(self, stream):
+            return {name for name, _ in stream}
+
+    stream = [("qkv_proj.weight", None), ("q_proj.weight", None), ("layer_scalar", None)]
+    loaded = load_into(Model(), iter(stream))
+    assert loaded == {"qkv_proj.weight", "layer_scalar"}
+    check_loaded(loaded, {"qkv_proj.weight", "layer_scalar"})
+    with pytest.raises(RuntimeError, match=r"loaded unexpected \['other.weight'\]"):
+        check_loaded(load_into(Model(), iter(stream + [("other.weight", None)])), {"qkv_proj.weight", "layer_scalar"})
+
+
+def test_vllm_reads_plain_head_sizes_from_the_engines_config(folder):
+    """vLLM 0.26 reads `head_dim` and `global_head_dim` off the text config (model_arch_config_convertor.py,
+    gemma4.py); transformers keeps them per layer and refuses the global read."""
+    from transformers import AutoConfig
+
+    from models.family import build_adapter
+
+    config = AutoConfig.from_pretrained(str(folder))
+    with pytest.raises(Exception, match="per-layer attribute"):
+        getattr(config.text_config, "head_dim", 0)
+    override = build_adapter(config).vllm_engine_kwargs()["hf_overrides"]
+    text = override(config).text_config
+    head_dim, global_head_dim = getattr(text, "head_dim", 0), getattr(text, "global_head_dim", text.head_dim)
+    assert (head_dim, global_head_dim) == (16, 32) and max(head_dim, global_head_dim) == 32
+    assert text.num_global_key_value_heads == text.num_key_value_heads == 2
+    assert override(config) is config  # applying it twice changes nothing
+
+    other = AutoConfig.from_pretrained(str(folder))
+    other.text_config._heterogeneity_spec.per_layer_overrides[3] = {"head_dim": 64}
+    with pytest.raises(ValueError, match="layers of one attention type differ"):
+        override(other)
+
+
+def test_kv_bytes_count_each_layers_heads_and_skip_kv_sharing_layers(folder):
+    import json
+
+    from transformers import AutoConfig
+
+    from rollout.colocation import kv_bytes_per_token
+
+    # layer 0 (sliding): 2 KV heads x 16; layer 1 (full): 2 x 32; layers 2 and 3 reuse their caches
+    expected = 2 * (2 * 16 + 2 * 32) * 2
+    assert kv_bytes_per_token(json.loads((folder / "config.json").read_text()), 2) == expected
+    assert kv_bytes_per_token(AutoConfig.from_pretrained(str(folder)).to_dict(), 2) == expected  # per_layer_config
+    # a released layout: head_dim 256, global_head_dim 512, one KV head, 35 layers, the last 20 sharing
+    types = (["sliding_attention"] * 4 + ["full_attention"]) * 7
+    released = {"text_config": {"num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 1,
+                                "head_dim": 256, "global_head_dim": 512, "layer_types": types,
+                                "num_kv_shared_layers": 20, "hidden_size": 1536}}
+    assert kv_bytes_per_token(released, 2) == 2 * (12 * 256 + 3 * 512) * 2
+    # attention_k_eq_v: the full-attention layers have their own KV head count
+    keqv = {"text_config": {**released["text_config"], "attention_k_eq_v": True, "num_global_key_value_heads": 4,
+                            "num_kv_shared_layers": 0}}
+    assert kv_bytes_per_token(keqv, 2) == 2 * (28 * 256 + 7 * 4 * 512) * 2
+    assert kv_bytes_per_token(keqv, 2, tensor_parallel_size=2) == 2 * (28 * 256 + 7 * 2 * 512) * 2

@@ -22,8 +22,9 @@ compiled kernels. One JSON line per check on stdout; the exit status is 1 if any
 Runs where `tools/vllm_prompt_check.py` runs (vLLM's Python code and its pure-Python
 dependencies, no compiled extension, no GPU). In this process only, `_patch_cpu_model` makes
 vLLM's CPU platform the current one and gives the compiled activation and norm ops it looks up
-while building layers a placeholder that raises if called (the checks never call them), and
-turns off pinned host memory, which needs a GPU driver.
+while building layers a placeholder that raises if called (the checks never call them),
+turns off pinned host memory, which needs a GPU driver, and answers the free-memory query Gemma4's
+image encoder makes.
 """
 
 from __future__ import annotations
@@ -67,7 +68,15 @@ def _patch_cpu_model() -> list[str]:
     from vllm.platforms.cpu import CpuPlatform
 
     vllm.platforms._current_platform = CpuPlatform()
-    return ["vLLM CPU platform", "placeholders for compiled activation/norm ops"]
+    patched = ["vLLM CPU platform", "placeholders for compiled activation/norm ops"]
+    import torch
+
+    if not torch.accelerator.is_available():
+        # Gemma4's image encoder sizes its batches from the accelerator's free memory
+        # (gemma4_mm.py `_process_image_input`); without one, report 16 GiB of 32 free.
+        torch.accelerator.get_memory_info = lambda *args, **kwargs: (16 * 1024**3, 32 * 1024**3)
+        patched.append("torch.accelerator.get_memory_info without an accelerator")
+    return patched
 
 
 def build_vllm_model(config):
@@ -99,7 +108,7 @@ def check_refit(model, family: str, model_config: dict, named: dict, label: str)
     """The engine's refit of `named` into vLLM's model, then its read-back, compared bitwise."""
     import torch
 
-    from rollout.vllm_engine import _read_params, check_loaded, head_is_embedding, refit_stream
+    from rollout.vllm_engine import _read_params, check_loaded, head_is_embedding, load_into, refit_stream
     from rollout.weight_names import VLLMSkips, vllm_param_for
 
     skips = VLLMSkips.for_config(family, model_config)
@@ -108,7 +117,7 @@ def check_refit(model, family: str, model_config: dict, named: dict, label: str)
         tied = head_is_embedding(model, family)
         expected, skipped = set(), {}
         with torch.no_grad():
-            loaded = set(model.load_weights(refit_stream(family, skips, tied, named.items(), expected, skipped)))
+            loaded = load_into(model, refit_stream(family, skips, tied, named.items(), expected, skipped))
         check_loaded(loaded, expected)
         targets = [(name, *vllm_param_for(family, name)) for name in named if skips.reason(family, name) is None]
         back = _read_params(model, targets)
@@ -174,7 +183,8 @@ def run_checks(model: str, max_images: int = 2, task: str = "clevr") -> list[dic
     setup = {"check": "setup", "family": family, "model": model, "patched": _patch_vllm() + _patch_cpu_model()}
     results = [setup]
     try:
-        config, processor = build_vllm_processor(model, kwargs, max_images)
+        config, processor = build_vllm_processor(model, kwargs, max_images,
+                                                 hf_overrides=adapter.vllm_engine_kwargs().get("hf_overrides"))
         vllm_config, vllm_model = build_vllm_model(config)
     except Exception as err:  # noqa: BLE001 - vLLM's config validation and model construction raise here
         setup.update(ok=False, error=f"{type(err).__name__}: {err}"[:2000])

@@ -19,7 +19,6 @@ does (the family's `vllm_processor_kwargs`, a per-prompt image limit) and checks
             with the processor cache the engine gives vLLM ([a, c] is a partial hit where it is on):
             ids and `second_per_grid_ts` equal the trainer's (`--video-cache-gb` forces a size).
 
-
 One JSON line per check on stdout; the exit status is 1 if any check failed.
 
     python tools/vllm_prompt_check.py --family idefics3 --model /tmp/vcpu/idefics3
@@ -95,15 +94,18 @@ def _source(fn) -> str:
         return ""
 
 
-def build_vllm_processor(model: str, kwargs: dict, max_images: int, max_model_len: int = 4096, max_videos: int = 0):
-    """vLLM's ModelConfig and multimodal processor for `model`, configured as the engine builds them."""
+def build_vllm_processor(model: str, kwargs: dict, max_images: int, max_model_len: int = 4096, max_videos: int = 0,
+                         hf_overrides=None):
+    """vLLM's ModelConfig and multimodal processor for `model`, configured as the engine builds them
+    (`hf_overrides`: the family's, from `FamilyAdapter.vllm_engine_kwargs`)."""
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     # float32, so the pixels compare as the processor made them (the engine then casts to its dtype).
     config = ModelConfig(model=model, tokenizer=model, dtype="float32", seed=0, max_model_len=max_model_len,
                          mm_processor_kwargs=kwargs, mm_processor_cache_gb=0,
-                         limit_mm_per_prompt={"image": max_images, "video": max_videos})
+                         limit_mm_per_prompt={"image": max_images, "video": max_videos},
+                         **({"hf_overrides": hf_overrides} if hf_overrides is not None else {}))
     return config, MULTIMODAL_REGISTRY.create_processor(config)
 
 
@@ -349,7 +351,8 @@ def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr"
                 "patched": _patch_vllm()}]
     videos = 1 if adapter.takes_video else 0
     try:
-        config, processor = build_vllm_processor(model, kwargs, max_images, max_videos=videos)
+        config, processor = build_vllm_processor(model, kwargs, max_images, max_videos=videos,
+                                                 hf_overrides=adapter.vllm_engine_kwargs().get("hf_overrides"))
     except Exception as err:  # noqa: BLE001 - vLLM's config validation and model inspection raise here
         results[0].update(ok=False, error=f"{type(err).__name__}: {err}"[:2000])
         return results

@@ -31,17 +31,24 @@ The built-in engine runs transformers' own forward (mm_token_type_ids mark the i
 one prompt at a time (sliding-window layers). Gemma4's MoE variant (`enable_moe_block`) and
 `use_bidirectional_attention: all` are refused. Video and audio inputs are not used.
 
-vLLM: `Gemma4ForConditionalGeneration` (vllm/model_executor/models/gemma4_mm.py and gemma4.py
-as read at vLLM commits 01bae21 / 001cabc, not checked against the 0.26.0 tag). Its mapper:
-`model.language_model.` → `language_model.model.`, `model.vision_tower` → `vision_tower` (the
-tower is transformers' own module, names unchanged), `model.embed_vision` → `embed_vision`,
-`lm_head.` → `language_model.lm_head.`. It stacks the decoder's q/k/v into qkv_proj and gate/up
-into gate_up_proj (layers with attention_k_eq_v keep q_proj and k_proj apart) and loads buffers
-(layer_scalar) by name. Its processor targets `<|image|>` and inserts [`<|image>`, soft tokens,
-`<image|>`], counting soft tokens from the image size and `max_soft_tokens` (else the vision
-config's `default_output_length`), so prompts collapse to one `<|image|>` per image and the
+vLLM: `Gemma4ForConditionalGeneration` (vLLM 0.26.0's gemma4_mm.py over gemma4.py). Its mapper's
+prefixes apply in turn: `model.vision_tower` → `vision_tower` (transformers' own tower, built by
+`AutoModel.from_config`, its nn.Linear swapped for vLLM's with the same names, so
+`...q_proj.linear.weight`), `model.embed_vision` → `embed_vision` (only embedding_projection has a
+weight), `model.language_model.` → `language_model.model.`, `lm_head.` → `language_model.lm_head.`.
+Every decoder layer stacks q/k/v into qkv_proj and gate/up into gate_up_proj: the KV-sharing
+layers too (the checkpoint has only their q_proj; vLLM never reads their k/v slots), and
+attention_k_eq_v layers load k_proj into the v slot as well. Buffers (layer_scalar) load by name.
+Its text model's load_weights reports each stacked tensor under its own name as well as the fused
+one (`vllm_engine.load_into` keeps only real parameters). transformers 5.17 keeps `head_dim` per
+layer and drops `global_head_dim` from the config, which vLLM 0.26 reads; `vllm_hf_config` (the
+engine's hf_overrides) gives them back. Its processor targets `<|image|>` and inserts [`<|image>`,
+soft tokens, `<image|>`], counting soft tokens from the image size and `max_soft_tokens` (else the
+vision config's `default_output_length`), so prompts collapse to one `<|image|>` per image and the
 engine passes `max_soft_tokens`. For the per-layer inputs vLLM reads image tokens as token 0, and
-transformers as `pad_token_id` (0 in the released configs and the tiny one). Not yet run on a GPU.
+transformers as `pad_token_id` (0 in the released configs and the tiny one). Checked on CPU with
+vLLM 0.26.0 and transformers 5.17 (tools/vllm_prompt_check.py, tools/vllm_load_check.py: prompt
+ids, pixels, refit read back bitwise, image features equal); not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -323,10 +330,42 @@ class Gemma4Adapter(FamilyAdapter):
             i = end + 1
         return out, blocks
 
+    def vllm_engine_kwargs(self) -> dict:
+        # vLLM 0.26 reads the text config's head_dim and global_head_dim as plain attributes;
+        # transformers 5.17 keeps them per layer (see `vllm_hf_config`).
+        return {"hf_overrides": vllm_hf_config}
+
     def vllm_processor_kwargs(self, min_pixels, max_pixels):
         # The trainer's images are at the processor's fixed point for this budget; vLLM counts soft
         # tokens from the image size and this value (without it, from default_output_length).
         return {"max_soft_tokens": self.max_soft_tokens}
+
+
+def vllm_hf_config(config):
+    """vLLM 0.26's view of a transformers Gemma4 config (its `hf_overrides`, applied after loading).
+
+    transformers 5.17 pops `global_head_dim` (and `num_global_key_value_heads`) from the text
+    config into `per_layer_config`, and then refuses to read `head_dim` globally
+    (AmbiguousGlobalPerLayerAttributeError). vLLM 0.26 reads `text_config.head_dim` for the sliding
+    layers and `global_head_dim` / `num_global_key_value_heads` for the full-attention ones
+    (model_arch_config_convertor.py, gemma4.py), so both come back as plain attributes, taken
+    from the per-layer configs; any other per-layer difference is refused.
+    """
+    text = config.get_text_config()
+    if not getattr(text, "is_heterogeneous", False):
+        return config
+    layers, types = list(text.per_layer_config), list(text.layer_types)
+    shapes = {t: {(c.head_dim, c.num_key_value_heads) for c, lt in zip(layers, types) if lt == t} for t in set(types)}
+    if any(len(s) != 1 for s in shapes.values()):
+        raise ValueError(f"Gemma4 for vLLM: layers of one attention type differ in (head_dim, kv heads): {shapes}; "
+                         "vLLM 0.26 builds one shape per type")
+    text.allow_global_per_layer_attribute_access = True
+    if "sliding_attention" in shapes and shapes["sliding_attention"] != {(text.head_dim, text.num_key_value_heads)}:
+        raise ValueError(f"Gemma4 for vLLM: sliding layers have (head_dim, kv heads) {shapes['sliding_attention']}, "
+                         f"the text config {(text.head_dim, text.num_key_value_heads)}; vLLM 0.26 reads the latter")
+    if "full_attention" in shapes:
+        (text.global_head_dim, text.num_global_key_value_heads), = shapes["full_attention"]
+    return config
 
 
 def _image_blocks(image_mask: torch.Tensor) -> torch.Tensor:
@@ -417,8 +456,8 @@ def _tiny_image_processor(size: SizeSpec):
     return cls(patch_size=TINY_PATCH, pooling_kernel_size=TINY_POOLING, max_soft_tokens=TINY_SOFT_TOKENS)
 
 
-_UNVERIFIED = ("vLLM path written from vLLM's gemma4_mm.py and gemma4.py (Gemma4ForConditionalGeneration); "
-               "not yet run on a GPU")
+_UNVERIFIED = ("vLLM 0.26's Gemma4ForConditionalGeneration: names, prompts, refit and image features checked on CPU "
+               "(tools/vllm_load_check.py); token_mult_prob_error not yet measured on a GPU")
 
 register(Family(
     model_type="gemma4",

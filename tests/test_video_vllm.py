@@ -80,3 +80,29 @@ def test_two_video_request_gives_each_clip_its_own_timing_in_order(tiny_model, q
             assert [m["fps"] for _, m in items] == [1.0, 4.0]
             assert [m["frames_indices"] for _, m in items] == [[0, 1, 2, 3], [0, 1]]
         assert [f.shape for f in frames] == [(4, side, side, 3), (2, 2 * side, 2 * side, 3)]
+
+
+@pytest.mark.parametrize("fps", [0.9, 3.0])
+def test_qwen2_5_seconds_and_positions_survive_the_engine_dtype(fps, tiny_model):
+    """vLLM casts transformers' `second_per_grid_ts` (temporal patch / the metadata's sampled fps, float32)
+    to the engine's dtype before its m-rope positions read it. The trainer's seconds and the request's
+    metadata give the same number in bf16, fp16 and fp32, so vLLM's temporal positions (its
+    `get_mrope_input_positions`: ⌊g · seconds · tokens_per_second⌋) equal the trainer's. At 0.9 fps
+    (a 35 s clip thinned to 32 frames) float32 2/fps would put group 9 one position off in a bf16 engine."""
+    import numpy as np
+    import torch
+
+    processor = load_processor(str(tiny_model))
+    adapter = build_adapter(load_model_config(str(tiny_model)))
+    video = _clip(32, processor.images.factor, fps, 0)
+    ours = processor.images.encode_videos([video])["second_per_grid_ts"]
+    assert ours.dtype == torch.float32 and ours.item() == pytest.approx(2 / fps, rel=4e-3)
+    _, kwargs = adapter.vllm_video_items([video])
+    meta = kwargs["video_metadata"][0]
+    theirs = torch.tensor([2 / (len(meta["frames_indices"]) / meta["total_num_frames"] * meta["fps"])])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert theirs.to(dtype).item() == ours.item(), dtype
+    grid = torch.tensor([[16, 2, 2]])
+    (_, _, _, step), = adapter.video_segments(grid, ours)
+    vllm = (np.arange(16) * (theirs.to(torch.bfloat16).item() * adapter.tokens_per_second)).astype(np.int64)
+    assert [int(g * step) for g in range(16)] == vllm.tolist()

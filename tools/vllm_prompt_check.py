@@ -18,6 +18,9 @@ does (the family's `vllm_processor_kwargs`, a per-prompt image limit) and checks
   video_cache  two-video prompts [a, b], [a, c], [c, a] of equal metadata through one processor
             with the processor cache the engine gives vLLM ([a, c] is a partial hit where it is on):
             ids and `second_per_grid_ts` equal the trainer's (`--video-cache-gb` forces a size).
+  video_seconds_bf16  a clip at 0.9 fps through a bfloat16 processor (vLLM casts the processor's
+            floating outputs to the engine dtype): Qwen2.5-VL's `second_per_grid_ts` equals the trainer's.
+
 
 One JSON line per check on stdout; the exit status is 1 if any check failed.
 
@@ -336,6 +339,47 @@ def check_video_cache(model: str, kwargs: dict, trainer_processor, adapter, task
     return out
 
 
+def check_video_seconds(model: str, kwargs: dict, trainer_processor, adapter, task: str) -> dict:
+    """A clip at 0.9 fps (16 temporal groups) through a bfloat16 processor, as a bf16 engine runs it:
+    vLLM casts the processor's floating outputs to the engine dtype, so Qwen2.5-VL's
+    `second_per_grid_ts` reaches its positions in bf16; it must equal the trainer's value."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.processing import ProcessorInputs
+    from vllm.multimodal.processing.context import TimingContext
+
+    from data.datasets import Sample
+    from data.processing import encode_prompt
+    from data.video import Video
+
+    side = trainer_processor.images.factor
+    clip = Video([frame for k in range(32) for frame in _cache_clips(side)[0].frames[k % 4:k % 4 + 1]], fps=0.9)
+    out = {"check": "video_seconds_bf16", "fps": clip.fps}
+    try:
+        config = ModelConfig(model=model, tokenizer=model, dtype="bfloat16", seed=0, max_model_len=4096,
+                             mm_processor_kwargs=kwargs, mm_processor_cache_gb=0,
+                             limit_mm_per_prompt={"image": 1, "video": 1})
+        processor = MULTIMODAL_REGISTRY.create_processor(config)
+        encoded = encode_prompt(trainer_processor, Sample(0, [], "<video> what?", "1", videos=[clip]), task, 4096)
+        ids = encoded.input_ids.tolist()
+        collapsed, _ = adapter.vllm_collapse_videos(ids)
+        items, request_kwargs = adapter.vllm_video_items([clip])
+        result = processor.apply(ProcessorInputs(prompt=collapsed,
+                                                 mm_data_items=processor.info.parse_mm_data({"video": items}),
+                                                 hf_processor_mm_kwargs=request_kwargs),
+                                 timing_ctx=TimingContext(enabled=False))
+    except Exception as err:  # noqa: BLE001 - reported as this check's failure
+        return {**out, "ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+    out["ids_equal"] = list(result["prompt_token_ids"]) == ids
+    item = result["mm_kwargs"]["video"][0]
+    if "second_per_grid_ts" in item:
+        out.update(second_per_grid_ts_vllm=float(item["second_per_grid_ts"].data),
+                   second_per_grid_ts_trainer=float(encoded.second_per_grid_ts[0]))
+        out["seconds_equal"] = out["second_per_grid_ts_vllm"] == out["second_per_grid_ts_trainer"]
+    out["ok"] = bool(out["ids_equal"] and out.get("seconds_equal", True))
+    return out
+
+
 def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr",
                kwargs: dict | None = None, video_cache_gb: float | None = None) -> list[dict]:
     """All checks for one model folder; `kwargs` replaces the adapter's `vllm_processor_kwargs`."""
@@ -366,6 +410,7 @@ def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr"
         results.append(check_video_prompt(processor, config, trainer_processor, adapter, vocab, case, task))
     if videos:
         results.append(check_video_cache(model, kwargs, trainer_processor, adapter, task, video_cache_gb))
+        results.append(check_video_seconds(model, kwargs, trainer_processor, adapter, task))
     return results
 
 

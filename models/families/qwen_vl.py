@@ -24,6 +24,16 @@ from models.families.tiny import (
 from models.family import Family, FamilyAdapter, ToolFormat, VLLMNames, register
 
 
+def grid_seconds(temporal_patch_size: int, fps: float) -> float:
+    """Seconds per temporal group of a clip sampled at `fps` (transformers' Qwen2.5-VL processor: temporal
+    patch / sampled fps), rounded to a bfloat16 value. vLLM 0.26 casts every floating output of the
+    processor to the engine's dtype (`InputProcessingContext._postprocess_output`) before its m-rope
+    positions read `second_per_grid_ts`: a bf16 engine at, say, 3 fps (2/3 s, 0.66796875 in bf16) or
+    at a thinned clip's rate would space the groups otherwise than the fp32 value does. A bf16 value is
+    exact in fp16 and fp32 too, so every engine dtype and the trainer read the same number."""
+    return float(torch.tensor(temporal_patch_size / fps, dtype=torch.float32).to(torch.bfloat16))
+
+
 def image_tokens(grid_thw, merge_size: int) -> int:
     """Placeholder tokens of one image of patch grid (t, h, w): one per merge × merge patches."""
     return int(torch.as_tensor(grid_thw).prod()) // merge_size**2
@@ -85,8 +95,7 @@ class QwenImages(ImageRule):
             rows, grid = self.video_patches(v.frames)
             pixels.append(rows)
             grids.append(grid)
-            meta = video_metadata(v)
-            seconds.append(self.temporal_patch_size / meta["fps"])  # transformers: temporal patch / sampled fps
+            seconds.append(grid_seconds(self.temporal_patch_size, video_metadata(v)["fps"]))
         return {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids),
                 "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32)}
 
@@ -337,13 +346,17 @@ class QwenVLAdapter(FamilyAdapter):
     def vllm_video_items(self, videos: list) -> tuple[list, dict]:
         """Frames as (T, H, W, 3) uint8 arrays. vLLM 0.26's Qwen2/2.5-VL parser drops a video's own
         metadata, and transformers' Qwen2.5-VL processor reads `second_per_grid_ts` from it (without
-        it: 24 fps), so the metadata goes as the request's `video_metadata` processor argument."""
+        it: 24 fps), so the metadata goes as the request's `video_metadata` processor argument. Its
+        `fps` is temporal patch / `grid_seconds`, so that transformers' temporal patch / fps gives the
+        trainer's bf16-exact seconds back (Qwen2.5-VL reads nothing else of the timing)."""
         import numpy as np
 
-        from data.processing import video_metadata
-
         arrays = [np.stack([np.asarray(f) for f in v.frames]) for v in videos]
-        metas = [{k: val for k, val in video_metadata(v).items() if k != "do_sample_frames"} for v in videos]
+        metas = []
+        for v in videos:
+            meta = {k: val for k, val in video_metadata(v).items() if k != "do_sample_frames"}
+            meta["fps"] = self.temporal_patch_size / grid_seconds(self.temporal_patch_size, meta["fps"])
+            metas.append(meta)
         return arrays, {"video_metadata": metas}
 
     def vllm_processor_cache_safe(self, max_videos_per_prompt: int) -> bool:

@@ -1,8 +1,12 @@
 """vLLM generating from video prompts: the same frames, timing and positions as the trainer.
 
 For the tiny Qwen2.5-VL and Qwen3-VL, prompts with a video at 1 and at 4 frames per second (Qwen2.5-VL's
-temporal positions depend on it; Qwen3-VL writes the times as text) and a prompt with an image and a
-video go through the vLLM engine (bf16); the sampled tokens' engine logprobs are compared with
+temporal positions depend on it; Qwen3-VL writes the times as text), a prompt with an image and a
+video, two two-video prompts [a, b] then [a, c] whose clips share their metadata (a partial hit of
+vLLM's processor cache where the engine keeps it on: Qwen3-VL; Qwen2.5-VL's engine turns it off for
+two videos, `processor_cache`), and a 20-frame clip at 0.9 fps (10 temporal groups: in a bf16 engine
+float32 seconds would put group 9 one position off, `grid_seconds`) go through the vLLM engine (bf16);
+the sampled tokens' engine logprobs are compared with
 transformers' fp32 forward on the same frames at the trainer's positions (`position_ids`, which follow
 vLLM's rule; transformers 5.17's own get_rope_index truncates second_per_grid_ts to an integer). The
 engine checks token for token that vLLM's expansion of each video equals the trainer's.
@@ -44,10 +48,14 @@ def _frames(n, width, height, seed):
 
 
 def _prompts(processor, side):
+    a, b, c = (Video(_frames(4, side, side, seed), fps=2.0) for seed in (4, 5, 6))
     specs = [("<video>How many frames show the square?", [], [Video(_frames(8, 2 * side, side, 0), fps=1.0)]),
              ("<video>Which way does it move?", [], [Video(_frames(4, side, side, 1), fps=4.0)]),
              ("<image>and<video>: same colour?", [_frames(1, 2 * side, 2 * side, 2)[0]],
-              [Video(_frames(6, side, 2 * side, 3), fps=2.0)])]
+              [Video(_frames(6, side, 2 * side, 3), fps=2.0)]),
+             ("<video> and <video>: the same clip?", [], [a, b]),
+             ("<video> and <video>: the same clip?", [], [a, c]),
+             ("<video>When does the square stop?", [], [Video(_frames(20, side, side, 7), fps=0.9)])]
     out = []
     for i, (problem, images, videos) in enumerate(specs):
         sample = Sample(i, images, problem, "1", videos=videos)
@@ -79,7 +87,8 @@ def test_vllm_video_logprobs_match_the_trainer(family, tmp_path):
     engine = VLLMEngine(str(model_dir), gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=2048, seed=0,
                         dtype="bfloat16", min_pixels=size.min_pixels, max_pixels=size.max_pixels,
                         image_pad_id=config.image_token_id, adapter=adapter, max_images_per_prompt=1,
-                        max_videos_per_prompt=1)
+                        max_videos_per_prompt=2, processor_cache_gb=1.0)
+    assert engine._processor_cache_gb == (0.0 if family == "qwen2_5_vl" else 1.0)
     engine.refit(load_file(str(model_dir / "model.safetensors")).items())
     stop = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     params = SamplingParams(n=4, max_new_tokens=48, stop_token_ids=stop, banned_token_ids=adapter.banned_token_ids,

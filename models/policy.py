@@ -217,6 +217,8 @@ class Policy:
         # exact mode (rollout.exact): (banned token ids, their logit bias) applied to the fp32 logits before the
         # temperature and a log_softmax, the order and the op the vLLM sampler uses; None: logsumexp path
         self.exact_logit_bias: tuple[tuple[int, ...], float] | None = None
+        # exact mode: (model-dtype logits, targets, temperature) -> the engine's values for them, or None
+        self.exact_engine_logprobs = None
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -373,9 +375,10 @@ class Policy:
             t = mb.target_ids[start : start + LOGPROB_CHUNK]
             if torch.is_grad_enabled():
                 lp, ent = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, self.exact_logit_bias,
-                                     use_reentrant=False)
+                                     self.exact_engine_logprobs, use_reentrant=False)
             else:
-                lp, ent = _chunk_logprobs(head, h, t, temperature, with_entropy, self.exact_logit_bias)
+                lp, ent = _chunk_logprobs(head, h, t, temperature, with_entropy, self.exact_logit_bias,
+                                          self.exact_engine_logprobs)
             lps.append(lp)
             ents.append(ent)
         if not lps:
@@ -463,8 +466,9 @@ class Policy:
 
 
 def _chunk_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-                    exact_bias: tuple[tuple[int, ...], float] | None = None):
-    logits = head(h).float()
+                    exact_bias: tuple[tuple[int, ...], float] | None = None, engine_logprobs=None):
+    raw = head(h)
+    logits = raw.float()
     if exact_bias is not None and exact_bias[0]:
         logits = logits.index_add(-1, torch.tensor(exact_bias[0], device=logits.device),
                                   logits.new_full((logits.shape[0], len(exact_bias[0])), exact_bias[1]))
@@ -473,6 +477,9 @@ def _chunk_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, tem
     lse = torch.logsumexp(logits, dim=-1)
     if exact_bias is not None:
         lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        value = engine_logprobs(raw, targets, temperature) if engine_logprobs is not None else None
+        if value is not None:  # the engine's bits forward, torch's log_softmax gradient backward
+            lp = lp + (value.to(lp.dtype) - lp).detach()
     else:
         lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     ent = None

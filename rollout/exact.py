@@ -22,8 +22,11 @@ The vLLM engine runs in the trainer's own process, which is what makes this poss
   `model.attn_implementation=vllm_paged` on its own, without the rest of the mode); its backward recomputes the
   attention with torch's own kernel (the backward may differ). The vision tower runs torch's SDPA per window
   on both sides (vLLM's `mm_encoder_attn_backend="TORCH_SDPA"`).
-- **Logprobs.** Both sides take log_softmax over fp32 logits, after the banned tokens' logit bias and the
-  temperature, in that order (`Policy.exact_logit_bias`).
+- **Logprobs.** vLLM 0.26's V2 model runner computes the sampled tokens' logprobs with its own Triton kernels
+  on model-dtype logits (logit bias, temperature, then a blockwise log-softmax); the policy's forward value
+  comes from the same kernels (`v2_token_logprobs`), its gradient from torch's log_softmax over fp32 logits
+  after the banned tokens' bias and the temperature, in that order (`Policy.exact_logit_bias`). Under the V1
+  runner both sides take that log_softmax.
 - **Projections.** vLLM multiplies by [q; k; v] and [gate; up] in one GEMM each; the policy's separate
   layers are computed the same way (`_FusedLinears`), so every output column comes from the same GEMM shape.
 - **The engine's schedule.** Eager (no CUDA graphs, and no torch.compile, `compilation_config` mode 0:
@@ -56,6 +59,10 @@ EXACT_FAMILIES = ("qwen2_5_vl",)
 ATTENTION_NAME = ENGINE_FLASH_NAME  # the language model's attention: vLLM's FlashAttention call (models/attention.py)
 VISION_ATTENTION_NAME = "vlrl_exact_vision"
 BAN_BIAS = -100.0  # the logit bias the vLLM engine puts on banned tokens (rollout/vllm_engine.py)
+# How the engine in this process computes the sampled tokens' logprobs: "v2" (vLLM's V2 model runner: its own
+# Triton kernels) or "v1" (torch's log_softmax over fp32 logits). The engine sets it once built; the policy and
+# the reference (each with its own ExactMode) read it.
+ENGINE_SAMPLER = {"path": "v2"}
 
 # What vLLM 0.26's batch-invariant mode reads or sets for itself; set here before anything touches cuBLAS.
 PROCESS_ENV = {
@@ -248,6 +255,13 @@ class ExactMode:
     banned_token_ids: tuple[int, ...] = ()
     report: dict = field(default_factory=dict)  # what was patched and found, for logs and the GPU stage
 
+    def engine_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor | None:
+        """The values the engine reports for these logits (model dtype) and targets, or None where the policy's
+        own log_softmax already computes them (the V1 sampler, or no CUDA)."""
+        if ENGINE_SAMPLER["path"] != "v2" or not logits.is_cuda:
+            return None
+        return v2_token_logprobs(logits, targets, temperature, self.banned_token_ids, BAN_BIAS)
+
     def engine_kwargs(self, max_model_len: int) -> dict:
         """`LLM(...)` arguments of the mode (enforce_eager is forced by the engine itself). Where the installed
         vLLM's EngineArgs lacks one, it is left out and named in `report["engine_kwargs_dropped"]` (the decoder
@@ -284,7 +298,30 @@ class ExactMode:
         """Route the policy's attention, RMSNorm and logprobs to the exact implementations (in place)."""
         check_family(policy.adapter.name)
         policy.exact_logit_bias = (tuple(self.banned_token_ids), BAN_BIAS)
+        policy.exact_engine_logprobs = self.engine_logprobs
         self.report["policy"] = apply_exact_modules(policy.model, policy.adapter)
+
+
+def v2_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, banned: tuple[int, ...],
+                      bias: float) -> torch.Tensor:
+    """The sampled tokens' logprobs as vLLM 0.26's V2 sampler computes them ("processed_logprobs"), without grad:
+    its logits stay in the model dtype, the banned tokens' bias is added in fp32 and stored back (its logit-bias
+    kernel), the temperature is applied by its own kernel (an fp32 divide, stored back), and its top-k
+    log-softmax kernel takes the row's max, then a sum of exp over 1024-wide blocks, at the targets. Calling
+    vLLM's kernels is what makes the values the same bits; the policy's gradient still comes from torch's
+    log_softmax."""
+    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    with torch.no_grad():
+        processed = logits.detach().clone()
+        if banned:
+            index = torch.tensor(banned, device=processed.device)
+            processed[:, index] = (processed[:, index].float() + bias).to(processed.dtype)
+        if temperature not in (0.0, 1.0):
+            rows = torch.zeros(processed.shape[0], dtype=torch.int32, device=processed.device)
+            apply_temperature(processed, rows, torch.tensor([temperature], dtype=torch.float32, device=processed.device))
+        return compute_token_logprobs(processed, targets.reshape(-1, 1).to(torch.int64)).reshape(-1)
 
 
 def _compilation_off() -> dict | None:

@@ -520,6 +520,9 @@ class VLLMEngine(Engine):
             exact_mode.enable_batch_invariance(exact.report)
             exact.report["aligned"] = self._llm.apply_model(
                 lambda model: exact_mode.align_engine(model, exact.inv_freq, exact.vision_inv_freq))[0]
+            # which sampler computes the reported logprobs (the policy computes its values the same way)
+            v2 = getattr(self._llm.llm_engine.vllm_config, "use_v2_model_runner", False)
+            exact_mode.ENGINE_SAMPLER["path"] = exact.report["sampler"] = "v2" if v2 else "v1"
             log.info("VLLMEngine: exact mode %s", exact.report)
         self._tied = self._lm_head_is_embedding()
         # The vocabulary vLLM's processor looks tokens up in (Gemma3's newline merging does).

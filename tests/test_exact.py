@@ -446,3 +446,60 @@ def test_logprob_check_reports_the_exact_rows_keys_and_timings(tiny_model):
     trainer = types.SimpleNamespace(policy=policy, optimizer=optimizer)
     seconds = logprob_check._train_pass_s(trainer, mixed_batch(policy.adapter), 4096, 1.0)
     assert seconds > 0 and all(p.grad is None for p in policy.model.parameters())
+
+
+def test_policy_logprobs_take_the_engines_values_forward_and_torchs_gradient():
+    from models.policy import _chunk_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 20, bias=False)
+    h = torch.randn(5, 8, generator=g, requires_grad=True)
+    targets = torch.tensor([1, 4, 7, 0, 19])
+    bias = ((3, 5), exact.BAN_BIAS)
+    plain, _ = _chunk_logprobs(head, h, targets, 0.7, False, bias)
+    (grad_plain,) = torch.autograd.grad(plain.sum(), h)
+    seen = {}
+
+    def engine(raw, t, temperature):  # stands in for vLLM's kernels: the raw logits in, other bits out
+        seen.update(raw=raw, temperature=temperature)
+        return (plain.detach() + 1e-3).to(torch.float32)
+
+    routed, _ = _chunk_logprobs(head, h, targets, 0.7, False, bias, engine)
+    (grad_routed,) = torch.autograd.grad(routed.sum(), h)
+    assert torch.equal(routed.detach(), plain.detach() + 1e-3)  # the engine's values forward
+    assert torch.equal(grad_routed, grad_plain)  # torch's log_softmax gradient backward
+    assert seen["temperature"] == 0.7 and torch.equal(seen["raw"], head(h))  # logits before bias and temperature
+
+
+def test_v2_token_logprobs_prepares_logits_as_vllms_sampler(monkeypatch):
+    import sys
+    import types
+
+    calls = {}
+
+    def apply_temperature(logits, rows, temperature):
+        calls["temperature"] = (logits.dtype, rows.tolist(), temperature.tolist())
+        logits.copy_((logits.float() / temperature[0]).to(logits.dtype))
+
+    def compute_token_logprobs(logits, ids):
+        calls["logprobs"] = (logits.clone(), ids.dtype, tuple(ids.shape))
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids)
+
+    modules = {"vllm.v1.worker.gpu.sample.gumbel": types.SimpleNamespace(apply_temperature=apply_temperature),
+               "vllm.v1.worker.gpu.sample.logprob": types.SimpleNamespace(compute_token_logprobs=compute_token_logprobs)}
+    for name in ("vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample"):
+        modules.setdefault(name, types.ModuleType(name))
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    logits = (torch.randn(3, 10) * 4).to(torch.bfloat16)
+    targets = torch.tensor([2, 5, 9])
+    out = exact.v2_token_logprobs(logits, targets, 1.0, (5,), exact.BAN_BIAS)
+    processed, dtype, shape = calls.pop("logprobs")
+    assert "temperature" not in calls  # vLLM skips the kernel at temperature 1
+    assert processed.dtype == torch.bfloat16 and dtype == torch.int64 and shape == (3, 1)
+    assert torch.equal(processed[:, 5], (logits[:, 5].float() - 100.0).to(torch.bfloat16))  # biased, stored back
+    assert torch.equal(processed[:, :5], logits[:, :5]) and out.shape == (3,)
+    exact.v2_token_logprobs(logits, targets, 0.5, (), exact.BAN_BIAS)
+    assert calls["temperature"] == (torch.bfloat16, [0, 0, 0], [0.5])
+    mode = exact.ExactMode("qwen2_5_vl", banned_token_ids=(5,))
+    assert mode.engine_logprobs(logits, targets, 1.0) is None  # on CPU the policy's own log_softmax stands

@@ -282,6 +282,7 @@ class _VLLMSide:
             return path
 
         self.paths = {p.name: vllm_path(p.name) for p in self.probes if p.role != "head"}
+        self.banned = tuple(policy.adapter.banned_token_ids)  # the engine puts exact.BAN_BIAS on them
         text = engine._llm.llm_engine.model_config.hf_text_config
         self.heads, self.kv_heads = text.num_attention_heads, text.num_key_value_heads
 
@@ -304,8 +305,20 @@ class _VLLMSide:
         picked = values[norm][0][0, seq.targets].to(f"cuda:{e._device}")
         logits = e._llm.apply_model(lambda model: model.compute_logits(picked))[0]
         values[head] = [logits.cpu()]
-        values["logprobs"] = [_logprobs(logits, seq.target_ids.to(logits.device), temperature).cpu()]
+        values["logprobs"] = [self._engine_logprobs(logits, seq.target_ids.to(logits.device), temperature).cpu()]
         return values
+
+    def _engine_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The sampled tokens' logprobs as the engine reports them: with the banned tokens' bias, through vLLM's
+        own sampler kernels under its V2 model runner (rollout.exact.v2_token_logprobs)."""
+        from rollout import exact
+
+        if exact.ENGINE_SAMPLER["path"] == "v2" and logits.is_cuda:
+            return exact.v2_token_logprobs(logits, targets, temperature, self.banned, exact.BAN_BIAS)
+        biased = logits.float()
+        if self.banned:
+            biased[:, list(self.banned)] += exact.BAN_BIAS
+        return _logprobs(biased, targets, temperature)
 
     def _hook(self, model: nn.Module, captured: dict) -> list:
         def hook(p):

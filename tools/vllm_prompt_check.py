@@ -53,11 +53,12 @@ SIZES = [(84, 56), (56, 112), (56, 56)]  # (width, height): different shapes, di
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 
 
-def _patch_vllm() -> list[str]:
+def _patch_vllm(family: str) -> list[str]:
     """Make vLLM's processing code import and run in this process; returns what was patched."""
     from rollout.vllm_engine import vllm_compat
 
-    patched = vllm_compat("llava")  # LLaVA's module imports what transformers 5.17 removed
+    # LLaVA's module imports what transformers 5.17 removed (and mistral_common): only for LLaVA
+    patched = vllm_compat(family)
     from vllm.model_executor.models import registry
 
     registry._run_in_subprocess = lambda fn: fn()  # the subprocess would not see the patches above
@@ -392,7 +393,7 @@ def run_checks(family: str, model: str, max_images: int = 2, task: str = "clevr"
     if kwargs is None:
         kwargs = adapter.vllm_processor_kwargs(MIN_PIXELS, MAX_PIXELS)
     results = [{"check": "setup", "family": family, "model": model, "mm_processor_kwargs": kwargs,
-                "patched": _patch_vllm()}]
+                "patched": _patch_vllm(family)}]
     videos = 1 if adapter.takes_video else 0
     try:
         config, processor = build_vllm_processor(model, kwargs, max_images, max_videos=videos,

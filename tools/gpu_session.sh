@@ -205,7 +205,7 @@ video)
   # vLLM's processor against the trainer's prompt ids, pixels and timing (tools/vllm_prompt_check.py),
   # then tests/gpu/test_vllm_video.py. PyAV comes from .whl (gpu_batch.sh setup); .gpu/avwhl/ is a fallback.
   # The engines run eager (no torch.compile or CUDA-graph capture at start-up): about 300 s in all; the
-  # timeouts (FAM_S, PROMPT_S, TEST_S) keep a hung part within one 10-minute call.
+  # timeouts (FAM_S, PROMPT_S, TEST_S, each per family) keep a hung part within one 10-minute call.
   $PY -c "import av" 2>/dev/null || for w in .gpu/avwhl/*.whl; do
     [ -f "$w" ] && $PY -m pip install -q --no-index --no-deps --no-compile --target /opt/site "$w"; done
   d=${DTYPE:-auto}
@@ -223,8 +223,11 @@ video)
     rc=$?; echo "video prompt check $f rc=$rc $(grep -c '"ok": true' "$OUT/video_prompt_$f.jsonl") checks ok"
     grep '"ok": false' "$OUT/video_prompt_$f.jsonl" | cut -c1-400
   done
-  timeout ${TEST_S:-200} $PY -m pytest -q -s tests/gpu/test_vllm_video.py > "$OUT/pytest_video.log" 2>&1
-  echo "pytest video rc=$?"; grep "token_mult_prob_error\|passed\|failed\|Error" "$OUT/pytest_video.log" | tail -6
+  for f in ${FAMS:-qwen2_5_vl qwen3_vl}; do  # one vLLM engine per process, as the other GPU tests have it
+    timeout ${TEST_S:-100} $PY -m pytest -q -s tests/gpu/test_vllm_video.py -k $f > "$OUT/pytest_video_$f.log" 2>&1
+    rc=$?; echo "pytest video $f rc=$rc"
+    grep "token_mult_prob_error\|passed\|failed\|Error" "$OUT/pytest_video_$f.log" | tail -6
+  done
   ;;
 turns)
   [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \

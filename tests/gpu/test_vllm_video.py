@@ -11,6 +11,7 @@ transformers' fp32 forward on the same frames at the trainer's positions (`posit
 vLLM's rule; transformers 5.17's own get_rope_index truncates second_per_grid_ts to an integer). The
 engine checks token for token that vLLM's expansion of each video equals the trainer's.
 token_mult_prob_error over the response tokens must stay within 1.01. Skipped without CUDA or vllm.
+Run one family per process (`-k qwen3_vl`), as `gpu_session.sh video` does: one vLLM engine per process.
 """
 
 import numpy as np

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from grpo.update import (
     PackedStep, all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, packed_logprobs,
 )
 from models.flops import llm_flops, peak_tflops
+from models.lora import adapters_off
 from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
 from rollout.base import Generation, PromptInput, SamplingParams
@@ -87,13 +89,19 @@ class Trainer:
         self.tool_prompt = tool_prompt(cfg, self.adapter, self.processor)  # rollout.tools' schemas in every prompt
         self.feeder = self._feeder(cfg.data.train_path)
         self.eval_feeder = self._feeder(cfg.data.eval_path, shuffle=False) if cfg.data.eval_path else None
+        # The reference model for the KL term: a frozen copy, or with LoRA the policy itself with its
+        # adapters off (its base weights never train, so it is the same model without a second copy).
         self.ref: Policy | None = None
         if cfg.trainer.mode == "grpo" and cfg.algorithm.kl_coef > 0:
-            self.ref = build_policy(cfg.model, self.dims, trainable=False)
-            if cfg.rollout.exact:
-                build_exact(self.ref)
+            if cfg.model.lora.rank > 0:
+                self.ref = self.policy
+            else:
+                self.ref = build_policy(cfg.model, self.dims, trainable=False)
+                if cfg.rollout.exact:
+                    build_exact(self.ref)
         self.colocation = Colocation(
-            self.policy, self.optimizer, reference=self.ref, needs=self._memory_needs,
+            self.policy, self.optimizer, reference=None if self.ref is self.policy else self.ref,
+            needs=self._memory_needs,
             build_engine=lambda share: build_engine(cfg, self.policy, gpu_memory_utilization=share,
                                                     max_num_seqs=self._rollout_sequences()),
             offload=cfg.parallel.offload_during_generate, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
@@ -166,7 +174,7 @@ class Trainer:
         return MemoryNeeds(
             device=torch.cuda.get_device_properties(self.policy.device).total_memory,
             parameters=params, gradients=trainable, optimizer=2 * trainable,
-            reference=0 if self.ref is None else tensor_bytes(self.ref.model.parameters()),
+            reference=0 if self.ref is None or self.ref is self.policy else tensor_bytes(self.ref.model.parameters()),
             compute_copy=count * engine_dtype if self.dims.world_size == 1 else 0,
             activations=activation_bytes(config, cfg.optim.max_tokens_per_microbatch, cfg.model.activation_checkpointing),
             engine_weights=count * engine_dtype // tp,
@@ -386,7 +394,8 @@ class Trainer:
         if old_logprobs:
             packed_logprobs(self.policy, step, "old_logprobs", cfg.rollout.temperature)
         if self.ref is not None:
-            packed_logprobs(self.ref, step, "ref_logprobs", cfg.rollout.temperature)
+            with adapters_off(self.policy.model) if self.ref is self.policy else nullcontext():
+                packed_logprobs(self.ref, step, "ref_logprobs", cfg.rollout.temperature)
         return step
 
     def _advantages(self, step: PackedStep, episodes: list[Episode], rewards_info) -> torch.Tensor:

@@ -48,8 +48,11 @@ class LoraLinear(nn.Module):
         like = dict(device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **like))
         self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, **like))
+        self.adapters_on = True  # False inside `adapters_off`: the base layer alone (the reference model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_on:
+            return F.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
     def extra_repr(self) -> str:
@@ -151,6 +154,20 @@ def adapters_detached(model: nn.Module) -> Iterator[None]:
         for module, a, b in held:
             module._parameters["lora_A"] = a
             module._parameters["lora_B"] = b
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model for the duration: every LoraLinear computes its frozen layer alone, the same op and
+    weights as the base model's own linear layer, so a LoRA policy is its own reference model (no copy)."""
+    modules = list(lora_modules(model).values())
+    for module in modules:
+        module.adapters_on = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.adapters_on = True
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,11 @@ import grpo.trainer as trainer_module
 import rollout.rollouts as rollouts_module
 from data.rewards import RewardResult
 from grpo.config import LoraConfig, ModelConfig, OptimConfig, load_config
-from grpo.update import build_optimizer
-from models.lora import is_adapter_name, lora_modules, merged_weight
+from grpo.update import PackedStep, build_optimizer, packed_logprobs
+from models.lora import adapters_off, is_adapter_name, lora_modules, merged_weight
 from models.parallel import build_parallel_dims, init_distributed
 from models.policy import build_policy
+from tests.test_nonfinite import text_batch
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2", "logging.tensorboard=false",
         "trainer.progress=false", "trainer.eval_every=0", "checkpoint.every_steps=1"]
@@ -58,9 +59,20 @@ def test_grpo_step_with_lora(tiny_model, clevr_parquet, tmp_path, monkeypatch):
     trainer, base = run_trainer("configs/demo.yaml", [
         f"model.path={tiny_model}", f"data.train_path={clevr_parquet}", "data.eval_path=", f"trainer.run_dir={run}",
         "trainer.max_steps=1", "data.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=6",
-        "data.min_pixels=3136", "data.max_pixels=3136", "optim.warmup_steps=0", *LORA])
+        "data.min_pixels=3136", "data.max_pixels=3136", "optim.warmup_steps=0", "algorithm.kl_coef=0.01", *LORA])
     row = check_only_adapters_moved(trainer, base, run)
     assert row["reward/std"] > 0
+    # The reference model is the policy itself with its adapters off: no frozen copy. The KL term is reported
+    # (the second of demo.yaml's two PPO epochs runs after the adapters moved, so it is above 0).
+    assert trainer.ref is trainer.policy and row["loss/kl"] > 0
+    step = PackedStep(text_batch(trainer.policy, vocab=64), 1 << 30, trainer.policy.device)
+    with adapters_off(trainer.policy.model):
+        packed_logprobs(trainer.policy, step, "off")
+    packed_logprobs(trainer.policy, step, "on")
+    frozen = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims(), trainable=False)
+    packed_logprobs(frozen, step, "copy")
+    off, on, copy = (torch.cat([f[k] for _, f in step]) for k in ("off", "on", "copy"))
+    assert torch.equal(off, copy) and not torch.equal(on, copy)  # the adapters moved; off, it is the base
     # The next rollout's engine holds the merged weights under base names.
     trainer.colocation.refit()
     held = dict(trainer.colocation.engine.model.named_parameters())

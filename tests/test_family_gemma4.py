@@ -93,10 +93,18 @@ def test_activation_checkpointing_keeps_the_packed_row_exact(folder):
 
 
 def _assert_close(grads, reference):
-    """Each gradient within 3e-5 of its largest entry: a parameter's gradient sums every token of the
-    row, in another order when packed (measured: 1.1e-5 at most, on a q/k norm weight)."""
+    """Each gradient within 3e-5 of its largest entry, or of the largest gradient of its part (vision
+    tower, decoder): a parameter's gradient sums every token of the row, in another order when packed
+    (measured: 1.1e-5 at most, on a q/k norm weight). The vision attention's q/k gradients are about
+    1e-7 of the tower's others (near-uniform attention at random init), what is left of terms the
+    size of the others; their rounding is measured against those (4e-8 of them, 0.4 of their own)."""
+    part = {}
     for name, g in grads.items():
-        assert (g - reference[name]).abs().max().item() <= 3e-5 * g.abs().max().item() + 1e-6, name
+        key = ".".join(name.split(".")[:2])
+        part[key] = max(part.get(key, 0.0), g.abs().max().item())
+    for name, g in grads.items():
+        scale = max(g.abs().max().item(), part[".".join(name.split(".")[:2])])
+        assert (g - reference[name]).abs().max().item() <= 3e-5 * scale + 1e-6, name
 
 
 def test_the_policy_scores_what_transformers_forward_scores(folder):
@@ -281,7 +289,8 @@ def test_the_tiny_checkpoint(folder):
     assert text.use_bidirectional_attention == "vision" and text.num_kv_shared_layers == 2
     assert text.final_logit_softcapping == 30.0 and text.hidden_size_per_layer_input == 8
     assert text.per_layer_config[1].head_dim == 2 * text.per_layer_config[0].head_dim
-    assert json.loads((folder / "config.json").read_text())["text_config"]["global_head_dim"] == 32
+    assert json.loads((folder / "config.json").read_text())["text_config"]["global_head_dim"] == 64
+    assert text.per_layer_config[0].head_dim == 32  # vLLM 0.26's Triton attention takes >= 32
     adapter = build_adapter(config)
     assert adapter.max_soft_tokens == json.loads((folder / "processor_config.json").read_text())[
         "image_processor"]["max_soft_tokens"]
@@ -437,12 +446,12 @@ def test_vllm_reads_plain_head_sizes_from_the_engines_config(folder):
     override = build_adapter(config).vllm_engine_kwargs()["hf_overrides"]
     text = override(config).text_config
     head_dim, global_head_dim = getattr(text, "head_dim", 0), getattr(text, "global_head_dim", text.head_dim)
-    assert (head_dim, global_head_dim) == (16, 32) and max(head_dim, global_head_dim) == 32
-    assert text.num_global_key_value_heads == text.num_key_value_heads == 2
+    assert (head_dim, global_head_dim) == (32, 64) and max(head_dim, global_head_dim) == 64
+    assert text.num_global_key_value_heads == text.num_key_value_heads == 1
     assert override(config) is config  # applying it twice changes nothing
 
     other = AutoConfig.from_pretrained(str(folder))
-    other.text_config._heterogeneity_spec.per_layer_overrides[3] = {"head_dim": 64}
+    other.text_config._heterogeneity_spec.per_layer_overrides[3] = {"head_dim": 128}
     with pytest.raises(ValueError, match="layers of one attention type differ"):
         override(other)
 
@@ -454,8 +463,8 @@ def test_kv_bytes_count_each_layers_heads_and_skip_kv_sharing_layers(folder):
 
     from rollout.colocation import kv_bytes_per_token
 
-    # layer 0 (sliding): 2 KV heads x 16; layer 1 (full): 2 x 32; layers 2 and 3 reuse their caches
-    expected = 2 * (2 * 16 + 2 * 32) * 2
+    # layer 0 (sliding): one KV head of 32; layer 1 (full): one of 64; layers 2 and 3 reuse their caches
+    expected = 2 * (32 + 64) * 2
     assert kv_bytes_per_token(json.loads((folder / "config.json").read_text()), 2) == expected
     assert kv_bytes_per_token(AutoConfig.from_pretrained(str(folder)).to_dict(), 2) == expected  # per_layer_config
     # a released layout: head_dim 256, global_head_dim 512, one KV head, 35 layers, the last 20 sharing

@@ -180,7 +180,7 @@ def run_checks(model: str, max_images: int = 2, task: str = "clevr") -> list[dic
     family = model_config["model_type"]
     adapter = build_adapter(AutoConfig.from_pretrained(model, local_files_only=True))
     kwargs = adapter.vllm_processor_kwargs(MIN_PIXELS, MAX_PIXELS)
-    setup = {"check": "setup", "family": family, "model": model, "patched": _patch_vllm() + _patch_cpu_model()}
+    setup = {"check": "setup", "family": family, "model": model, "patched": _patch_vllm(family) + _patch_cpu_model()}
     results = [setup]
     try:
         config, processor = build_vllm_processor(model, kwargs, max_images,

@@ -416,16 +416,19 @@ TINY_PATCH, TINY_POOLING, TINY_SOFT_TOKENS = 8, 2, 70  # 280 patches of 8x8; a 5
 def _tiny_config(size: SizeSpec, tokenizer):
     """Four decoder layers (sliding, full, sliding, full), the last two reusing the first two's keys
     and values; per-layer inputs 8 wide; a 16-token window, smaller than an image, so the image
-    blocks of the sliding layers are cut by it; soft-capped logits; lm_head untied."""
+    blocks of the sliding layers are cut by it; heads of 32 (sliding) and 64 (full), one KV head;
+    soft-capped logits; lm_head untied."""
     from models.families.tiny import vocab_size
 
     boi, eoi, image, video, boa, eoa, audio = token_ids(tokenizer, BOI, EOI, IMAGE, VIDEO, BOA, EOA, AUDIO)
     vocab = vocab_size(size, tokenizer)
-    head_dim = size.text_hidden // size.text_heads
+    # At least 32: with two head sizes and no FA4, vLLM 0.26 runs Gemma4 on Triton attention
+    # (models/config.py Gemma4Config.verify_and_update_config), which refuses head sizes below 32.
+    head_dim = max(32, size.text_hidden // size.text_heads)
     text = dict(
         model_type="gemma4_text", vocab_size=vocab, hidden_size=size.text_hidden,
         intermediate_size=size.text_intermediate, num_hidden_layers=4, num_attention_heads=size.text_heads,
-        num_key_value_heads=size.text_kv_heads, head_dim=head_dim, global_head_dim=2 * head_dim,
+        num_key_value_heads=1, head_dim=head_dim, global_head_dim=2 * head_dim,  # one KV head, as small released sizes
         max_position_embeddings=size.max_positions, rms_norm_eps=1e-6, sliding_window=16,
         layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
         use_bidirectional_attention="vision", final_logit_softcapping=30.0,

@@ -173,10 +173,15 @@ families)
   d=${DTYPE:-auto}
   for f in ${FAMS:-idefics3 gemma3 llava}; do
     size=56x56; [ "$f" = idefics3 ] && size=84x56
+    extra=""
+    # Gemma4: non-square, so its aspect-keeping resize (to 160x96: 60 soft tokens, longer than the
+    # 16-token window) and the padded patch sequence (240 of 280 patches) are exercised; the policy on
+    # sdpa, which takes the image-block masks its sliding layers need (flash_attention_2 would not).
+    [ "$f" = gemma4 ] && size=84x56 && extra="--set model.attn_implementation=sdpa"
     $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null  # a few s; never stale
     $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/fam_$f.parquet --size $size > /dev/null
     timeout ${FAM_S:-150} $PY tools/logprob_check.py --model $W/fam_$f --data $W/fam_$f.parquet --task clevr --engine vllm \
-      --num-prompts 16 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 --dtype $d ${FAM_ARGS:-} \
+      --num-prompts 16 --n 4 --max-new-tokens 32 --min-pixels 3136 --max-pixels 12544 --dtype $d $extra ${FAM_ARGS:-} \
       --out "$OUT/fam_${f}_$d.json" > "$OUT/fam_${f}_$d.log" 2>&1
     rc=$?; echo "families $f $d rc=$rc"
     [ $rc = 0 ] || grep -v "^INFO\|^\[rank" "$OUT/fam_${f}_$d.log" | tail -6

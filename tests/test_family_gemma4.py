@@ -249,6 +249,8 @@ def test_expansion_is_the_processors_and_the_prompt_collapses_for_vllm(folder):
     assert blocks[0] == [adapter.extra_banned_ids[0]] + [adapter.image_token_id] * n + [adapter.extra_banned_ids[1]]
     assert adapter.vllm_expand(collapsed, blocks, vocab) == ids
     assert adapter.vllm_processor_kwargs(0, 0) == {"max_soft_tokens": 70}
+    with pytest.raises(ValueError, match="default_output_length 100"):
+        type(adapter)(**{**adapter.__dict__, "max_soft_tokens": 100}).vllm_processor_kwargs(0, 0)
     with pytest.raises(ValueError, match="outside"):
         adapter.vllm_collapse([adapter.image_token_id], vocab)
 

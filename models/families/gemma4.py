@@ -338,6 +338,9 @@ class Gemma4Adapter(FamilyAdapter):
     def vllm_processor_kwargs(self, min_pixels, max_pixels):
         # The trainer's images are at the processor's fixed point for this budget; vLLM counts soft
         # tokens from the image size and this value (without it, from default_output_length).
+        if self.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:  # vLLM 0.26 refuses others per request
+            raise ValueError(f"Gemma4 on vLLM: vision_config.default_output_length {self.max_soft_tokens} is not "
+                             f"one of {SUPPORTED_SOFT_TOKENS}, the max_soft_tokens vLLM 0.26's processor takes")
         return {"max_soft_tokens": self.max_soft_tokens}
 
 

@@ -146,6 +146,16 @@ class RunLock:
         self.fd = None
 
 
+def scratch_run_dir(tool: str) -> Path:
+    """A run folder for a tool that builds a trainer but keeps nothing (logprob_check, op_diff): one per
+    launch, shared by its ranks (torchrun gives them one MASTER_PORT; a plain process uses its PID), so two
+    launches at once do not contend for one folder's lock."""
+    import tempfile
+
+    tag = os.environ.get("MASTER_PORT") or str(os.getpid())
+    return Path(tempfile.gettempdir()) / f"vlrl_{tool}_{tag}"
+
+
 @atexit.register
 def _release_all() -> None:
     for lock in list(_HELD.values()):

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from grpo.config import load_config  # noqa: E402
+from grpo.run_folder import scratch_run_dir  # noqa: E402
 
 
 def add_run_arguments(p: argparse.ArgumentParser, *, num_prompts: int, n: int, max_new_tokens: int) -> None:
@@ -59,7 +60,8 @@ def _parse(argv):
     p.add_argument("--exact", action="store_true",
                    help="rollout.exact=true: batch-invariant vLLM and the policy on the engine's kernels")
     p.add_argument("--time-train", action="store_true",
-                   help="also time one forward and backward of the policy over the batch (train_s)")
+                   help="also time one forward and backward of the policy over the batch (train_s), and the "
+                        "generation and scoring once more with everything warm (gen_warm_s, score_warm_s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a further config override, e.g. rollout.enforce_eager=true (repeatable)")
     p.add_argument("--png", default=None, help="write a PNG of per-token |dlogprob| for the worst sequences")
@@ -94,14 +96,15 @@ def check(args) -> dict:
     from grpo.trainer import Trainer
 
     if args.sharpen != 1.0:
-        args.model = sharpened_copy(args.model, args.sharpen, Path("/tmp/vlrl_logprob_check") / f"sharpened_{args.sharpen:g}")
+        args.model = sharpened_copy(args.model, args.sharpen,
+                                    scratch_run_dir("logprob_check") / f"sharpened_{args.sharpen:g}")
     max_tokens = 1 if args.packing == "padded" else 16384
     cfg = load_config(None, [
         f"model.path={args.model}", f"model.dtype={args.dtype}", f"data.train_path={args.data}",
         f"data.task={args.task}", f"rollout.engine={args.engine}", f"rollout.n={args.n}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={args.temperature}",
         f"data.min_pixels={args.min_pixels}", f"data.max_pixels={args.max_pixels}",
-        "trainer.run_dir=/tmp/vlrl_logprob_check", "checkpoint.resume=never", "logging.tensorboard=false",
+        f"trainer.run_dir={scratch_run_dir('logprob_check')}", "checkpoint.resume=never", "logging.tensorboard=false",
         f"optim.max_tokens_per_microbatch={max_tokens}", f"data.prompts_per_step={args.num_prompts}",
         *(["rollout.exact=true"] if args.exact else []), *args.overrides,
     ])
@@ -134,6 +137,14 @@ def check(args) -> dict:
     if mode is not None:
         report["exact_report"] = mode.report
     if args.time_train:
+        # the same generation and scoring again, the engine built and every kernel warm: gen_s and score_s
+        # include the engine's construction and first-call compilation
+        t0 = time.monotonic()
+        trainer.generate(prompts, trainer.sampling_params())
+        report["gen_warm_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        sequence_logprobs(trainer.policy, batch, max_tokens, args.temperature, with_entropy=True)
+        report["score_warm_s"] = _synced(t0, trainer.policy.device)
         try:
             report["train_s"] = _train_pass_s(trainer, batch, max_tokens, args.temperature)
         except torch.OutOfMemoryError as err:  # the timing is extra: keep the fidelity report

@@ -53,6 +53,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from grpo.config import load_config  # noqa: E402
+from grpo.run_folder import scratch_run_dir  # noqa: E402
 from tools.logprob_check import add_run_arguments  # noqa: E402
 
 # Inside each decoder layer, in the order they finish: (path under the layer, capture its input).
@@ -453,7 +454,7 @@ def _config(args):
         f"data.task={args.task}", f"rollout.engine={args.engine}", f"rollout.n={args.n}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={args.temperature}",
         f"data.min_pixels={args.min_pixels}", f"data.max_pixels={args.max_pixels}",
-        "trainer.run_dir=/tmp/vlrl_op_diff", "checkpoint.resume=never", "logging.tensorboard=false",
+        f"trainer.run_dir={scratch_run_dir('op_diff')}", "checkpoint.resume=never", "logging.tensorboard=false",
         f"data.prompts_per_step={args.num_prompts}", "model.compile=false", "rollout.enforce_eager=true",
         *(["rollout.exact=true"] if args.exact else []), *args.overrides,
     ])

@@ -56,3 +56,24 @@ def test_reference_pass_gathers_each_unit_once(tiny_model, monkeypatch):
     assert torch.equal(held, plain)
     again, again_gathers = reference_pass(held=False)  # resharded at the end, reshard-after-forward restored
     assert again_gathers == plain_gathers and torch.equal(again, plain)
+
+
+def test_frozen_reference_is_stored_in_the_compute_dtype(tiny_model):
+    """A bf16 reference keeps bf16 parameters (half the memory of the fp32 master copy) and gives the same
+    logprobs as the trainable policy, whose fp32 weights FSDP casts to bf16 for every forward."""
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from tests.test_packing import mixed_batch
+
+    init_distributed()
+    cfg = ModelConfig(path=str(tiny_model), dtype="bfloat16")
+    policy = build_policy(cfg, build_parallel_dims())
+    ref = build_policy(cfg, build_parallel_dims(), trainable=False)
+    assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}
+    batch = mixed_batch(policy.adapter)  # images of three sizes, a text-only row, two images in one sample
+    step = PackedStep(batch, 1 << 30, policy.device)
+    packed_logprobs(policy, step, "policy")
+    packed_logprobs(ref, step, "ref")
+    for _, f in step:
+        assert f["ref"].numel() > 0 and torch.equal(f["ref"], f["policy"])

@@ -88,3 +88,35 @@ def test_forward_tap_sees_a_module_whose_call_skips_hooks():
     assert seen == [torch.Size([4, 2])]  # the plain hook never fired; the tap did
     tap.remove()
     assert torch.equal(m(torch.ones(4, 3)), out) and len(seen) == 1 and "forward" not in m.__dict__
+
+
+def test_vllm_side_reads_a_norms_input_before_its_in_place_kernel():
+    """Eager vLLM (no torch.compile) runs a decoder norm with a residual through its fused add + RMSNorm kernel, which
+    writes the normalized output into x and the sum into residual in place: the captured input is the sum as it was
+    before the call, and the output is the normalized value."""
+    import torch
+
+    from tools.op_diff import Probe, _VLLMSide
+
+    class FusedAddNorm(torch.nn.Module):  # vllm_c's fused_add_rms_norm: both arguments overwritten
+        def forward(self, x, residual):
+            residual.add_(x)
+            x.copy_(residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6))
+            return x, residual
+
+    model = torch.nn.Module()
+    model.norm = FusedAddNorm()
+    side = object.__new__(_VLLMSide)
+    side.probes = [Probe("layers.1.input_layernorm[input]", None, "token", True),
+                   Probe("layers.1.input_layernorm", None, "token")]
+    side.paths = {p.name: "norm" for p in side.probes}
+    captured = {}
+    handles = side._hook(model, captured)
+    x, residual = torch.randn(5, 8), torch.randn(5, 8)
+    total = x + residual
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+    model.norm(x, residual)
+    for h in handles:
+        h.remove()
+    assert torch.equal(captured["layers.1.input_layernorm[input]"][0], total.reshape(1, 5, 8))
+    assert torch.allclose(captured["layers.1.input_layernorm"][0], normed.reshape(1, 5, 8))

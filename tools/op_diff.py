@@ -261,7 +261,8 @@ class _VLLMSide:
     so their forward is wrapped instead (`_ForwardTap`). Module paths are the policy's mapped by the
     family's vLLM name table (rollout/weight_names.py). vLLM's layers return (hidden, residual)
     pairs: a decoder layer's output is their sum, a norm's its first element, a norm's input the
-    sum of its two arguments; q/k/v are cut from
+    sum of its two arguments, read before it runs (eager vLLM's fused add + RMSNorm kernel overwrites
+    both in place); q/k/v are cut from
     the fused qkv_proj by size. The logits are vLLM's `compute_logits` on its own final-norm output
     at the scored positions. One rank and vLLM tensor parallel 1 only (a shard of qkv_proj is not
     the policy's q).
@@ -324,7 +325,11 @@ class _VLLMSide:
     def _hook(self, model: nn.Module, captured: dict) -> list:
         def hook(p):
             return lambda m, args, kwargs, out: captured.setdefault(p.name, []).append(
-                self._value(p, args, kwargs, out).detach().cpu())
+                self._value(p, args, kwargs, out).detach().to("cpu", copy=True))
+
+        def before(p):  # an input is read before the module runs: vLLM's fused add + RMSNorm kernel (eager, not
+            # exact) writes the normalized output into x and the sum into residual, in place
+            return lambda m, args, kwargs: hook(p)(m, args, kwargs, None)
 
         handles = []
         for p in self.probes:
@@ -332,7 +337,9 @@ class _VLLMSide:
                 continue
             module = model.get_submodule(self.paths[p.name])
             if hasattr(module, "do_not_compile"):  # vLLM's support_torch_compile: its __call__ skips module hooks
-                handles.append(_ForwardTap(module, hook(p)))
+                handles.append(_ForwardTap(module, hook(p), before=p.take_input))
+            elif p.take_input:
+                handles.append(module.register_forward_pre_hook(before(p), with_kwargs=True))
             else:
                 handles.append(module.register_forward_hook(hook(p), with_kwargs=True))
         return handles
@@ -359,15 +366,19 @@ class _VLLMSide:
 class _ForwardTap:
     """A forward hook for a module whose `__call__` bypasses nn.Module's hooks (vLLM's torch.compile decorator
     calls `self.forward` directly when it does not compile, as for the vision tower's blocks): the instance's
-    forward is wrapped until `remove()`."""
+    forward is wrapped until `remove()`. `before`: the hook runs before the forward (with `out` None), for an input
+    the forward may overwrite."""
 
-    def __init__(self, module: nn.Module, hook):
+    def __init__(self, module: nn.Module, hook, before: bool = False):
         self.module = module
         inner = module.forward
 
         def forward(*args, **kwargs):
+            if before:
+                hook(module, args, kwargs, None)
             out = inner(*args, **kwargs)
-            hook(module, args, kwargs, out)
+            if not before:
+                hook(module, args, kwargs, out)
             return out
 
         module.forward = forward

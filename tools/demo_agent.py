@@ -8,15 +8,16 @@ readable only through `image_zoom_in_tool`. Stages, each a torchrun of train.py:
   1. without tools: SFT on the same rows with the answer alone (configs/demo_agent_sft.yaml with
      rollout.tools=[]), the best a model that cannot zoom does here;
   2. SFT warm start on tool-using trajectories (configs/demo_agent_sft.yaml): 25 steps at lr 1e-3, which
-     teach the call and the four colours but leave a quarter of the held-out answer turns malformed;
+     teach the call and the four colours but leave a quarter of the held-out episodes without a
+     well-formed answer;
   3. GRPO with the tool from the merged SFT model (configs/demo_agent.yaml), sampling at temperature 0.5.
 Every accuracy is greedy, on the same held-out rows. It ends with the line
 `held-out accuracy: without tools X, with tools Y`, Y being the GRPO model's.
 
 `--places 1` (the default) always frames the same square, so the box to zoom is fixed and the CPU
 minutes go to reading the zoomed colours; with `--places 2` or `4` the model must also choose the
-box from where the black quadrant is, which 40 SFT steps did not teach the demo-size model
-(measured: it wrote one box for every image).
+box from where the black quadrant is, which 40 SFT steps at lr 3e-3 did not teach the demo-size
+model (measured: it wrote one box for every image).
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ does (the family's `vllm_processor_kwargs`, a per-prompt image limit) and checks
   video_seconds_bf16  a clip at 0.9 fps through a bfloat16 processor (vLLM casts the processor's
             floating outputs to the engine dtype): Qwen2.5-VL's `second_per_grid_ts` equals the trainer's.
 
-
 One JSON line per check on stdout; the exit status is 1 if any check failed.
 
     python tools/vllm_prompt_check.py --family idefics3 --model /tmp/vcpu/idefics3

@@ -220,7 +220,7 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0  # 0: only at the end
+    every_steps: int = 0  # 0: none before the end (`at_end` decides that one)
     at_end: bool = True  # a checkpoint when the run ends (a preempted run writes one regardless)
     resume: str = "auto"  # auto | never | overwrite (start over in a used run folder) | PATH
     keep: int = 2

@@ -206,8 +206,9 @@ def layer_kv_shape(text: dict, index: int) -> tuple[int, int]:
     """(KV heads, head size) of decoder layer `index` of a text config dict: the layer's own entry in
     `per_layer_config` (transformers' per-layer overrides) first, then Gemma4's full-attention
     `global_head_dim` and, with `attention_k_eq_v`, `num_global_key_value_heads`, then the config's."""
-    overrides = text.get("per_layer_config") or {}
-    own = overrides.get(str(index)) or overrides.get(index) or {}
+    # keys are layer indices, written as strings zero-padded to the widest one ("04" among 12 layers)
+    overrides = {int(k): v for k, v in (text.get("per_layer_config") or {}).items()}
+    own = overrides.get(index) or {}
     types = text.get("layer_types") or []
     full = index < len(types) and types[index] == "full_attention"
     head = own.get("head_dim") or (full and text.get("global_head_dim")) or text.get("head_dim") \

@@ -204,3 +204,12 @@ def test_sleep_level_is_checked_at_load():
     assert load_config(None, ["rollout.sleep_level=2"]).rollout.sleep_level == 2
     with pytest.raises(ConfigError, match="rollout.sleep_level"):
         load_config(None, ["rollout.sleep_level=3"])
+
+
+def test_kv_bytes_read_zero_padded_per_layer_keys():
+    """transformers writes `per_layer_config` keys zero-padded to the widest index ("04" among 12 layers, so they
+    sort in JSON); loading reads them as integers, and so must the KV count (else layers 0-9 lose their overrides)."""
+    text = {"num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 1, "hidden_size": 256,
+            "head_dim": 32, "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 3,
+            "per_layer_config": {f"{i:02d}": {"head_dim": 64, "num_key_value_heads": 2} for i in (3, 7, 11)}}
+    assert kv_bytes_per_token({"text_config": text}, 2) == 2 * (9 * 32 + 3 * 2 * 64) * 2

@@ -149,11 +149,18 @@ class RunLock:
 def scratch_run_dir(tool: str) -> Path:
     """A run folder for a tool that builds a trainer but keeps nothing (logprob_check, op_diff): one per
     launch, shared by its ranks (torchrun gives them one MASTER_PORT; a plain process uses its PID), so two
-    launches at once do not contend for one folder's lock."""
+    launches at once do not contend for one folder's lock. Rank 0 deletes it when its process exits."""
     import tempfile
 
     tag = os.environ.get("MASTER_PORT") or str(os.getpid())
-    return Path(tempfile.gettempdir()) / f"vlrl_{tool}_{tag}"
+    path = Path(tempfile.gettempdir()) / f"vlrl_{tool}_{tag}"
+    if os.environ.get("RANK", "0") == "0" and path not in _SCRATCH:
+        _SCRATCH.add(path)
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+_SCRATCH: set[Path] = set()
 
 
 @atexit.register

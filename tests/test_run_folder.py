@@ -381,3 +381,14 @@ def test_metrics_rows_without_an_integer_step_do_not_block_resume(tmp_path, capl
     assert path.read_text() == good[0] + "\n" + good[1] + "\n"
     assert f"{path}: {len(odd)} unreadable line(s) (line 2, 3, 4, 5, 6, 7, 8:" in caplog.text
     assert (tmp_path / "metrics.jsonl.bad").read_text().splitlines() == odd
+
+
+def test_scratch_run_dir_is_per_launch_and_removed_at_exit(tmp_path):
+    code = ("from grpo.run_folder import scratch_run_dir; p = scratch_run_dir('probe'); "
+            "p.mkdir(parents=True); (p / 'x').write_text('1'); print(p)")
+    env = {**os.environ, "MASTER_PORT": "54321", "RANK": "0", "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    path = Path(out.stdout.strip())
+    assert path.name == "vlrl_probe_54321" and path.parent == tmp_path
+    assert not path.exists()  # rank 0 removed it when the process ended

@@ -29,7 +29,8 @@
 #   tests     TESTS (default tests/gpu/test_device_peak.py) under pytest, up to TEST_S=120 s
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS)
 #   exact     rollout.exact on the tiny Qwen2.5-VL: tests/gpu/test_exact.py (256 sequences, exact and not, bitwise
-#             check and cost, exact_tiny.json), then op_diff --exact (op_diff_exact.json); ~5 min. EXACT_3B=1: the
+#             check and cost, exact_tiny.json), then op_diff --exact (op_diff_exact.json), then two-turn episodes
+#             with a zoom tool (tests/gpu/test_exact_episodes.py, exact_episodes.json); ~6 min. EXACT_3B=1: the
 #             same test on the 3B shape at 448x448 instead (exact_3b.json; a call of its own)
 set -u
 STAGE=$1
@@ -299,6 +300,10 @@ PYEOF
     timeout ${OPDIFF_S:-200} $PY tools/op_diff.py --model $W/tiny --data $W/opd.parquet --task clevr --engine vllm \
       --dtype bfloat16 --exact --out "$OUT/op_diff_exact.json" > "$OUT/op_diff_exact.log" 2>&1
     echo "op_diff --exact rc=$?"; grep "first module\|exact mode" "$OUT/op_diff_exact.log" | tail -3
+    # two-turn episodes with a zoom tool's image: vLLM's second-turn logprobs against the packed episode
+    EXACT_OUT="$OUT/exact_episodes.json" timeout ${EXACT_TURNS_S:-240} $PY -m pytest -q -s tests/gpu/test_exact_episodes.py \
+      > "$OUT/exact_episodes.log" 2>&1
+    echo "exact episodes rc=$?"; grep 'max_abs_dlogprob\|passed\|failed\|Error' "$OUT/exact_episodes.log" | tail -3
   fi
   ;;
 *)

@@ -15,6 +15,7 @@ import gc
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -154,14 +155,23 @@ def _apply_tp(model: nn.Module, adapter, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
+def inductor_cache_dir() -> Path:
+    """Where torch.compile's kernels for `model.compile` are kept: under XDG_CACHE_HOME or ~/.cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vlrl" / "inductor"
+
+
 def apply_compile(layers) -> None:
     """torch.compile each decoder block's `forward` in place (names, hooks and FSDP units unchanged).
 
     Only `forward` is compiled, so FSDP's and activation checkpointing's hooks around it run as
     they do without compiling. Packed rows change length every micro-batch: shapes are dynamic.
     The attention call reads the packed row's boundaries from a context variable and runs between
-    the compiled regions.
+    the compiled regions. Inductor's compiled kernels are kept in the user's cache
+    (`~/.cache/vlrl/inductor`, unless TORCHINDUCTOR_CACHE_DIR is set) rather than its default under
+    /tmp, so a later run on the machine reuses them.
     """
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 

@@ -1,5 +1,7 @@
 """model.compile: each decoder block's forward compiled in place gives the eager logprobs and gradients."""
 
+import os
+
 import pytest
 import torch
 
@@ -56,3 +58,15 @@ def test_compiled_blocks_match_eager(tiny_model, clevr_parquet, tmp_path):
         assert torch.allclose(g1, g2, atol=1e-5, rtol=1e-4), (n, (g1 - g2).abs().max())
         compared += 1
     assert compared > 10
+
+
+def test_compile_keeps_inductor_kernels_in_the_users_cache(monkeypatch, tmp_path):
+    from models.parallel import apply_compile
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    apply_compile([torch.nn.Linear(2, 2)])
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "vlrl" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # a user's own setting stands
+    apply_compile([torch.nn.Linear(2, 2)])
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

@@ -450,7 +450,8 @@ def test_vllm_reads_plain_head_sizes_from_the_engines_config(folder):
     head_dim, global_head_dim = getattr(text, "head_dim", 0), getattr(text, "global_head_dim", text.head_dim)
     assert (head_dim, global_head_dim) == (32, 64) and max(head_dim, global_head_dim) == 64
     assert text.num_global_key_value_heads == text.num_key_value_heads == 1
-    assert override(config) is config  # applying it twice changes nothing
+    twice = override(override(AutoConfig.from_pretrained(str(folder)))).text_config  # applying it again changes nothing
+    assert (twice.head_dim, twice.global_head_dim, twice.num_global_key_value_heads) == (32, 64, 1)
 
     other = AutoConfig.from_pretrained(str(folder))
     other.text_config._heterogeneity_spec.per_layer_overrides[3] = {"head_dim": 128}

@@ -88,6 +88,10 @@ def test_forward_tap_sees_a_module_whose_call_skips_hooks():
     assert seen == [torch.Size([4, 2])]  # the plain hook never fired; the tap did
     tap.remove()
     assert torch.equal(m(torch.ones(4, 3)), out) and len(seen) == 1 and "forward" not in m.__dict__
+    routed = lambda x: x * 2  # noqa: E731 (a forward set on the instance, as exact mode routes modules)
+    m.forward = routed
+    _ForwardTap(m, lambda *a: None).remove()
+    assert m.forward is routed  # the tap puts the instance's own forward back
 
 
 def test_vllm_side_reads_a_norms_input_before_its_in_place_kernel():

@@ -371,6 +371,7 @@ class _ForwardTap:
 
     def __init__(self, module: nn.Module, hook, before: bool = False):
         self.module = module
+        self._own = module.__dict__.get("forward")  # a forward set on the instance before the tap, if any
         inner = module.forward
 
         def forward(*args, **kwargs):
@@ -384,7 +385,10 @@ class _ForwardTap:
         module.forward = forward
 
     def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        if self._own is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self._own
 
 
 def engine_forward(side, seqs: list[Sequence], image_group: list[int] | None, order: list[str],

@@ -36,14 +36,10 @@ def run(out: Path, work: Path) -> dict:
     from grpo.update import PackedStep, packed_logprobs
     from models.parallel import build_parallel_dims, init_distributed
     from models.policy import build_policy
-    from rollout.base import SamplingParams
     from rollout.episode import episode_batch
     from rollout.exact import build_exact
     from rollout.factory import build_engine
-    from rollout.groups import EngineGroup
-    from rollout.rollouts import Rollouts, awake
-    from tests.gpu.test_vllm_episodes import ZoomFirst
-    from tests.test_episodes import _prompt
+    from tests.gpu.test_vllm_episodes import two_turn_episodes
     from tools.make_tiny_model import make_tiny_model
 
     init_distributed()
@@ -56,18 +52,8 @@ def run(out: Path, work: Path) -> dict:
     build_exact(policy)
     engine = build_engine(cfg, policy, gpu_memory_utilization=0.3, max_num_seqs=16)
     engine.refit(policy.full_state_dict(engine.dtype))
-    processor = load_processor(str(model_dir))
     adapter = policy.adapter
-    scripted = ZoomFirst(engine, processor.tokenizer)
-    rollouts = Rollouts(cfg, adapter, processor, lambda: awake(scripted), EngineGroup(), lambda v: v)
-    prompts = [_prompt(processor, i, (40 * i, 200 - 30 * i, 90)) for i in range(4)]
-    stop = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    params = SamplingParams(n=4, max_new_tokens=96, stop_token_ids=stop, banned_token_ids=adapter.banned_token_ids,
-                            seed=0)
-    try:
-        _, episodes, _ = rollouts.collect(type("F", (), {"next": lambda self, k: prompts[:k]})(), 4, params)
-    finally:
-        rollouts.close()
+    episodes, _ = two_turn_episodes(engine, load_processor(str(model_dir)), adapter, cfg)
     step = PackedStep(episode_batch(episodes, adapter), cfg.optim.max_tokens_per_microbatch, policy.device)
     packed_logprobs(policy, step, "policy", 1.0)
     diffs, two_images = [], 0

@@ -52,6 +52,25 @@ class ZoomFirst:
         return [Generation(i, ids, [0.0] * len(ids), "stop") for i in range(len(prompts)) for _ in range(params.n)]
 
 
+def two_turn_episodes(engine, processor, adapter, cfg) -> tuple[list, float]:
+    """Four prompts x 4 samples through `Rollouts` with a scripted zoom call in turn 1 (`ZoomFirst`) and the
+    engine sampling turn 2: (the episodes, the prefix-cache hit rate)."""
+    from tests.test_episodes import _prompt
+
+    scripted = ZoomFirst(engine, processor.tokenizer)
+    rollouts = Rollouts(cfg, adapter, processor, lambda: awake(scripted), EngineGroup(), lambda v: v)
+    prompts = [_prompt(processor, i, (40 * i, 200 - 30 * i, 90)) for i in range(4)]
+    stop = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    params = SamplingParams(n=4, max_new_tokens=96, stop_token_ids=stop, banned_token_ids=adapter.banned_token_ids,
+                            seed=0)
+    try:
+        _, episodes, _ = rollouts.collect(type("F", (), {"next": lambda self, k: prompts[:k]})(), 4, params)
+        hit = rollouts.metrics(episodes, "cpu")["agent/prefix_cache_hit"]
+    finally:
+        rollouts.close()
+    return episodes, hit
+
+
 @torch.no_grad()
 def reference_logprobs(model, ids, pixels, grid, start):
     t = torch.tensor([ids], device="cuda")
@@ -66,8 +85,6 @@ def reference_logprobs(model, ids, pixels, grid, start):
 def test_vllm_samples_the_second_turn_of_two_image_episodes(tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from tests.test_episodes import _prompt
-
     model_dir = make_tiny_model(tmp_path / "tiny", family="qwen2_5_vl", size="tiny", seed=0)
     size = SIZES["tiny"]
     config = load_model_config(str(model_dir))
@@ -80,17 +97,7 @@ def test_vllm_samples_the_second_turn_of_two_image_episodes(tmp_path):
                         image_pad_id=config.image_token_id, max_images_per_prompt=1 + cfg.rollout.max_tool_images)
     engine.refit(load_file(str(model_dir / "model.safetensors")).items())
     adapter = FAMILIES["qwen2_5_vl"].adapter(config)
-    scripted = ZoomFirst(engine, processor.tokenizer)
-    rollouts = Rollouts(cfg, adapter, processor, lambda: awake(scripted), EngineGroup(), lambda v: v)
-    prompts = [_prompt(processor, i, (40 * i, 200 - 30 * i, 90)) for i in range(4)]
-    stop = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    params = SamplingParams(n=4, max_new_tokens=96, stop_token_ids=stop, banned_token_ids=adapter.banned_token_ids,
-                            seed=0)
-    try:
-        _, episodes, _ = rollouts.collect(type("F", (), {"next": lambda self, k: prompts[:k]})(), 4, params)
-        hit = rollouts.metrics(episodes, "cpu")["agent/prefix_cache_hit"]
-    finally:
-        rollouts.close()
+    episodes, hit = two_turn_episodes(engine, processor, adapter, cfg)
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).cuda().eval()
     errors, count = 0.0, 0
     for e in episodes:

@@ -33,10 +33,8 @@ def run(out: Path, work: Path) -> dict:
 
     from data.processing import load_processor
     from grpo.config import load_config
-    from grpo.update import PackedStep, packed_logprobs
     from models.parallel import build_parallel_dims, init_distributed
     from models.policy import build_policy
-    from rollout.episode import episode_batch
     from rollout.exact import build_exact
     from rollout.factory import build_engine
     from tests.gpu.test_vllm_episodes import two_turn_episodes
@@ -54,26 +52,76 @@ def run(out: Path, work: Path) -> dict:
     engine.refit(policy.full_state_dict(engine.dtype))
     adapter = policy.adapter
     episodes, _ = two_turn_episodes(engine, load_processor(str(model_dir)), adapter, cfg)
-    step = PackedStep(episode_batch(episodes, adapter), cfg.optim.max_tokens_per_microbatch, policy.device)
-    packed_logprobs(policy, step, "policy", 1.0)
-    diffs, two_images = [], 0
-    for e, ours in zip(episodes, step.per_sample("policy")):
-        if len(e.turns) < 2:
-            continue
-        two_images += len(e.images) == 2
-        start, end = e.turns[1]
-        n = end - start  # turn 2's sampled tokens: the last model tokens of the episode
-        engine_lp = torch.tensor(e.logprobs[-n:], dtype=torch.float64)
-        diffs.append((engine_lp - ours[-n:].double()).abs())
-    d = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
-    report = {"episodes": len(episodes), "two_turn_episodes": len(diffs), "two_image_episodes": two_images,
-              "tokens": int(d.numel()), "max_abs_dlogprob": float(d.max()) if d.numel() else None,
-              "token_mult_prob_error_median": float(torch.exp(d).median()) if d.numel() else None,
-              "token_mult_prob_error_max": float(torch.exp(d).max()) if d.numel() else None,
-              "exact": True, "model": "qwen2_5_vl size tiny (random init)", "multi_turn": True,
+    turn2 = _last_turn_diffs(policy, episodes, adapter, cfg, min_turns=2)
+    # the control: one sampled turn long enough to pass the same positions, no tool image
+    single = _single_turn_episodes(engine, load_processor(str(model_dir)), adapter, cfg)
+    report = {"episodes": len(episodes), "two_turn_episodes": turn2["count"],
+              "two_image_episodes": sum(len(e.images) == 2 for e in episodes if len(e.turns) >= 2),
+              **turn2["summary"], "exact": True, "model": "qwen2_5_vl size tiny (random init)", "multi_turn": True,
+              "by_position": turn2["by_position"],
+              "single_turn_control": {**(s1 := _last_turn_diffs(policy, single, adapter, cfg, min_turns=1))["summary"],
+                                      "episodes": s1["count"], "by_position": s1["by_position"]},
               "exact_report": getattr(engine, "_exact").report}
     out.write_text(json.dumps(report, default=str) + "\n")
     return report
+
+
+def _last_turn_diffs(policy, episodes, adapter, cfg, min_turns: int) -> dict:
+    """|engine - policy| logprob of each episode's last sampled turn (episodes with at least `min_turns` turns),
+    scored as training scores them: the episodes packed, the policy's exact forward. With where in the sequence
+    each token sits, so a mismatch that starts at some length (an attention block) shows apart from one that
+    follows an input (an image, a position)."""
+    from grpo.update import PackedStep, packed_logprobs
+    from rollout.episode import episode_batch
+
+    step = PackedStep(episode_batch(episodes, adapter), cfg.optim.max_tokens_per_microbatch, policy.device)
+    packed_logprobs(policy, step, "policy", 1.0)
+    diffs, where, count = [], [], 0
+    for e, ours in zip(episodes, step.per_sample("policy")):
+        if len(e.turns) < min_turns:
+            continue
+        count += 1
+        start, end = e.turns[-1]
+        n = end - start
+        engine_lp = torch.tensor(e.logprobs[-n:], dtype=torch.float64)
+        diffs.append((engine_lp - ours[-n:].double()).abs())
+        where.append(torch.arange(start, end))  # the sampled token's own index; its logit comes from index - 1
+    d = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
+    at = torch.cat(where) if where else torch.zeros(0, dtype=torch.long)
+    off = d > 0
+    summary = {"tokens": int(d.numel()), "max_abs_dlogprob": float(d.max()) if d.numel() else None,
+               "token_mult_prob_error_median": float(torch.exp(d).median()) if d.numel() else None,
+               "token_mult_prob_error_max": float(torch.exp(d).max()) if d.numel() else None}
+    by_position = {"mismatched": int(off.sum()),
+                   "first_mismatched_index": int(at[off].min()) if off.any() else None,
+                   "last_equal_index": int(at[~off].max()) if (~off).any() else None,
+                   "index_range": [int(at.min()), int(at.max())] if at.numel() else None}
+    for lo, hi in ((0, 128), (128, 256), (256, 1 << 30)):
+        band = (at >= lo) & (at < hi)
+        by_position[f"{lo}-{hi if hi < 1 << 30 else ''}"] = [int(band.sum()), int((band & off).sum())]
+    return {"count": count, "summary": summary, "by_position": by_position}
+
+
+def _single_turn_episodes(engine, processor, adapter, cfg) -> list:
+    """Four prompts x 4 samples of one sampled turn without tools, up to 192 tokens (past the lengths the
+    two-turn episodes reach)."""
+    from dataclasses import replace
+
+    from rollout.base import SamplingParams
+    from rollout.groups import EngineGroup
+    from rollout.rollouts import Rollouts, awake
+    from tests.test_episodes import _prompt
+
+    one = replace(cfg, rollout=replace(cfg.rollout, tools=[], max_turns=1, max_new_tokens=192))
+    rollouts = Rollouts(one, adapter, processor, lambda: awake(engine), EngineGroup(), lambda v: v)
+    prompts = [_prompt(processor, i, (40 * i, 200 - 30 * i, 90)) for i in range(4)]
+    stop = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    params = SamplingParams(n=4, max_new_tokens=192, stop_token_ids=stop, banned_token_ids=adapter.banned_token_ids,
+                            seed=1)
+    try:
+        return rollouts.run_episodes(engine, prompts, params, use_tools=False)
+    finally:
+        rollouts.close()
 
 
 def test_exact_mode_is_bitwise_over_a_tool_turn(tmp_path):

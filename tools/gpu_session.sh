@@ -32,6 +32,7 @@
 #             check and cost, exact_tiny.json), then op_diff --exact (op_diff_exact.json), then two-turn episodes
 #             with a zoom tool (tests/gpu/test_exact_episodes.py, exact_episodes.json); ~6 min. EXACT_3B=1: the
 #             same test on the 3B shape at 448x448 instead (exact_3b.json; a call of its own)
+#             EXACT_EPISODE_SIZES="tiny tiny_hd128": the two-turn check alone for those sizes (exact_episodes_SIZE.json)
 set -u
 STAGE=$1
 OUT=${2:-gpu_out}
@@ -279,6 +280,13 @@ exact)
       EXACT_OUT="$OUT/exact_3b.json" EXACT_S=${EXACT_S:-280} timeout 580 $PY -m pytest -q -s tests/gpu/test_exact.py \
       > "$OUT/exact_3b.log" 2>&1
     echo "exact 3b rc=$?"; grep '"cost_pct"\|passed\|failed\|Error' "$OUT/exact_3b.log" | tail -4
+  elif [ -n "${EXACT_EPISODE_SIZES:-}" ]; then
+    # the two-turn check alone, each size in a process of its own (where the mismatches sit; a one-turn control)
+    for s in $EXACT_EPISODE_SIZES; do
+      timeout ${EXACT_TURNS_S:-240} $PY -m tests.gpu.test_exact_episodes "$OUT/exact_episodes_$s.json" $W/ep_$s $s \
+        > "$OUT/exact_episodes_$s.log" 2>&1
+      echo "exact episodes $s rc=$?"; head -c 1500 "$OUT/exact_episodes_$s.json" 2>/dev/null; echo
+    done
   else
     # what the installed vLLM's batch-invariant mode replaces and accepts (docs/fidelity.md, "Exact mode")
     $PY - > "$OUT/vllm_batch_invariant.txt" 2>&1 <<'PYEOF'

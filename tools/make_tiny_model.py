@@ -60,6 +60,11 @@ Sizes (weights in float32, untied embeddings):
 | --- | --- | --- | --- |
 | tiny | 64 / 2 / 4 / 2 / 128, [2, 3, 3] | 32 / 2 / 2 | 28*28*1 .. 28*28*16 (1..16 image tokens) |
 | demo | 256 / 4 / 4 / 2 / 768, [8, 12, 12] | 128 / 4 / 4 | 28*28*4 .. 28*28*64 (4..64 image tokens) |
+| tiny_hd128 | 256 / 2 / 2 / 1 / 256, [16, 24, 24] | 32 / 2 / 2 | as tiny |
+
+tiny_hd128 is tiny with the released checkpoints' 128-wide attention heads: on an H200, FlashAttention
+tiles the keys of a decode step and of a prefill alike only for heads wider than 64, which the exact
+on-policy checks need past 128 tokens of context (docs/fidelity.md, "Exact mode").
 
 Qwen2.5-VL's vision tower alternates window and full attention: tiny uses a 56-pixel
 window (2x2 merged tokens) with block 1 full, demo the family's 112-pixel window with
@@ -110,6 +115,13 @@ SIZES = {
     "tiny": SizeSpec(
         bpe_vocab=1500, text_hidden=64, text_layers=2, text_heads=4, text_kv_heads=2,
         text_intermediate=128, mrope_section=(2, 3, 3), max_positions=8192,
+        vision_hidden=32, vision_depth=2, vision_heads=2, vision_mlp_ratio=4,
+        vision_intermediate=64, window_size=56, fullatt_blocks=(1,),
+        min_pixels=28 * 28 * 1, max_pixels=28 * 28 * 16,
+    ),
+    "tiny_hd128": SizeSpec(
+        bpe_vocab=1500, text_hidden=256, text_layers=2, text_heads=2, text_kv_heads=1,
+        text_intermediate=256, mrope_section=(16, 24, 24), max_positions=8192,
         vision_hidden=32, vision_depth=2, vision_heads=2, vision_mlp_ratio=4,
         vision_intermediate=64, window_size=56, fullatt_blocks=(1,),
         min_pixels=28 * 28 * 1, max_pixels=28 * 28 * 16,

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(out: Path, work: Path) -> dict:
+def run(out: Path, work: Path, size: str = "tiny_hd128") -> dict:
     """The check itself, in this process: exact settings first, then the engine, the episodes, the policy."""
     from rollout.exact import prepare_process
 
@@ -41,7 +41,7 @@ def run(out: Path, work: Path) -> dict:
     from tools.make_tiny_model import make_tiny_model
 
     init_distributed()
-    model_dir = make_tiny_model(work / "tiny", family="qwen2_5_vl", size="tiny", seed=0)
+    model_dir = make_tiny_model(work / size, family="qwen2_5_vl", size=size, seed=0)
     cfg = load_config(None, [f"model.path={model_dir}", "data.task=clevr", "data.min_pixels=3136",
                              "data.max_pixels=3136", "rollout.tools=[image_zoom_in_tool]", "rollout.max_turns=2",
                              "rollout.max_new_tokens=96", "rollout.exact=true", "rollout.engine=vllm",
@@ -57,7 +57,7 @@ def run(out: Path, work: Path) -> dict:
     single = _single_turn_episodes(engine, load_processor(str(model_dir)), adapter, cfg)
     report = {"episodes": len(episodes), "two_turn_episodes": turn2["count"],
               "two_image_episodes": sum(len(e.images) == 2 for e in episodes if len(e.turns) >= 2),
-              **turn2["summary"], "exact": True, "model": "qwen2_5_vl size tiny (random init)", "multi_turn": True,
+              **turn2["summary"], "exact": True, "model": f"qwen2_5_vl size {size} (random init)", "multi_turn": True,
               "by_position": turn2["by_position"],
               "single_turn_control": {**(s1 := _last_turn_diffs(policy, single, adapter, cfg, min_turns=1))["summary"],
                                       "episodes": s1["count"], "by_position": s1["by_position"]},
@@ -146,4 +146,4 @@ def test_exact_mode_is_bitwise_over_a_tool_turn(tmp_path):
 
 
 if __name__ == "__main__":
-    run(Path(sys.argv[1]), Path(sys.argv[2]))
+    run(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:4])

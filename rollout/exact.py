@@ -390,10 +390,34 @@ def engine_mode(policy) -> ExactMode:
     return ExactMode(policy.adapter.name, buffer(False), buffer(True), tuple(policy.adapter.banned_token_ids))
 
 
+def check_head_size(head_dim: int, capability: tuple[int, int]) -> None:
+    """Refuse heads FlashAttention tiles differently in decode and in prefill.
+
+    vLLM's FlashAttention 3 (compute capability 9.x) drops the causal flag of a step whose queries are all
+    one token long (pure decode) for heads of 64 or less, and the non-causal kernel over paged K/V sums the
+    keys in blocks of 160 where the causal prefill (the policy's forward, a prefill of whole sequences) sums
+    them in blocks of 128: past 128 tokens of context the softmax adds in another order. Measured on an H200
+    (tests/gpu/test_exact_episodes.py): 16-wide heads differ from index 129 on, 128-wide heads nowhere."""
+    if capability[0] == 9 and head_dim <= 64:
+        raise ValueError(
+            f"config key 'rollout.exact' is true but the language model's attention heads are {head_dim} wide: on "
+            "this GPU vLLM's FlashAttention sums a decode step's keys in blocks of 160 and a prefill's in blocks of "
+            "128 for heads of 64 or less, so logprobs past 128 tokens of context cannot match bit for bit; exact mode "
+            "needs heads wider than 64 (the released Qwen2.5-VL models have 128; for a test model, "
+            "tools/make_tiny_model.py --size tiny_hd128)")
+
+
+def text_head_dim(config) -> int:
+    """The language model's attention head width from a transformers config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
 def build_exact(policy) -> ExactMode:
     """The mode for a trainer's policy (or its reference), the policy routed; raises in one line where the mode
-    cannot run (no CUDA, no vLLM, another family)."""
+    cannot run (no CUDA, no vLLM, another family, heads the attention kernel tiles differently per step)."""
     check_device()
+    check_head_size(text_head_dim(policy.model.config), torch.cuda.get_device_capability())
     mode = engine_mode(policy)
     mode.apply_to_policy(policy)
     return mode

@@ -503,3 +503,19 @@ def test_v2_token_logprobs_prepares_logits_as_vllms_sampler(monkeypatch):
     assert calls["temperature"] == (torch.bfloat16, [0, 0, 0], [0.5])
     mode = exact.ExactMode("qwen2_5_vl", banned_token_ids=(5,))
     assert mode.engine_logprobs(logits, targets, 1.0) is None  # on CPU the policy's own log_softmax stands
+
+
+def test_exact_refuses_heads_the_attention_kernel_tiles_differently_per_step():
+    """On compute capability 9.x, vLLM's FlashAttention sums a decode step's keys in other blocks than a
+    prefill's for heads of 64 or less: the mode refuses them there, names the width and the way out."""
+    import transformers
+
+    with pytest.raises(ValueError, match=r"heads are 16 wide.*tiny_hd128"):
+        exact.check_head_size(16, (9, 0))
+    with pytest.raises(ValueError, match="64 wide"):
+        exact.check_head_size(64, (9, 0))
+    exact.check_head_size(128, (9, 0))  # the released Qwen2.5-VL width
+    exact.check_head_size(256, (9, 0))
+    exact.check_head_size(16, (8, 0))  # not the kernel measured
+    config = transformers.Qwen2_5_VLConfig(text_config={"hidden_size": 256, "num_attention_heads": 2})
+    assert exact.text_head_dim(config) == 128

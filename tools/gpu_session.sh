@@ -28,7 +28,8 @@
 #             (bench.py, 128 sequences x 256 tokens) and train.py GRPO steps at 16 prompts x 8 x 256 tokens
 #   tests     TESTS (default tests/gpu/test_device_peak.py) under pytest, up to TEST_S=120 s
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS)
-#   exact     rollout.exact on the tiny Qwen2.5-VL: tests/gpu/test_exact.py (256 sequences, exact and not, bitwise
+#   exact     rollout.exact on the tiny Qwen2.5-VL with 128-wide heads (tiny_hd128): tests/gpu/test_exact.py (256
+#             sequences, exact and not, bitwise
 #             check and cost, exact_tiny.json), then op_diff --exact (op_diff_exact.json), then two-turn episodes
 #             with a zoom tool (tests/gpu/test_exact_episodes.py, exact_episodes.json); ~6 min. EXACT_3B=1: the
 #             same test on the 3B shape at 448x448 instead (exact_3b.json; a call of its own)
@@ -303,9 +304,10 @@ PYEOF
     EXACT_OUT="$OUT/exact_tiny.json" EXACT_S=${EXACT_S:-150} timeout 330 $PY -m pytest -q -s tests/gpu/test_exact.py \
       > "$OUT/exact_tiny.log" 2>&1
     echo "exact tiny rc=$?"; grep '"cost_pct"\|passed\|failed\|Error' "$OUT/exact_tiny.log" | tail -4
-    $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
+    # 128-wide heads: exact mode refuses narrower ones on an H200 (rollout.exact.check_head_size)
+    $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny_hd128 --out $W/tiny_hd128 --overwrite > /dev/null
     $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/opd.parquet --size 56x56 > /dev/null
-    timeout ${OPDIFF_S:-200} $PY tools/op_diff.py --model $W/tiny --data $W/opd.parquet --task clevr --engine vllm \
+    timeout ${OPDIFF_S:-200} $PY tools/op_diff.py --model $W/tiny_hd128 --data $W/opd.parquet --task clevr --engine vllm \
       --dtype bfloat16 --exact --out "$OUT/op_diff_exact.json" > "$OUT/op_diff_exact.log" 2>&1
     echo "op_diff --exact rc=$?"; grep "first module\|exact mode" "$OUT/op_diff_exact.log" | tail -3
     # two-turn episodes with a zoom tool's image: vLLM's second-turn logprobs against the packed episode

@@ -2,7 +2,8 @@
 
 tools/logprob_check.py runs twice in fresh processes (batch-invariant mode is process-wide and is set before
 vLLM is imported): with `--exact` and without, on the same prompts, 64 prompts x 4 responses (256 sequences)
-of the tiny Qwen2.5-VL, or the model in EXACT_MODEL (with EXACT_DATA, e.g. the 3B shape). The exact run must
+of the tiny Qwen2.5-VL with 128-wide heads (tiny_hd128: the mode refuses narrower heads on an H200), or the
+model in EXACT_MODEL (with EXACT_DATA, e.g. the 3B shape). The exact run must
 give max |Δlogprob| == 0 over every sampled token; the test prints, and writes to EXACT_OUT when set, both
 reports and the cost of the mode in generation, scoring and one training pass (%, exact against not).
 EXACT_ARGS adds arguments to both runs.
@@ -52,7 +53,7 @@ def test_exact_mode_is_bitwise_and_reports_its_cost(tmp_path):
     from tools.make_tiny_model import make_tiny_model
 
     model = Path(os.environ["EXACT_MODEL"]) if os.environ.get("EXACT_MODEL") else Path(make_tiny_model(
-        tmp_path / "tiny", family="qwen2_5_vl", size="tiny", seed=0))
+        tmp_path / "tiny_hd128", family="qwen2_5_vl", size="tiny_hd128", seed=0))
     data = Path(os.environ["EXACT_DATA"]) if os.environ.get("EXACT_DATA") else Path(make_dataset(
         "clevr", PROMPTS, 0, tmp_path / "clevr.parquet", size=(56, 56), max_objects=4))
     exact = _run(model, data, tmp_path / "exact.json", True)

@@ -107,17 +107,13 @@ def _single_turn_episodes(engine, processor, adapter, cfg) -> list:
     two-turn episodes reach)."""
     from dataclasses import replace
 
-    from rollout.base import SamplingParams
     from rollout.groups import EngineGroup
     from rollout.rollouts import Rollouts, awake
-    from tests.test_episodes import _prompt
+    from tests.gpu.test_vllm_episodes import four_prompts
 
     one = replace(cfg, rollout=replace(cfg.rollout, tools=[], max_turns=1, max_new_tokens=192))
     rollouts = Rollouts(one, adapter, processor, lambda: awake(engine), EngineGroup(), lambda v: v)
-    prompts = [_prompt(processor, i, (40 * i, 200 - 30 * i, 90)) for i in range(4)]
-    stop = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    params = SamplingParams(n=4, max_new_tokens=192, stop_token_ids=stop, banned_token_ids=adapter.banned_token_ids,
-                            seed=1)
+    prompts, params = four_prompts(processor, adapter, 192, seed=1)
     try:
         return rollouts.run_episodes(engine, prompts, params, use_tools=False)
     finally:

@@ -52,17 +52,23 @@ class ZoomFirst:
         return [Generation(i, ids, [0.0] * len(ids), "stop") for i in range(len(prompts)) for _ in range(params.n)]
 
 
+def four_prompts(processor, adapter, max_new_tokens: int, seed: int) -> tuple[list, SamplingParams]:
+    """Four one-image prompts (56x56, a colour each) and the sampling of 4 responses each, stopping at
+    `<|im_end|>`."""
+    from tests.test_episodes import _prompt
+
+    prompts = [_prompt(processor, i, (40 * i, 200 - 30 * i, 90)) for i in range(4)]
+    stop = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return prompts, SamplingParams(n=4, max_new_tokens=max_new_tokens, stop_token_ids=stop,
+                                   banned_token_ids=adapter.banned_token_ids, seed=seed)
+
+
 def two_turn_episodes(engine, processor, adapter, cfg) -> tuple[list, float]:
     """Four prompts x 4 samples through `Rollouts` with a scripted zoom call in turn 1 (`ZoomFirst`) and the
     engine sampling turn 2: (the episodes, the prefix-cache hit rate)."""
-    from tests.test_episodes import _prompt
-
     scripted = ZoomFirst(engine, processor.tokenizer)
     rollouts = Rollouts(cfg, adapter, processor, lambda: awake(scripted), EngineGroup(), lambda v: v)
-    prompts = [_prompt(processor, i, (40 * i, 200 - 30 * i, 90)) for i in range(4)]
-    stop = [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    params = SamplingParams(n=4, max_new_tokens=96, stop_token_ids=stop, banned_token_ids=adapter.banned_token_ids,
-                            seed=0)
+    prompts, params = four_prompts(processor, adapter, 96, seed=0)
     try:
         _, episodes, _ = rollouts.collect(type("F", (), {"next": lambda self, k: prompts[:k]})(), 4, params)
         hit = rollouts.metrics(episodes, "cpu")["agent/prefix_cache_hit"]

@@ -83,6 +83,11 @@ class ModelConfig:
     # torch.compile each decoder block's forward (fuses norms, rotary, SwiGLU and residual adds; the
     # attention call stays eager); the first micro-batches pay the compile time
     compile: bool = False
+    # GRPO's training passes hold each prompt once per micro-batch, its responses attending to it
+    # (models.packing.pack_shared): the prompt's tokens, its image's among them, run once for the group
+    # instead of once per response. The same logprobs and gradients (tests/test_shared_prompts.py); needs
+    # the varlen attention (auto picks it) and a family with `shares_prompts` (Qwen2-VL, Qwen2.5-VL)
+    shared_prompts: bool = False
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     # MoE families: weight of the routers' load-balancing loss (Switch Transformer's, as the family's
@@ -707,6 +712,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
         yield f"config key 'algorithm.dual_clip' must be 0 (off) or > 1, got {cfg.algorithm.dual_clip}"
     yield from _algorithm_errors(cfg.algorithm)
     yield from _lora_errors(cfg)
+    yield from _shared_prompt_errors(cfg)
     if not cfg.optim.lr > 0:
         yield f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}"
     for key in ("optim.beta1", "optim.beta2"):
@@ -790,6 +796,23 @@ def _algorithm_errors(a: AlgorithmConfig) -> Iterator[str]:
         if not getattr(a, low) <= 1.0 <= getattr(a, high):
             yield (f"config keys 'algorithm.{low}' ({getattr(a, low)}) and 'algorithm.{high}' "
                    f"({getattr(a, high)}) must bracket 1: a token with no mismatch (weight 1) must be kept")
+
+
+def _shared_prompt_errors(cfg: Config) -> Iterator[str]:
+    """model.shared_prompts: a row of segments that only the varlen attention reads; not what exact mode or
+    routing replay line up token by token with the engine."""
+    if not cfg.model.shared_prompts:
+        return
+    m = cfg.model
+    if m.attn_implementation not in ("auto", "varlen"):
+        yield (f"config key 'model.attn_implementation' is {m.attn_implementation} with model.shared_prompts=true; "
+               "it needs auto or varlen (the attention that reads a shared prompt's segments)")
+    if cfg.rollout.exact:
+        yield "config key 'model.shared_prompts' is true with rollout.exact=true; set it to false"
+    if cfg.algorithm.routing_replay:
+        yield "config key 'model.shared_prompts' is true with algorithm.routing_replay=true; set it to false"
+    if cfg.parallel.tp > 1:
+        yield f"config key 'model.shared_prompts' is true with parallel.tp={cfg.parallel.tp}; it needs 1"
 
 
 def _lora_errors(cfg: Config) -> Iterator[str]:

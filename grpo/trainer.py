@@ -389,7 +389,7 @@ class Trainer:
         model tokens are scored: prompt and tool tokens are context."""
         cfg = self.cfg
         batch = episode_batch(episodes, self.adapter)
-        step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device)
+        step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device, cfg.model.shared_prompts)
         step.set_per_token("engine_logprobs", [torch.tensor(e.logprobs, dtype=torch.float32) for e in episodes])
         if old_logprobs:
             packed_logprobs(self.policy, step, "old_logprobs", cfg.rollout.temperature)
@@ -568,10 +568,18 @@ class Trainer:
         of forward and backward over every micro-batch, the way EasyR1 and veRL count them)."""
         seqlens = [t.numel() for t in step.batch["input_ids"].items]
         gen_tokens = sum(int(f["engine_logprobs"].numel()) for mb, f in step if mb.sample_indices)
-        flops = llm_flops(self.policy.model.config, seqlens) * self.cfg.algorithm.ppo_epochs
-        total, gen, flops = all_reduce_sum([sum(seqlens), gen_tokens, flops], self.policy.device)
+        rows = [mb for mb, _ in step if mb.sample_indices]
+        row_tokens = sum(mb.num_tokens for mb in rows)
+        if self.cfg.model.shared_prompts:  # the FLOPs the shared rows run, not those of the sequences apart
+            flops = llm_flops(self.policy.model.config, [mb.num_tokens for mb in rows],
+                              sum(mb.attention_pairs() for mb in rows))
+        else:
+            flops = llm_flops(self.policy.model.config, seqlens)
+        flops *= self.cfg.algorithm.ppo_epochs
+        total, gen, flops, computed = all_reduce_sum([sum(seqlens), gen_tokens, flops, row_tokens], self.policy.device)
         out = {"perf/tokens_per_s": total / max(timings["perf/train_s"], 1e-9),
-               "perf/gen_tokens_per_s": gen / max(timings["perf/gen_s"], 1e-9)}
+               "perf/gen_tokens_per_s": gen / max(timings["perf/gen_s"], 1e-9),
+               "perf/row_token_share": computed / max(total, 1)}  # < 1: shared prompts ran once per group
         if self._peak_tflops:
             out["perf/mfu_llm"] = flops / max(timings["perf/train_s"], 1e-9) / (self._peak_tflops * 1e12 * self.dims.world_size)
         return out

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from data.batch import Batch
 from models.packing import (
     PackedMicrobatch, bins_fit, first_fit_decreasing, grouped_bins, image_groups, pack, plan_microbatches,
-    unpack_per_sequence,
+    prompt_groups, shared_row_tokens, unpack_per_sequence,
 )
 from models.policy import Policy
 
@@ -36,20 +36,32 @@ def all_reduce_max_int(value: int, device) -> int:
     return int(t.item())
 
 
-def common_microbatches(batch: Batch, max_tokens: int, device) -> list[list[int]]:
+def common_microbatches(batch: Batch, max_tokens: int, device, share_prompts: bool = False) -> list[list[int]]:
     """Micro-batches of this rank's samples, the same count on every rank.
 
     Each image's samples are kept in as few micro-batches as the count allows (the vision tower
     runs once per distinct image of a micro-batch); where that does not fit, token-balanced bins.
+    With `share_prompts` a bin's size is the row `pack_shared` builds (each shared prompt once), and
+    the planning lengths spread each prompt over its responses.
     """
     lengths = [t.numel() for t in batch["input_ids"].items] if len(batch) else []
     groups = image_groups(batch) if lengths else []
-    count = all_reduce_max_int(len(first_fit_decreasing(lengths, max_tokens)) if lengths else 1, device)
+    fits = lambda bins: bins_fit(bins, lengths, max_tokens)  # noqa: E731
+    plan = lengths
+    if share_prompts and lengths:
+        prefix_of, group_of, size_of = [0] * len(lengths), [0] * len(lengths), [1] * len(lengths)
+        for g, (members, prefix) in enumerate(prompt_groups(batch)):
+            for i in members:
+                prefix_of[i], group_of[i], size_of[i] = prefix, g, len(members)
+        plan = [n - prefix_of[i] + -(-prefix_of[i] // size_of[i]) for i, n in enumerate(lengths)]
+        fits = lambda bins: all(  # noqa: E731
+            len(b) <= 1 or shared_row_tokens(b, lengths, prefix_of, group_of) <= max_tokens for b in bins)
+    count = all_reduce_max_int(len(first_fit_decreasing(plan, max_tokens)) if lengths else 1, device)
     while True:
-        bins = grouped_bins(lengths, groups, count, max_tokens)
-        if not bins_fit(bins, lengths, max_tokens):
-            bins = plan_microbatches(lengths, max_tokens, count)
-        ok = all_reduce_max_int(0 if bins_fit(bins, lengths, max_tokens) else 1, device) == 0
+        bins = grouped_bins(plan, groups, count, max_tokens)
+        if not fits(bins):
+            bins = plan_microbatches(plan, max_tokens, count)
+        ok = all_reduce_max_int(0 if fits(bins) else 1, device) == 0
         if ok:
             return bins
         count += 1
@@ -75,10 +87,11 @@ class PackedStep:
     sequences than another) is a zero-weighted dummy micro-batch that keeps collectives in step.
     """
 
-    def __init__(self, batch: Batch, max_tokens: int, device):
+    def __init__(self, batch: Batch, max_tokens: int, device, share_prompts: bool = False):
         self.batch = batch
-        self.bins = common_microbatches(batch, max_tokens, device)
-        self.microbatches = [(pack(batch, b) if b else dummy_microbatch()).to(device) for b in self.bins]
+        self.bins = common_microbatches(batch, max_tokens, device, share_prompts)
+        self.microbatches = [(pack(batch, b, share_prompts) if b else dummy_microbatch()).to(device)
+                             for b in self.bins]
         self.fields: list[dict[str, torch.Tensor]] = [{} for _ in self.microbatches]
         self.device = device
 

@@ -58,11 +58,18 @@ def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 @contextlib.contextmanager
-def packed_row(cu_seqlens: torch.Tensor, length: int):
+def packed_row(cu_seqlens: torch.Tensor, length: int, kv_index: torch.Tensor | None = None,
+               cu_seqlens_k: torch.Tensor | None = None):
     """Within this block, varlen attention over a row of `length` tokens uses these sequence
-    boundaries (the packer's own) rather than deriving them from positions in every layer."""
+    boundaries (the packer's own) rather than deriving them from positions in every layer. With
+    `kv_index` (a row with shared prompts, `models.packing.pack_shared`) the boundaries are query
+    segments and segment s attends to the row positions kv_index[cu_seqlens_k[s]:cu_seqlens_k[s + 1]]."""
     cu = cu_seqlens.to(torch.int32)
-    with _row_as((cu, _longest(cu), int(length))):
+    keys = None
+    if kv_index is not None:
+        cu_k = cu_seqlens_k.to(device=cu.device, dtype=torch.int32)
+        keys = (kv_index.to(cu.device), cu_k, _longest(cu_k))
+    with _row_as((cu, _longest(cu), int(length), keys)):
         yield
 
 
@@ -97,6 +104,50 @@ def given_row(length: int) -> tuple[torch.Tensor, int] | None:
     return None
 
 
+def shared_keys(length: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(kv_index, cu_seqlens_k, longest key segment) of a row with shared prompts of this length, else None."""
+    given = _ROW.get()
+    return given[3] if given is not None and given[2] == length else None
+
+
+def shared_prompt_attention(query, key, value, cu: torch.Tensor, longest: int, keys, scaling) -> torch.Tensor:
+    """Attention over a row with shared prompts: query (1, H, L, D), key/value (1, Hkv, L, D) → (1, L, H, D).
+    Query segment s attends to the rows keys[0][cu_k[s]:cu_k[s + 1]], causally with the segment's queries
+    aligned to the last keys (a response's first token sees its whole prompt). On CUDA with the kernel: one
+    varlen call over the gathered keys; elsewhere SDPA per segment with that mask."""
+    kv_index, cu_k, longest_k = keys
+    if _kernel()[0] is not None and query.device.type == "cuda":
+        kernel, params = _kernel()
+        q = query[0].transpose(0, 1).contiguous()
+        k, v = (t[0].transpose(0, 1).index_select(0, kv_index).contiguous() for t in (key, value))
+        extra = {}
+        if k.shape[1] != q.shape[1]:
+            if "enable_gqa" in params:
+                extra["enable_gqa"] = True
+            else:
+                repeat = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if "is_causal" in params:  # FlashAttention aligns a causal mask to the last key when keys outnumber queries
+            extra["is_causal"] = True
+        else:
+            extra["window_size"] = (-1, 0)
+        return kernel(q, k, v, cu, cu_k, longest, longest_k, scale=scaling, **extra).unsqueeze(0)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = []
+    bounds, kbounds = cu.tolist(), cu_k.tolist()
+    for s in range(len(bounds) - 1):
+        rows = kv_index[kbounds[s]:kbounds[s + 1]]
+        q = query[:, :, bounds[s]:bounds[s + 1]]
+        k, v = key.index_select(2, rows), value.index_select(2, rows)
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        lq, lk = q.shape[2], k.shape[2]
+        visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+        out.append(attended[0].transpose(0, 1))
+    return torch.cat(out).unsqueeze(0)
+
+
 def row_boundaries(position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:
     """The boundaries `packed_row` gave for a row of this length, else derived from the positions."""
     given = given_row(length)
@@ -110,6 +161,10 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
     position_ids = kwargs.get("position_ids")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    keys = shared_keys(query.shape[2]) if query.shape[0] == 1 and causal else None
+    if keys is not None:  # a row with shared prompts: the segments' own keys, whatever mask was built
+        cu, longest = given_row(query.shape[2])
+        return shared_prompt_attention(query, key, value, cu, longest, keys, scaling), None
     if (_kernel()[0] is None or query.device.type != "cuda" or position_ids is None or query.shape[0] != 1
             or not causal or dropout or attention_mask is not None):  # a family's own mask wins
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

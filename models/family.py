@@ -130,6 +130,9 @@ class FamilyAdapter:
     # True: on CUDA, `model.attn_implementation: auto` runs packed rows through the varlen kernel
     # (models/attention.py); set only for families whose varlen path was checked on a GPU.
     varlen_attention: bool = False
+    # model.shared_prompts: causal attention with no mask of the family's own, so a row of a shared
+    # prompt's segments (models.packing.pack_shared) computes what one sequence at a time does
+    shares_prompts: bool = False
     # The token the family's chat template writes right after an assistant message: generation
     # stops on it and SFT targets end with it. "" for none (stop ids then come from the folder's
     # generation_config.json and tokenizer alone).
@@ -358,6 +361,11 @@ class FamilyAdapter:
 
     def vllm_engine_kwargs(self) -> dict:
         """Extra `vllm.LLM(...)` arguments the family's vLLM module needs (default: none)."""
+        return {}
+
+    def vllm_env(self) -> dict[str, str]:
+        """Environment variables vLLM must read when the engine is built, for choices vLLM 0.26 takes
+        only from the environment, such as its model runner (default: none)."""
         return {}
 
     def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict:

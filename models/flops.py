@@ -23,8 +23,10 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
-def llm_flops(config, seqlens: list[int]) -> float:
-    """Training FLOPs (forward + backward) of the language model over sequences of these lengths."""
+def llm_flops(config, seqlens: list[int], attention_pairs: int | None = None) -> float:
+    """Training FLOPs (forward + backward) of the language model over sequences of these lengths; with
+    `attention_pairs` (query-key pairs counted as a sequence of s tokens counts s², e.g. a shared-prompt row's
+    segments) the attention term counts those instead."""
     t = text_config(config)
     h, heads = t.hidden_size, t.num_attention_heads
     kv = getattr(t, "num_key_value_heads", None) or heads
@@ -48,7 +50,8 @@ def llm_flops(config, seqlens: list[int]) -> float:
     else:
         mlp = 3 * h * t.intermediate_size
     dense = mlp * layers + attn_proj * full + linear_proj * (layers - full) + 2 * t.vocab_size * h
-    attn = 12 * sum(s * s for s in seqlens) * head_dim * heads * full
+    pairs = sum(s * s for s in seqlens) if attention_pairs is None else attention_pairs
+    attn = 12 * pairs * head_dim * heads * full
     return 6.0 * dense * sum(seqlens) + attn
 
 

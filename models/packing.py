@@ -50,6 +50,12 @@ class PackedMicrobatch:
     fields: dict = field(default_factory=dict)
     # MoE routing replay: the experts the engine chose for each token of the row, (L, layers, k).
     routed_experts: torch.Tensor | None = None
+    # Shared prompts (`pack(..., share_prompts=True)`): the row holds a prompt's tokens once, then each of
+    # its responses; `cu_seqlens` then bounds query segments (a prompt, a response, or a whole unshared
+    # sequence), and segment s attends to the row positions kv_index[cu_seqlens_k[s]:cu_seqlens_k[s + 1]]
+    # (a response: its prompt's, then its own), causally aligned at the end. None: segments are sequences.
+    kv_index: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +65,13 @@ class PackedMicrobatch:
     def num_targets(self) -> int:
         return self.target_ids.numel()
 
+    def attention_pairs(self) -> int:
+        """Query-key pairs the row's attention covers, a segment of q queries over k keys counting q·k (an
+        unshared sequence of s tokens: s², the FLOP count's convention)."""
+        q = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        k = q if self.cu_seqlens_k is None else (self.cu_seqlens_k[1:] - self.cu_seqlens_k[:-1]).long()
+        return int((q * k).sum())
+
     def to(self, device) -> "PackedMicrobatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PackedMicrobatch(
@@ -67,7 +80,8 @@ class PackedMicrobatch:
             list(self.sample_indices), self.image_group, self.images_per_group,
             pixel_values_videos=move(self.pixel_values_videos), video_grid_thw=move(self.video_grid_thw),
             video_group=self.video_group, videos_per_group=self.videos_per_group,
-            routed_experts=move(self.routed_experts),
+            routed_experts=move(self.routed_experts), kv_index=move(self.kv_index),
+            cu_seqlens_k=move(self.cu_seqlens_k),
         )
 
 
@@ -135,8 +149,8 @@ def bins_fit(bins: list[list[int]], lengths: list[int], max_tokens: int) -> bool
     return all(len(b) <= 1 or sum(lengths[i] for i in b) <= max_tokens for b in bins)
 
 
-def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
-    """Concatenate the given samples into one row.
+def pack(batch: Batch, indices: list[int], share_prompts: bool = False) -> PackedMicrobatch:
+    """Concatenate the given samples into one row (`share_prompts`: each shared prompt once, `pack_shared`).
 
     The batch needs `input_ids` (1-D per sample), `position_ids` ((4, L) per sample), `loss_mask`
     (1-D per sample, 1 where the token is scored), and optionally `pixel_values` and
@@ -146,6 +160,8 @@ def pack(batch: Batch, indices: list[int]) -> PackedMicrobatch:
     `routed_experts` ((L, layers, k) per sample).
     """
     sub = batch.slice(indices)
+    if share_prompts and "routed_experts" not in sub:
+        return pack_shared(sub, list(indices))
     ids, pos, masks = sub["input_ids"].items, sub["position_ids"].items, sub["loss_mask"].items
     lengths = [t.numel() for t in ids]
     offsets = [0]
@@ -235,6 +251,137 @@ def _distinct_images(sub: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor]
         if pix is None and tpix is None:
             groups.append(-1)
     return pixels, grids, groups
+
+
+# --- shared prompts -------------------------------------------------------------------------------------------
+def prompt_groups(batch: Batch) -> list[tuple[list[int], int]]:
+    """The batch's samples as (members, shared prefix length) groups, in order of first appearance.
+
+    Samples share a prefix when they share their prompt's pixel tensor (a prompt's responses do, by
+    identity; text-only samples never) and their ids and positions agree up to it; the prefix stops at the
+    first scored token of any member, so every member keeps at least one token of its own after it. A
+    group of one, or a prefix of 0, shares nothing."""
+    ids, pos, masks = batch["input_ids"].items, batch["position_ids"].items, batch["loss_mask"].items
+    keys = image_groups(batch)
+    members: dict = {}
+    for i, key in enumerate(keys):
+        members.setdefault(key, []).append(i)
+    out = []
+    for group in members.values():
+        first = [int(torch.nonzero(masks[i]).min()) if bool(masks[i].any()) else ids[i].numel() for i in group]
+        prefix = min(first) if len(group) > 1 else 0
+        lead = group[0]
+        for i in group[1:]:
+            if prefix == 0:
+                break
+            same = (ids[i][:prefix] == ids[lead][:prefix]) & (pos[i][:, :prefix] == pos[lead][:, :prefix]).all(0)
+            prefix = prefix if bool(same.all()) else int(torch.nonzero(~same).min())
+        out.append((group, prefix))
+    return out
+
+
+def shared_row_tokens(bin_: list[int], lengths: list[int], prefix_of: list[int], group_of: list[int]) -> int:
+    """Tokens of the row `pack_shared` builds for these samples: each group's prefix once where two or more
+    of its members share the bin (a lower bound of what the bin's own members share)."""
+    present: dict[int, int] = {}
+    for i in bin_:
+        present[group_of[i]] = present.get(group_of[i], 0) + 1
+    return sum(lengths[i] - (prefix_of[i] if present[group_of[i]] > 1 else 0) for i in bin_) + sum(
+        next(prefix_of[i] for i in bin_ if group_of[i] == g) for g, n in present.items() if n > 1)
+
+
+def pack_shared(sub: Batch, indices: list[int]) -> PackedMicrobatch:
+    """`pack` with each shared prompt once: the row holds a group's prefix, then each member's remaining
+    tokens, and attention runs per segment (`kv_index`, `cu_seqlens_k`): the prefix causally over itself, a
+    member's tokens over the prefix and causally over their own. The same logprobs as `pack`, with a prompt's
+    tokens (its image's among them) computed once for all its responses."""
+    ids, pos, masks = sub["input_ids"].items, sub["position_ids"].items, sub["loss_mask"].items
+    n = len(ids)
+    tools = sub["tool_pixel_values"].items if "tool_pixel_values" in sub else [None] * n
+    tool_grids = sub["tool_image_grid_thw"].items if "tool_pixel_values" in sub else [None] * n
+    prompt_pix = sub["pixel_values"].items if "pixel_values" in sub else [None] * n
+    prompt_grid = sub["image_grid_thw"].items if "pixel_values" in sub else [None] * n
+    videos = sub["pixel_values_videos"].items if "pixel_values_videos" in sub else [None] * n
+    video_grids = sub["video_grid_thw"].items if "pixel_values_videos" in sub else [None] * n
+    row_ids, row_pos, seg_lengths, kv_parts, key_lengths = [], [], [0], [], [0]
+    target_positions, target_ids, target_seq = [], [], []
+    image_items: list[tuple[torch.Tensor, torch.Tensor]] = []
+    image_group, video_items, video_group = [], [], []
+    seen_images: dict[int, int] = {}
+    seen_videos: dict[int, int] = {}
+    length = 0
+
+    def image_slot(pix, grid) -> int:
+        if id(pix) not in seen_images:
+            seen_images[id(pix)] = len(image_items)
+            image_items.append((pix, grid))
+        return seen_images[id(pix)]
+
+    def segment(tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor]) -> int:
+        nonlocal length
+        start = length
+        row_ids.append(tokens)
+        row_pos.append(positions)
+        length += tokens.numel()
+        seg_lengths.append(length)
+        kv_parts.extend([*keys, torch.arange(start, length)])
+        key_lengths.append(key_lengths[-1] + sum(k.numel() for k in keys) + tokens.numel())
+        return start
+
+    for members, prefix in prompt_groups(sub):
+        shared = prefix > 0 and len(members) > 1
+        lead = members[0]
+        if shared:
+            base = segment(ids[lead][:prefix], pos[lead][:, :prefix], [])
+            head = [torch.arange(base, base + prefix)]
+            if prompt_pix[lead] is not None:
+                image_group.append(image_slot(prompt_pix[lead], prompt_grid[lead]))
+            if videos[lead] is not None:
+                if id(videos[lead]) not in seen_videos:
+                    seen_videos[id(videos[lead])] = len(video_items)
+                    video_items.append((videos[lead], video_grids[lead]))
+                video_group.append(seen_videos[id(videos[lead])])
+        for s in members:
+            cut = prefix if shared else 0
+            start = segment(ids[s][cut:], pos[s][:, cut:], head if shared else [])
+            if not shared:
+                if prompt_pix[s] is not None:
+                    image_group.append(image_slot(prompt_pix[s], prompt_grid[s]))
+                if videos[s] is not None:
+                    if id(videos[s]) not in seen_videos:
+                        seen_videos[id(videos[s])] = len(video_items)
+                        video_items.append((videos[s], video_grids[s]))
+                    video_group.append(seen_videos[id(videos[s])])
+            if tools[s] is not None:
+                image_group.append(image_slot(tools[s], tool_grids[s]))
+            scored = torch.nonzero(masks[s][1:].bool(), as_tuple=False).flatten() + 1
+            before = scored - 1  # the position whose logits predict each scored token
+            in_prefix = before < cut
+            rows = torch.where(in_prefix, before + (base if shared else 0), before - cut + start)
+            target_positions.append(rows)
+            target_ids.append(ids[s][scored])
+            target_seq.append(torch.full_like(scored, s))
+    seq = torch.cat(target_seq)
+    order = torch.sort(seq, stable=True).indices  # targets in sample order, as `pack` gives them
+    return PackedMicrobatch(
+        input_ids=torch.cat(row_ids).unsqueeze(0),
+        position_ids=torch.cat(row_pos, dim=1).unsqueeze(1),
+        pixel_values=torch.cat([p for p, _ in image_items]) if image_items else None,
+        image_grid_thw=torch.cat([g for _, g in image_items]) if image_items else None,
+        cu_seqlens=torch.tensor(seg_lengths, dtype=torch.int32),
+        target_positions=torch.cat(target_positions)[order],
+        target_ids=torch.cat(target_ids)[order],
+        target_seq=seq[order],
+        sample_indices=list(indices),
+        image_group=image_group or [-1] * n,
+        images_per_group=[g.shape[0] for _, g in image_items],
+        pixel_values_videos=torch.cat([v for v, _ in video_items]) if video_items else None,
+        video_grid_thw=torch.cat([g for _, g in video_items]) if video_items else None,
+        video_group=video_group or [-1] * n,
+        videos_per_group=[g.shape[0] for _, g in video_items],
+        kv_index=torch.cat(kv_parts),
+        cu_seqlens_k=torch.tensor(key_lengths, dtype=torch.int32),
+    )
 
 
 def unpack_per_sequence(values: torch.Tensor, mb: PackedMicrobatch) -> list[torch.Tensor]:

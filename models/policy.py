@@ -287,7 +287,8 @@ class Policy:
         if mb.routed_experts is not None:  # MoE routing replay: the engine's experts per token
             apply_routing_replay(a.routers(self.model))
         if a.packable or mb.cu_seqlens.numel() <= 2:
-            with packed_row(mb.cu_seqlens.to(embeds.device), mb.input_ids.shape[1]), routes_as(mb.routed_experts):
+            with packed_row(mb.cu_seqlens.to(embeds.device), mb.input_ids.shape[1], mb.kv_index,
+                            mb.cu_seqlens_k), routes_as(mb.routed_experts):
                 hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, extra)[0]
         else:
             hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, extra))
@@ -567,7 +568,14 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     if getattr(cfg_model, "liger_kernel", False):
         apply_liger_kernels(config.model_type, dims.device_type)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
-    attn = resolve_attn_implementation(cfg_model.attn_implementation, dims.device_type, adapter.varlen_attention)
+    attn_name = cfg_model.attn_implementation
+    if getattr(cfg_model, "shared_prompts", False):
+        if not adapter.shares_prompts:
+            raise ValueError(f"config key 'model.shared_prompts' is true, but model family '{adapter.name}' has "
+                             "attention a shared prompt's row cannot reproduce (its own masks or recurrent layers); "
+                             "set it to false")
+        attn_name = "varlen"  # the attention that reads the row's segments (SDPA per segment off CUDA)
+    attn = resolve_attn_implementation(attn_name, dims.device_type, adapter.varlen_attention)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(
             config, attn_implementation=attn, dtype=torch.float32, trust_remote_code=cfg_model.trust_remote_code

@@ -359,10 +359,11 @@ class TeacherEngine:
         return out
 
 
-def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp_path, shared):
     """Episodes with a zoom and with a failed call train in one step; the policy's packed logprobs of
-    the model tokens, with the tool images, equal transformers' on each whole episode; each failed
-    call costs algorithm.tool_error_penalty."""
+    the model tokens, with the tool images, equal transformers' on each whole episode (also with each
+    prompt once per row: model.shared_prompts); each failed call costs algorithm.tool_error_penalty."""
     from grpo.trainer import Trainer
     from models.parallel import init_distributed
 
@@ -371,8 +372,9 @@ def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp
         "trainer.mode=grpo", f"model.path={tiny_model}", f"data.train_path={clevr_parquet}", "rollout.engine=torch",
         "rollout.n=2", "data.prompts_per_step=2", "data.min_pixels=3136", "data.max_pixels=3136",
         f"trainer.run_dir={tmp_path / 'run'}", "logging.tensorboard=false", "checkpoint.resume=never",
-        "optim.max_tokens_per_microbatch=200", "rollout.tools=[image_zoom_in_tool]", "rollout.max_turns=2",
-        "rollout.max_new_tokens=200", "algorithm.tool_error_penalty=0.5",
+        f"optim.max_tokens_per_microbatch={1000 if shared else 200}", "rollout.tools=[image_zoom_in_tool]",
+        "rollout.max_turns=2", "rollout.max_new_tokens=200", "algorithm.tool_error_penalty=0.5",
+        f"model.shared_prompts={shared}",
     ])
     trainer = Trainer(cfg)
     engine = TeacherEngine(_hf_model(tiny_model), trainer.tokenizer)
@@ -396,6 +398,7 @@ def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp
     assert abs(m["reward/mean"] - sum(penalized) / 4) < 1e-6
     assert 1.0 <= m["fidelity/token_mult_prob_error"] <= 1.0001, m["fidelity/token_mult_prob_error"]
     assert m["reward/std"] > 0 and m["loss/grad_norm"] > 0
+    assert (m["perf/row_token_share"] < 0.9) if shared else (m["perf/row_token_share"] == 1.0), m["perf/row_token_share"]
 
 
 def test_vllm_gets_an_episode_with_several_images_and_its_limit(tiny_model, monkeypatch):

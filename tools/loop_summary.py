@@ -30,6 +30,7 @@ SETTINGS = {
     "prompts_per_step": ("data", "prompts_per_step"), "n": ("rollout", "n"),
     "max_new_tokens": ("rollout", "max_new_tokens"),
     "unsharded_accumulation": ("optim", "unsharded_accumulation"),
+    "shared_prompts": ("model", "shared_prompts"),
 }
 
 
@@ -63,6 +64,7 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
     out.update(
         mfu_llm=mean("perf/mfu_llm"), gen_tokens_per_s=mean("perf/gen_tokens_per_s"),
         train_tokens_per_s=mean("perf/tokens_per_s"), sleep_wake_s=out["wake_s"] + out["sleep_s"],
+        row_token_share=mean("perf/row_token_share"),
         # everything but generation, the policy's passes (reference/old logprobs and the update) and refit
         overhead_frac=(step - out["gen_s"] - out["logprob_s"] - out["train_s"] - out["refit_s"]) / step,
         non_gen_train_frac=(step - out["gen_s"] - out["train_s"]) / step, untimed_frac=out["other_s"] / step,

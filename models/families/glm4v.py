@@ -44,6 +44,7 @@ class Glm4vAdapter(QwenVLAdapter):
 
     end_of_turn: str = "<|user|>"  # GLM's template opens the next turn; generation stops on it
     varlen_attention: bool = False  # not yet checked on a GPU
+    shares_prompts: bool = False  # not checked for this family
 
     @property
     def banned_token_ids(self) -> list[int]:

@@ -265,6 +265,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
 
     batch_with_padding: bool = False  # the recurrent state would run through right padding
     varlen_attention: bool = False  # not yet checked on a GPU
+    shares_prompts: bool = False  # Gated DeltaNet layers carry a state through the row
     tool_format: ToolFormat | None = QWEN3_5_TOOLS  # XML calls; results as the template's tool role
 
     def image_features(self, model, pixels, grid):

@@ -185,6 +185,7 @@ class QwenVLAdapter(FamilyAdapter):
         (r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
     )
     varlen_attention: bool = True  # tests/gpu/test_varlen_attention.py on the H200 (Qwen2.5-VL)
+    shares_prompts: bool = True  # tests/test_shared_prompts.py
     end_of_turn: str = "<|im_end|>"  # ChatML
     tool_format: ToolFormat | None = QWEN_TOOLS
     video_token_id: int = 0
@@ -381,6 +382,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     """
 
     varlen_attention: bool = False  # not yet checked on a GPU
+    shares_prompts: bool = False  # DeepStack's extra streams in a shared row: not checked
     tool_format: ToolFormat | None = QWEN3_TOOLS
 
     def vllm_collapse_videos(self, ids: list[int]) -> tuple[list[int], list[list[int]]]:

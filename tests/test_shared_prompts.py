@@ -1,0 +1,105 @@
+"""model.shared_prompts: a training row holds each prompt once and its responses after it, each response
+attending to the prompt and causally to itself (models.packing.pack_shared, models.attention's
+shared_prompt_attention). The logprobs and the gradients equal the unshared row's (fp32, CPU: SDPA per
+segment), with images in the prompt, a tool image in a second turn, groups split over micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data.processing import load_processor
+from grpo.config import ConfigError, ModelConfig, load_config
+from grpo.update import PackedStep, packed_logprobs
+from rollout.episode import episode_batch
+from tests.test_episodes import ZOOM, ScriptedEngine, _call, _cfg, _prompt, _rollouts, rollouts_params
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+
+    init_distributed()
+    torch.manual_seed(0)
+    return build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True), build_parallel_dims())
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model, policy):
+    """Three prompts x 3 episodes: some answer at once, some zoom first (a tool image in the second turn)."""
+    processor = load_processor(str(tiny_model))
+    answers = ["<answer>2</answer><|im_end|>", "<answer>10</answer><|im_end|>", "<answer>three</answer><|im_end|>"]
+    engine = ScriptedEngine(processor.tokenizer, [[_call(ZOOM), answers[1], answers[2], _call(ZOOM), answers[0]],
+                                                  answers])
+    rollouts = _rollouts(_cfg(tiny_model), processor, engine)
+    prompts = [_prompt(processor, i, (60 * i, 200 - 50 * i, 30)) for i in range(3)]
+    try:
+        _, episodes, _ = rollouts.generate_and_score(engine, prompts, rollouts_params(n=3))
+    finally:
+        rollouts.close()
+    assert any(len(e.turns) == 2 for e in episodes) and any(len(e.turns) == 1 for e in episodes)
+    return episode_batch(episodes, policy.adapter)
+
+
+def _logprobs_and_grads(policy, batch, max_tokens: int, share: bool):
+    step = PackedStep(batch, max_tokens, policy.device, share)
+    policy.model.zero_grad(set_to_none=True)
+    seed = torch.Generator().manual_seed(1)  # a weight per scored token of each sample, whatever the plan
+    step.set_per_token("w", [torch.rand(int(m[1:].sum()), generator=seed) for m in batch["loss_mask"].items])
+    total = 0
+    for mb, f in step:
+        lp, _ = policy.logprobs(mb)
+        (lp * f["w"]).sum().backward()
+        total += mb.num_tokens
+    grads = {n: p.grad.full_tensor().clone() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+             for n, p in policy.model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        packed_logprobs(policy, step, "lp")
+    return step.per_sample("lp"), grads, total, step
+
+
+@pytest.mark.parametrize("max_tokens", [1 << 20, 160])
+def test_shared_prompts_give_the_unshared_logprobs_and_gradients(policy, batch, max_tokens):
+    lp_plain, g_plain, tokens_plain, _ = _logprobs_and_grads(policy, batch, max_tokens, share=False)
+    lp_shared, g_shared, tokens_shared, step = _logprobs_and_grads(policy, batch, max_tokens, share=True)
+    for a, b in zip(lp_plain, lp_shared):
+        assert a.shape == b.shape and a.numel() > 0
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    assert g_plain.keys() == g_shared.keys()
+    for name in g_plain:
+        torch.testing.assert_close(g_shared[name], g_plain[name], atol=2e-5, rtol=1e-4, msg=name)
+    # each prompt's tokens once per micro-batch that holds two or more of its episodes
+    assert tokens_shared < tokens_plain
+    if max_tokens == 160:
+        assert len(step.microbatches) > 1
+
+
+def test_a_shared_row_lays_out_prompt_then_responses(policy, batch):
+    from models.packing import pack, pack_shared, prompt_groups
+
+    groups = prompt_groups(batch)
+    assert [len(m) for m, _ in groups] == [3, 3, 3] and all(p > 0 for _, p in groups)
+    indices = list(range(len(batch)))
+    shared, plain = pack_shared(batch.slice(indices), indices), pack(batch, indices)
+    ids = batch["input_ids"].items
+    members, prefix = groups[0]
+    row = shared.input_ids[0]
+    assert torch.equal(row[:prefix], ids[members[0]][:prefix])
+    assert torch.equal(row[prefix:ids[members[0]].numel()], ids[members[0]][prefix:])
+    # segments: the prompt, then each member's remaining tokens; a response's keys start with its prompt's
+    cu, cu_k = shared.cu_seqlens.tolist(), shared.cu_seqlens_k.tolist()
+    assert cu[1] == prefix and shared.kv_index[cu_k[1]:cu_k[1] + prefix].tolist() == list(range(prefix))
+    assert shared.input_ids.shape[1] == plain.input_ids.shape[1] - sum(p * (len(m) - 1) for m, p in groups)
+    # the same scored tokens in the same order, and each prompt's image once
+    assert torch.equal(shared.target_ids, plain.target_ids) and torch.equal(shared.target_seq, plain.target_seq)
+    image = policy.adapter.image_token_id
+    assert int((shared.input_ids == image).sum()) < int((plain.input_ids == image).sum())
+
+
+def test_shared_prompts_refuse_what_cannot_share(tiny_model):
+    with pytest.raises(ConfigError, match="model.attn_implementation' is sdpa with model.shared_prompts"):
+        load_config(None, [f"model.path={tiny_model}", "model.shared_prompts=true", "model.attn_implementation=sdpa"])
+    with pytest.raises(ConfigError, match="'model.shared_prompts' is true with rollout.exact=true"):
+        load_config(None, [f"model.path={tiny_model}", "model.shared_prompts=true", "rollout.exact=true",
+                           "rollout.engine=vllm"])

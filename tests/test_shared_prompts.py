@@ -103,3 +103,20 @@ def test_shared_prompts_refuse_what_cannot_share(tiny_model):
     with pytest.raises(ConfigError, match="'model.shared_prompts' is true with rollout.exact=true"):
         load_config(None, [f"model.path={tiny_model}", "model.shared_prompts=true", "rollout.exact=true",
                            "rollout.engine=vllm"])
+
+
+def test_activation_checkpointing_recomputes_a_shared_row(tiny_model, batch):
+    """The backward's recompute of each block sees the row's segments (`checkpoint_context`): the same
+    gradients as without checkpointing."""
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy
+
+    torch.manual_seed(0)
+    plain = build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True), build_parallel_dims())
+    torch.manual_seed(0)
+    checkpointed = build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True,
+                                            activation_checkpointing=True), build_parallel_dims())
+    _, g_plain, _, _ = _logprobs_and_grads(plain, batch, 1 << 20, share=True)
+    _, g_ckpt, _, _ = _logprobs_and_grads(checkpointed, batch, 1 << 20, share=True)
+    for name in g_plain:
+        torch.testing.assert_close(g_ckpt[name], g_plain[name], atol=2e-5, rtol=1e-4, msg=name)

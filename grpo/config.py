@@ -86,7 +86,7 @@ class ModelConfig:
     # GRPO's training passes hold each prompt once per micro-batch, its responses attending to it
     # (models.packing.pack_shared): the prompt's tokens, its image's among them, run once for the group
     # instead of once per response. The same logprobs and gradients (tests/test_shared_prompts.py); needs
-    # the varlen attention (auto picks it) and a family with `shares_prompts` (Qwen2-VL, Qwen2.5-VL)
+    # the varlen attention (auto picks it) and a family with `shares_prompts` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
     shared_prompts: bool = False
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)

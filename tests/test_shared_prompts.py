@@ -120,3 +120,42 @@ def test_activation_checkpointing_recomputes_a_shared_row(tiny_model, batch):
     _, g_ckpt, _, _ = _logprobs_and_grads(checkpointed, batch, 1 << 20, share=True)
     for name in g_plain:
         torch.testing.assert_close(g_ckpt[name], g_plain[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def _episodes_of(processor, adapter, prompts: int, responses: int, seed: int):
+    """`prompts` one-image prompts x `responses` one-turn episodes of random lengths and ids (any family)."""
+    from rollout.base import Generation
+    from rollout.episode import Episode
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = len(processor.tokenizer) - 64
+    episodes = []
+    for i in range(prompts):
+        prompt = _prompt(processor, i, (70 * i, 180 - 60 * i, 40))
+        for _ in range(responses):
+            e = Episode.start(i, prompt)
+            n = int(torch.randint(3, 30, (1,), generator=g))
+            e.add_model_turn(Generation(i, torch.randint(300, vocab, (n,), generator=g).tolist(), [0.0] * n, "stop"))
+            episodes.append(e)
+    return episode_batch(episodes, adapter)
+
+
+def test_qwen3_vl_shares_prompts_with_deepstack(tmp_path_factory):
+    """Qwen3-VL adds DeepStack's vision features to the image tokens of early layers: with each prompt (its
+    image tokens among them) once per row, logprobs and gradients are still the unshared row's."""
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from tools.make_tiny_model import make_tiny_model
+
+    init_distributed()
+    folder = make_tiny_model(tmp_path_factory.mktemp("q3vl") / "m", family="qwen3_vl", size="tiny", seed=0)
+    torch.manual_seed(0)
+    policy = build_policy(ModelConfig(path=str(folder), shared_prompts=True), build_parallel_dims())
+    batch = _episodes_of(load_processor(str(folder)), policy.adapter, prompts=2, responses=3, seed=2)
+    lp_plain, g_plain, tokens_plain, _ = _logprobs_and_grads(policy, batch, 1 << 20, share=False)
+    lp_shared, g_shared, tokens_shared, _ = _logprobs_and_grads(policy, batch, 1 << 20, share=True)
+    assert tokens_shared < tokens_plain
+    for a, b in zip(lp_plain, lp_shared):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    for name in g_plain:
+        torch.testing.assert_close(g_shared[name], g_plain[name], atol=2e-5, rtol=1e-4, msg=name)

@@ -382,7 +382,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     """
 
     varlen_attention: bool = False  # not yet checked on a GPU
-    shares_prompts: bool = False  # DeepStack's extra streams in a shared row: not checked
+    shares_prompts: bool = True  # DeepStack included: tests/test_shared_prompts.py
     tool_format: ToolFormat | None = QWEN3_TOOLS
 
     def vllm_collapse_videos(self, ids: list[int]) -> tuple[list[int], list[list[int]]]:

@@ -320,6 +320,8 @@ def pack_shared(sub: Batch, indices: list[int]) -> PackedMicrobatch:
     def segment(tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor]) -> int:
         nonlocal length
         start = length
+        if tokens.numel() == 0:  # a member with nothing after the prefix (no model tokens): no segment
+            return start
         row_ids.append(tokens)
         row_pos.append(positions)
         length += tokens.numel()

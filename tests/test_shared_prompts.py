@@ -159,3 +159,30 @@ def test_qwen3_vl_shares_prompts_with_deepstack(tmp_path_factory):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
     for name in g_plain:
         torch.testing.assert_close(g_shared[name], g_plain[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_an_episode_without_model_tokens_adds_no_segment(tiny_model, policy):
+    """A member whose sequence ends with its prompt (an empty generation) shares the prefix and leaves no
+    empty segment in the row; the others' targets are unchanged."""
+    from models.packing import pack, pack_shared, prompt_groups
+    from rollout.base import Generation
+    from rollout.episode import Episode
+
+    processor = load_processor(str(tiny_model))
+    prompt = _prompt(processor, 0)
+    episodes = []
+    for ids in ([400, 401, 402], [], [500, 501]):
+        e = Episode.start(0, prompt)
+        e.add_model_turn(Generation(0, ids, [0.0] * len(ids), "stop"))
+        episodes.append(e)
+    batch = episode_batch(episodes, policy.adapter)
+    (members, prefix), = prompt_groups(batch)
+    assert members == [0, 1, 2] and prefix == prompt.input_ids.numel()
+    shared, plain = pack_shared(batch.slice([0, 1, 2]), [0, 1, 2]), pack(batch, [0, 1, 2])
+    lengths = (shared.cu_seqlens[1:] - shared.cu_seqlens[:-1]).tolist()
+    assert lengths == [prefix, 3, 2] and shared.cu_seqlens_k[-1] == 3 * prefix + 5  # keys: the prompt, each member
+    assert torch.equal(shared.target_ids, plain.target_ids)
+    lp_plain, _, _, _ = _logprobs_and_grads(policy, batch, 1 << 20, share=False)
+    lp_shared, _, _, _ = _logprobs_and_grads(policy, batch, 1 << 20, share=True)
+    for a, b in zip(lp_plain, lp_shared):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)

@@ -191,7 +191,7 @@ def _run_standalone(args) -> dict:
 # --- the in-process measurements -------------------------------------------------------------
 def bench_train(trainer, args) -> dict:
     """SFT-shaped steps over packed prompt+response sequences: the cost of a PPO update."""
-    from grpo.update import common_microbatches, optimizer_step
+    from grpo.update import PackedStep, optimizer_step
 
     prompts = trainer.feeder.next(max(args.train_seqs // args.group, 1))
     g = torch.Generator().manual_seed(0)
@@ -205,8 +205,13 @@ def bench_train(trainer, args) -> dict:
     def loss_fn(lp, mb, den):
         return -lp.sum() / den["tokens"], {}
 
+    share = trainer.cfg.model.shared_prompts
+
+    def packed():  # packed in every step, as the trainer packs each step's experience
+        return PackedStep(batch, args.max_tokens, trainer.policy.device, share)
+
     def step():
-        return optimizer_step(trainer.policy, trainer.optimizer, batch, loss_fn, max_tokens=args.max_tokens,
+        return optimizer_step(trainer.policy, trainer.optimizer, packed(), loss_fn, max_tokens=args.max_tokens,
                               grad_clip=1.0, denominators={"tokens": scored},
                               unsharded_accumulation=trainer.cfg.optim.unsharded_accumulation)
 
@@ -217,14 +222,18 @@ def bench_train(trainer, args) -> dict:
     seconds = statistics.median(times)
     if args.profile:
         _profile(step, Path(args.profile))
-    bins = common_microbatches(batch, args.max_tokens, trainer.policy.device)
-    slots = sum(max(sum(seqlens[i] for i in b), 2) if b else 2 for b in bins)
+    rows = [mb for mb in packed().microbatches if mb.sample_indices]
+    bins = [mb.sample_indices for mb in rows]
+    slots = sum(max(sum(seqlens[i] for i in b), 2) for b in bins)
     model = trainer.policy.model
     text_cfg = getattr(model.config, "text_config", model.config)
     distinct = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
-    f_llm = llm_flops(text_cfg, seqlens)
+    # the FLOPs the rows run: with shared prompts each prompt counts once per micro-batch
+    f_llm = (llm_flops(text_cfg, [mb.num_tokens for mb in rows], sum(mb.attention_pairs() for mb in rows))
+             if share else llm_flops(text_cfg, seqlens))
     f_vis = vision_flops(trainer.adapter.vision_tower(model), distinct)
     return {
+        "shared_prompts": share, "row_tokens": sum(mb.num_tokens for mb in rows),
         "train_seqs": len(seqlens), "train_tokens": sum(seqlens), "train_microbatches": len(bins),
         "train_step_s": seconds, "train_step_s_all": times, "train_tokens_per_s": sum(seqlens) / seconds,
         "llm_tflops_per_step": f_llm / 1e12, "vision_tflops_per_step": f_vis / 1e12,

@@ -147,6 +147,21 @@ def _ensure_launcher_env() -> None:
 _PIXTRAL_NAMES = ("PixtralRotaryEmbedding", "position_ids_in_meshgrid")
 
 
+def apply_vllm_env(env: dict[str, str]) -> None:
+    """Set a family's environment for the engine about to be built (`FamilyAdapter.vllm_env`) and drop
+    vLLM's cache of its variables: an engine built earlier in this process froze them."""
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            log.info("VLLMEngine: %s=%s (the family's choice, was %s)", key, value, os.environ.get(key))
+        os.environ[key] = value
+    if env:
+        try:
+            import vllm.envs
+        except ImportError:
+            return
+        vllm.envs.disable_envs_cache()
+
+
 def vllm_compat(family: str) -> list[str]:
     """Let vLLM 0.26 build `family` with the installed transformers; returns what was patched.
 
@@ -510,11 +525,16 @@ class VLLMEngine(Engine):
         if self._world % tensor_parallel_size:
             raise ValueError(f"VLLMEngine: tensor_parallel_size={tensor_parallel_size} does not divide the "
                              f"{self._world} ranks")
+        apply_vllm_env(self.adapter.vllm_env())
         with _preserved_rng(self._device):
             self._llm = self._build_llm(
                 str(model_path), tensor_parallel_size, gpu_memory_utilization, enforce_eager,
                 max_model_len, seed, dtype, min_pixels, max_pixels,
             )
+        if (self.adapter.vllm_env().get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+                and getattr(self._llm.llm_engine.vllm_config, "use_v2_model_runner", False)):
+            raise RuntimeError(f"VLLMEngine: {self.family} needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), "
+                               "but the engine was built with the V2 runner")
         self._dp_rank = torch.distributed.get_rank() // tensor_parallel_size
         if exact is not None:
             exact_mode.enable_batch_invariance(exact.report)

@@ -185,6 +185,88 @@ def test_masks_are_transformers_own_and_packing_keeps_sequences_apart(folder):
     assert not torch.equal(transformers_packed[n:, n:], have["sliding_attention"][n:, n:])
 
 
+def _vllm_triton_mask(n: int, window: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """vLLM 0.26's Triton attention mask over one sequence of n tokens (v1/attention/ops/
+    triton_attention_helpers.py `compute_kv_seq_mask`; the window is `1 + window_size[0]` =
+    the layer's sliding_window, MM_PREFIX_CLAMP_SW on Gemma4's sliding layers): (causal AND
+    q - kv < window) OR, for each image range [s, e] (inclusive, s < e), (q and kv in it AND
+    q - kv < window). window 0: a full-attention layer (gemma4_mm.py clears its ranges)."""
+    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    mask = kv <= q
+    if window:
+        mask &= (q - kv) < window
+    for s, e in ranges:
+        if s < e:
+            mask |= (q >= s) & (q <= e) & (kv >= s) & (kv <= e) & (((q - kv) < window) if window else True)
+    return mask
+
+
+def _image_ranges(ids: torch.Tensor, image_token_id: int) -> list[tuple[int, int]]:
+    """Each image's soft-token run, [first, last]: `PlaceholderRange.extract_embeds_range` of vLLM's
+    Gemma4 prompt update (is_embed: the `<|image|>` tokens between `<|image>` and `<image|>`)."""
+    image = (ids == image_token_id).long()
+    starts = torch.nonzero(torch.diff(image, prepend=image.new_zeros(1)) == 1).flatten().tolist()
+    ends = torch.nonzero(torch.diff(image, append=image.new_zeros(1)) == -1).flatten().tolist()
+    return list(zip(starts, ends))
+
+
+def test_the_policys_masks_are_what_vllms_v1_runner_and_triton_kernel_compute(folder):
+    """Per sequence, the policy's sliding and full masks equal vLLM's Triton rule with the V1 model
+    runner's image ranges (all kept, gpu_model_runner.py). The V2 runner (attn_utils.py
+    `compute_mm_prefix_ranges`) drops a range longer than the window: every tiny image (60-64 soft
+    tokens, window 16) then attends causally, unless the window holds the image."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from models.family import build_adapter
+
+    config = AutoConfig.from_pretrained(str(folder)).text_config
+    config._attn_implementation = "sdpa"
+    adapter = build_adapter(AutoConfig.from_pretrained(str(folder)))
+    for prompt in _prompts(folder)[:2]:
+        ids = torch.tensor(prompt.input_ids + [5, 6, 7])
+        ranges = _image_ranges(ids, adapter.image_token_id)
+        assert ranges and all(e - s + 1 > config.sliding_window for s, e in ranges)
+        for window in (config.sliding_window, 128):
+            a = dataclasses.replace(adapter, sliding_window=window)
+            masks = a.attention_masks(config, torch.zeros(1, ids.numel(), 4), torch.arange(ids.numel())[None],
+                                      (ids == a.image_token_id)[None])
+            sliding, full = masks["sliding_attention"][0, 0], masks["full_attention"][0, 0]
+            assert torch.equal(full, _vllm_triton_mask(ids.numel(), 0, []))
+            assert torch.equal(sliding, _vllm_triton_mask(ids.numel(), window, ranges))  # V1 runner
+            v2_ranges = [(s, e) for s, e in ranges if e - s + 1 <= window]
+            v2 = _vllm_triton_mask(ids.numel(), window, v2_ranges)
+            assert torch.equal(sliding, v2) == (window == 128)
+
+
+def test_vllm_runs_gemma4_on_the_v1_runner_when_an_image_can_outgrow_the_window(folder):
+    import dataclasses
+    import os
+
+    from transformers import AutoConfig
+
+    from models.family import build_adapter
+    from rollout.vllm_engine import apply_vllm_env
+
+    adapter = build_adapter(AutoConfig.from_pretrained(str(folder)))
+    assert adapter.max_soft_tokens > adapter.sliding_window  # 70 soft tokens at most, a 16-token window
+    assert adapter.vllm_env() == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    # released sizes at the default 280 soft tokens (windows 512 and 1024) keep vLLM's default runner
+    assert dataclasses.replace(adapter, sliding_window=512, max_soft_tokens=280).vllm_env() == {}
+    assert dataclasses.replace(adapter, bidirectional_images=False).vllm_env() == {}
+    before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    try:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        apply_vllm_env(adapter.vllm_env())
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = before
+
+
 def test_features_and_patch_positions_are_the_models_own(folder):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 

@@ -48,7 +48,11 @@ vision config's `default_output_length`), so prompts collapse to one `<|image|>`
 engine passes `max_soft_tokens`. For the per-layer inputs vLLM reads image tokens as token 0, and
 transformers as `pad_token_id` (0 in the released configs and the tiny one). Checked on CPU with
 vLLM 0.26.0 and transformers 5.17 (tools/vllm_prompt_check.py, tools/vllm_load_check.py: prompt
-ids, pixels, refit read back bitwise, image features equal); not yet run on a GPU.
+ids, pixels, refit read back bitwise, image features equal). vLLM's V2 model runner (its default for
+dense models) drops the bidirectional range of an image longer than the sliding window, so that image
+attends causally there; where an image can be that long (`max_soft_tokens` above the window, as in
+the tiny model) the engine runs on the V1 runner, whose Triton and FlashAttention 4 kernels cut the
+range to the window as transformers does (`vllm_env`; docs/fidelity.md, Gemma4).
 """
 
 from __future__ import annotations
@@ -335,6 +339,15 @@ class Gemma4Adapter(FamilyAdapter):
         # transformers 5.17 keeps them per layer (see `vllm_hf_config`).
         return {"hf_overrides": vllm_hf_config}
 
+    def vllm_env(self) -> dict[str, str]:
+        # vLLM 0.26's V2 model runner, its default for dense models, drops the bidirectional range of
+        # an image longer than the sliding window (v1/worker/gpu/attn_utils.py compute_mm_prefix_ranges),
+        # so such an image attends causally; the V1 runner keeps it and the attention kernel cuts it to
+        # the window (gpu_model_runner.py, mm_prefix_clamp_sliding_window), transformers' rule.
+        if self.bidirectional_images and self.max_soft_tokens > self.sliding_window:
+            return {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        return {}
+
     def vllm_processor_kwargs(self, min_pixels, max_pixels):
         # The trainer's images are at the processor's fixed point for this budget; vLLM counts soft
         # tokens from the image size and this value (without it, from default_output_length).
@@ -463,7 +476,8 @@ def _tiny_image_processor(size: SizeSpec):
 
 
 _UNVERIFIED = ("vLLM 0.26's Gemma4ForConditionalGeneration: names, prompts, refit and image features checked on CPU "
-               "(tools/vllm_load_check.py); token_mult_prob_error not yet measured on a GPU")
+               "(tools/vllm_load_check.py); token_mult_prob_error 1.031 on the H200 with vLLM's V2 model runner, "
+               "which made the tiny model's images causal; on the V1 runner now chosen, not yet measured")
 
 register(Family(
     model_type="gemma4",

@@ -117,21 +117,8 @@ def shared_prompt_attention(query, key, value, cu: torch.Tensor, longest: int, k
     varlen call over the gathered keys; elsewhere SDPA per segment with that mask."""
     kv_index, cu_k, longest_k = keys
     if _kernel()[0] is not None and query.device.type == "cuda":
-        kernel, params = _kernel()
-        q = query[0].transpose(0, 1).contiguous()
-        k, v = (t[0].transpose(0, 1).index_select(0, kv_index).contiguous() for t in (key, value))
-        extra = {}
-        if k.shape[1] != q.shape[1]:
-            if "enable_gqa" in params:
-                extra["enable_gqa"] = True
-            else:
-                repeat = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        if "is_causal" in params:  # FlashAttention aligns a causal mask to the last key when keys outnumber queries
-            extra["is_causal"] = True
-        else:
-            extra["window_size"] = (-1, 0)
-        return kernel(q, k, v, cu, cu_k, longest, longest_k, scale=scaling, **extra).unsqueeze(0)
+        # FlashAttention aligns a causal mask to the last key where keys outnumber queries
+        return _run_kernel(query, key, value, cu, longest, scaling, True, (kv_index, cu_k, longest_k))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = []
     bounds, kbounds = cu.tolist(), cu_k.tolist()
@@ -173,10 +160,16 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     return _run_kernel(query, key, value, cu, longest, scaling, causal=True), None
 
 
-def _run_kernel(query, key, value, cu: torch.Tensor, longest: int, scaling, causal: bool) -> torch.Tensor:
-    """The varlen kernel over one row: query (1, H, L, D), key/value (1, Hkv, L, D) → (1, L, H, D)."""
+def _run_kernel(query, key, value, cu: torch.Tensor, longest: int, scaling, causal: bool, keys=None) -> torch.Tensor:
+    """The varlen kernel over one row: query (1, H, L, D), key/value (1, Hkv, L, D) → (1, L, H, D). `keys`
+    (kv_index, cu_seqlens_k, longest key segment): each query segment's own keys, gathered from the row."""
     kernel, params = _kernel()
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, D)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, heads, D)
+    cu_k, longest_k = cu, longest
+    if keys is not None:
+        k, v = k.index_select(0, keys[0]), v.index_select(0, keys[0])
+        cu_k, longest_k = keys[1], keys[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     extra = {}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
@@ -188,7 +181,7 @@ def _run_kernel(query, key, value, cu: torch.Tensor, longest: int, scaling, caus
         extra["is_causal"] = causal
     else:
         extra["window_size"] = (-1, 0) if causal else (-1, -1)
-    return kernel(q, k, v, cu, cu, longest, longest, scale=scaling, **extra).unsqueeze(0)
+    return kernel(q, k, v, cu, cu_k, longest, longest_k, scale=scaling, **extra).unsqueeze(0)
 
 
 def varlen_vision_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0, scaling=None,

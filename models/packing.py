@@ -317,6 +317,15 @@ def pack_shared(sub: Batch, indices: list[int]) -> PackedMicrobatch:
             image_items.append((pix, grid))
         return seen_images[id(pix)]
 
+    def prompt_media(s: int) -> None:  # sample s's prompt images and videos, in row order
+        if prompt_pix[s] is not None:
+            image_group.append(image_slot(prompt_pix[s], prompt_grid[s]))
+        if videos[s] is not None:
+            if id(videos[s]) not in seen_videos:
+                seen_videos[id(videos[s])] = len(video_items)
+                video_items.append((videos[s], video_grids[s]))
+            video_group.append(seen_videos[id(videos[s])])
+
     def segment(tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor]) -> int:
         nonlocal length
         start = length
@@ -336,24 +345,12 @@ def pack_shared(sub: Batch, indices: list[int]) -> PackedMicrobatch:
         if shared:
             base = segment(ids[lead][:prefix], pos[lead][:, :prefix], [])
             head = [torch.arange(base, base + prefix)]
-            if prompt_pix[lead] is not None:
-                image_group.append(image_slot(prompt_pix[lead], prompt_grid[lead]))
-            if videos[lead] is not None:
-                if id(videos[lead]) not in seen_videos:
-                    seen_videos[id(videos[lead])] = len(video_items)
-                    video_items.append((videos[lead], video_grids[lead]))
-                video_group.append(seen_videos[id(videos[lead])])
+            prompt_media(lead)
         for s in members:
             cut = prefix if shared else 0
             start = segment(ids[s][cut:], pos[s][:, cut:], head if shared else [])
             if not shared:
-                if prompt_pix[s] is not None:
-                    image_group.append(image_slot(prompt_pix[s], prompt_grid[s]))
-                if videos[s] is not None:
-                    if id(videos[s]) not in seen_videos:
-                        seen_videos[id(videos[s])] = len(video_items)
-                        video_items.append((videos[s], video_grids[s]))
-                    video_group.append(seen_videos[id(videos[s])])
+                prompt_media(s)
             if tools[s] is not None:
                 image_group.append(image_slot(tools[s], tool_grids[s]))
             scored = torch.nonzero(masks[s][1:].bool(), as_tuple=False).flatten() + 1

@@ -117,7 +117,8 @@ def shared_prompt_attention(query, key, value, cu: torch.Tensor, longest: int, k
     varlen call over the gathered keys; elsewhere SDPA per segment with that mask."""
     kv_index, cu_k, longest_k = keys
     if _kernel()[0] is not None and query.device.type == "cuda":
-        # FlashAttention aligns a causal mask to the last key where keys outnumber queries
+        # FlashAttention aligns a causal mask to the last key where keys outnumber queries; checked once
+        _check_end_alignment(query.device)
         return _run_kernel(query, key, value, cu, longest, scaling, True, (kv_index, cu_k, longest_k))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = []
@@ -133,6 +134,21 @@ def shared_prompt_attention(query, key, value, cu: torch.Tensor, longest: int, k
         attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
         out.append(attended[0].transpose(0, 1))
     return torch.cat(out).unsqueeze(0)
+
+
+@functools.cache
+def _check_end_alignment(device: torch.device) -> None:
+    """Once per device: the varlen kernel's causal mask over more keys than queries is aligned to the last
+    key (the last query sees every key), as a shared prompt's row needs; raises where it is not."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=g, device=device, dtype=torch.bfloat16) for n in (3, 8, 8))
+    cu_q, cu_k = (torch.tensor([0, n], device=device, dtype=torch.int32) for n in (3, 8))
+    got = _run_kernel(q, k, v, cu_q, 3, None, True, (torch.arange(8, device=device), cu_k, 8))[0].transpose(0, 1)
+    visible = torch.ones(3, 8, dtype=torch.bool, device=device).tril(5)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible)[0]
+    if not torch.allclose(got.float(), want, atol=3e-2):
+        raise RuntimeError(f"torch {torch.__version__}'s varlen attention does not align a causal mask to the last "
+                           "key; model.shared_prompts cannot run on it: set it to false")
 
 
 def row_boundaries(position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:

@@ -186,3 +186,24 @@ def test_an_episode_without_model_tokens_adds_no_segment(tiny_model, policy):
     lp_shared, _, _, _ = _logprobs_and_grads(policy, batch, 1 << 20, share=True)
     for a, b in zip(lp_plain, lp_shared):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("aligned_to_end", [True, False])
+def test_the_kernel_alignment_check_catches_a_mask_aligned_to_the_first_key(monkeypatch, aligned_to_end):
+    """The varlen kernel is checked once per device before a shared row uses it: a causal mask aligned to the
+    first key (the last query seeing only as many keys as there are queries) is refused."""
+    from models import attention
+
+    def fake_kernel(q, k, v, cu, longest, scaling, causal, keys):
+        lq, lk = q.shape[2], keys[1][-1].item()
+        visible = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq if aligned_to_end else 0)
+        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible)
+        return out.transpose(1, 2)
+
+    monkeypatch.setattr(attention, "_run_kernel", fake_kernel)
+    check = attention._check_end_alignment.__wrapped__
+    if aligned_to_end:
+        check(torch.device("cpu"))
+    else:
+        with pytest.raises(RuntimeError, match="does not align a causal mask to the last key"):
+            check(torch.device("cpu"))

@@ -24,4 +24,4 @@ def test_the_kernel_reads_a_shared_row_as_the_sequences_apart(policy, batch):  #
     assert d.max() < 0.05 and d.mean() < 5e-3
     for name in g_plain:
         rel = (g_shared[name].float() - g_plain[name].float()).norm() / g_plain[name].float().norm().clamp_min(1e-12)
-        assert rel < 0.05, (name, float(rel))
+        assert rel < 0.1, (name, float(rel))

@@ -267,6 +267,24 @@ def test_vllm_runs_gemma4_on_the_v1_runner_when_an_image_can_outgrow_the_window(
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = before
 
 
+def test_the_soft_cap_rounds_as_transformers_and_vllm_do_in_bf16(folder):
+    """In bf16 the policy's capped logits are bitwise transformers' own (divide, tanh, multiply in the
+    head's dtype, as vLLM's LogitsProcessor does too), at a trained model's logit scale (std ~5 here)."""
+    from transformers import AutoModelForImageTextToText
+
+    from models.family import build_adapter
+
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(200.0)
+        ids = torch.tensor([list(range(40, 72))])
+        hidden = model.model(input_ids=ids).last_hidden_state
+        reference = model(input_ids=ids).logits
+        ours = build_adapter(model.config).lm_head(model)(hidden)
+    assert 2.0 < float(reference.float().std()) < 20.0
+    assert torch.equal(ours.float(), reference.float())
+
+
 def test_features_and_patch_positions_are_the_models_own(folder):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 

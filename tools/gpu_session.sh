@@ -181,6 +181,11 @@ families)
     # 16-token window) and the padded patch sequence (240 of 280 patches) are exercised; the policy on
     # sdpa, which takes the image-block masks its sliding layers need (flash_attention_2 would not).
     [ "$f" = gemma4 ] && size=84x56 && extra="--set model.attn_implementation=sdpa"
+    # vLLM 0.26 runs Gemma4's two head sizes on FlashAttention 4, which needs the CUTLASS DSL (nvidia-cutlass-dsl,
+    # in a full vLLM install, not in the slim bundle): without it, vLLM's Triton attention
+    if [ "$f" = gemma4 ] && ! $PY -c "import cutlass" 2>/dev/null; then
+      extra="$extra --set rollout.attention_backend=TRITON_ATTN"; echo "families gemma4: no CUTLASS DSL, TRITON_ATTN"
+    fi
     $PY tools/make_tiny_model.py --family $f --size tiny --out $W/fam_$f --overwrite > /dev/null  # a few s; never stale
     $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/fam_$f.parquet --size $size > /dev/null
     timeout ${FAM_S:-150} $PY tools/logprob_check.py --model $W/fam_$f --data $W/fam_$f.parquet --task clevr --engine vllm \

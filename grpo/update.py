@@ -54,6 +54,7 @@ def common_microbatches(batch: Batch, max_tokens: int, device, share_prompts: bo
             for i in members:
                 prefix_of[i], group_of[i], size_of[i] = prefix, g, len(members)
         plan = [n - prefix_of[i] + -(-prefix_of[i] // size_of[i]) for i, n in enumerate(lengths)]
+        groups = group_of  # a prompt's samples kept together (text-only prompts too)
         fits = lambda bins: all(  # noqa: E731
             len(b) <= 1 or shared_row_tokens(b, lengths, prefix_of, group_of) <= max_tokens for b in bins)
     count = all_reduce_max_int(len(first_fit_decreasing(plan, max_tokens)) if lengths else 1, device)

@@ -258,17 +258,19 @@ def prompt_groups(batch: Batch) -> list[tuple[list[int], int]]:
     """The batch's samples as (members, shared prefix length) groups, in order of first appearance.
 
     Samples share a prefix when they share their prompt's pixel tensor (a prompt's responses do, by
-    identity; text-only samples never) and their ids and positions agree up to it; the prefix stops at the
-    first scored token of any member, so every member keeps at least one token of its own after it. A
-    group of one, or a prefix of 0, shares nothing."""
+    identity) or, text-only, their ids before their first scored token, and their ids and positions agree
+    up to it; the prefix stops at the first scored token of any member, so every member keeps at least one
+    token of its own after it. A group of one, or a prefix of 0, shares nothing."""
     ids, pos, masks = batch["input_ids"].items, batch["position_ids"].items, batch["loss_mask"].items
-    keys = image_groups(batch)
+    first_scored = [int(torch.nonzero(m).min()) if bool(m.any()) else t.numel() for t, m in zip(ids, masks)]
     members: dict = {}
-    for i, key in enumerate(keys):
+    for i, key in enumerate(image_groups(batch)):
+        if key[0] == "text":  # no media to share by identity: the prompt's own ids
+            key = ("text", tuple(ids[i][:first_scored[i]].tolist()))
         members.setdefault(key, []).append(i)
     out = []
     for group in members.values():
-        first = [int(torch.nonzero(masks[i]).min()) if bool(masks[i].any()) else ids[i].numel() for i in group]
+        first = [first_scored[i] for i in group]
         prefix = min(first) if len(group) > 1 else 0
         lead = group[0]
         for i in group[1:]:

@@ -207,3 +207,31 @@ def test_the_kernel_alignment_check_catches_a_mask_aligned_to_the_first_key(monk
     else:
         with pytest.raises(RuntimeError, match="does not align a causal mask to the last key"):
             check(torch.device("cpu"))
+
+
+def test_text_only_prompts_share_by_their_ids(tiny_model, policy):
+    """Text-only samples have no pixel tensor to group by: samples whose ids agree up to their first scored
+    token share that prefix; different prompts do not."""
+    from data.processing import EncodedPrompt
+    from models.packing import prompt_groups
+    from rollout.base import Generation
+    from rollout.episode import Episode
+
+    processor = load_processor(str(tiny_model))
+    episodes = []
+    for i, question in enumerate(["How many red cubes are there?", "Is the sphere left of the cube?"]):
+        ids = processor.tokenizer(question, return_tensors="pt")["input_ids"][0]
+        prompt = EncodedPrompt(i, ids, None, None, [], "1")
+        for j in range(3):
+            e = Episode.start(i, prompt)
+            new = [300 + 7 * j + k for k in range(4 + j)]
+            e.add_model_turn(Generation(i, new, [0.0] * len(new), "stop"))
+            episodes.append(e)
+    batch = episode_batch(episodes, policy.adapter)
+    groups = prompt_groups(batch)
+    assert [m for m, _ in groups] == [[0, 1, 2], [3, 4, 5]] and all(p > 0 for _, p in groups)
+    lp_plain, _, tokens_plain, _ = _logprobs_and_grads(policy, batch, 1 << 20, share=False)
+    lp_shared, _, tokens_shared, _ = _logprobs_and_grads(policy, batch, 1 << 20, share=True)
+    assert tokens_shared == tokens_plain - sum(p * (len(m) - 1) for m, p in groups)
+    for a, b in zip(lp_plain, lp_shared):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)

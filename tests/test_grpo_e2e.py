@@ -62,3 +62,17 @@ def test_grpo_with_a_two_rank_engine_group(tiny_model, clevr_parquet, tmp_path):
         assert 1.0 <= row["fidelity/token_mult_prob_error"] <= 1.0001
         assert row["rollout/response_len_mean"] > 0
     assert "eval/accuracy" in r[1]
+
+
+def test_grpo_two_ranks_with_shared_prompts(tiny_model, clevr_parquet, tmp_path):
+    """model.shared_prompts over two ranks (each its own micro-batch plan, the count agreed): the rows hold
+    each prompt once, and the step's losses, KL and gradient norm are the unshared run's."""
+    knobs = ["algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2", "trainer.eval_every=0"]
+    plain, shared = tmp_path / "plain", tmp_path / "shared"
+    run_torchrun(grpo_args(tiny_model, clevr_parquet, plain, 2, knobs), nproc=2)
+    run_torchrun(grpo_args(tiny_model, clevr_parquet, shared, 2, [*knobs, "model.shared_prompts=true"]), nproc=2)
+    for a, b in zip(rows(plain), rows(shared)):
+        assert a["perf/row_token_share"] == 1.0 and b["perf/row_token_share"] < 0.9
+        assert 1.0 <= b["fidelity/token_mult_prob_error"] <= 1.0001  # the torch engine's logprobs, shared rows
+        for k in ("loss/total", "loss/grad_norm", "loss/kl", "reward/mean"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)

@@ -30,7 +30,7 @@ from grpo.run_folder import check_resume_data, claim_run_folder, write_config
 from grpo.update import (
     PackedStep, all_reduce_max_int, all_reduce_sum, build_optimizer, lr_at, optimizer_step, packed_logprobs,
 )
-from models.flops import llm_flops, peak_tflops
+from models.flops import peak_tflops, row_flops
 from models.lora import adapters_off
 from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
@@ -570,12 +570,8 @@ class Trainer:
         gen_tokens = sum(int(f["engine_logprobs"].numel()) for mb, f in step if mb.sample_indices)
         rows = [mb for mb, _ in step if mb.sample_indices]
         row_tokens = sum(mb.num_tokens for mb in rows)
-        if self.cfg.model.shared_prompts:  # the FLOPs the shared rows run, not those of the sequences apart
-            flops = llm_flops(self.policy.model.config, [mb.num_tokens for mb in rows],
-                              sum(mb.attention_pairs() for mb in rows))
-        else:
-            flops = llm_flops(self.policy.model.config, seqlens)
-        flops *= self.cfg.algorithm.ppo_epochs
+        # the FLOPs the rows run (with shared prompts, each prompt once per row)
+        flops = row_flops(self.policy.model.config, rows) * self.cfg.algorithm.ppo_epochs
         total, gen, flops, computed = all_reduce_sum([sum(seqlens), gen_tokens, flops, row_tokens], self.policy.device)
         out = {"perf/tokens_per_s": total / max(timings["perf/train_s"], 1e-9),
                "perf/gen_tokens_per_s": gen / max(timings["perf/gen_s"], 1e-9),

@@ -114,26 +114,14 @@ def shared_prompt_attention(query, key, value, cu: torch.Tensor, longest: int, k
     """Attention over a row with shared prompts: query (1, H, L, D), key/value (1, Hkv, L, D) → (1, L, H, D).
     Query segment s attends to the rows keys[0][cu_k[s]:cu_k[s + 1]], causally with the segment's queries
     aligned to the last keys (a response's first token sees its whole prompt). On CUDA with the kernel: one
-    varlen call over the gathered keys; elsewhere SDPA per segment with that mask."""
+    varlen call over the gathered keys; elsewhere SDPA per segment (`reference_attention`)."""
     kv_index, cu_k, longest_k = keys
     if _kernel()[0] is not None and query.device.type == "cuda":
         # FlashAttention aligns a causal mask to the last key where keys outnumber queries; checked once
         _check_end_alignment(query.device)
         return _run_kernel(query, key, value, cu, longest, scaling, True, (kv_index, cu_k, longest_k))
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = []
-    bounds, kbounds = cu.tolist(), cu_k.tolist()
-    for s in range(len(bounds) - 1):
-        rows = kv_index[kbounds[s]:kbounds[s + 1]]
-        q = query[:, :, bounds[s]:bounds[s + 1]]
-        k, v = key.index_select(2, rows), value.index_select(2, rows)
-        if k.shape[1] != q.shape[1]:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        lq, lk = q.shape[2], k.shape[2]
-        visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-        out.append(attended[0].transpose(0, 1))
-    return torch.cat(out).unsqueeze(0)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return reference_attention(q, k, v, cu, scaling, keys).unsqueeze(0)
 
 
 @functools.cache
@@ -298,14 +286,23 @@ def paged_flash(q, k, v, cu, longest: int, scale: float, kernel=None, block: int
                   num_splits=1, **extra)
 
 
-def reference_attention(q, k, v, cu, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence of a packed row on its own (torch SDPA): q (L, H, D) → (L, H, D)."""
+def reference_attention(q, k, v, cu, scale: float | None, keys=None) -> torch.Tensor:
+    """Causal attention of each sequence of a packed row on its own (torch SDPA): q (L, H, D) → (L, H, D).
+    With `keys` (kv_index, cu_seqlens_k, _) segment s attends to the rows kv_index[cu_k[s]:cu_k[s + 1]], the
+    causal mask aligned to the last key (a shared prompt's row)."""
     out = []
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    bounds = cu.tolist()
+    kbounds = keys[1].tolist() if keys is not None else bounds
+    for s in range(len(bounds) - 1):
+        qs = q[bounds[s]:bounds[s + 1]].transpose(0, 1).unsqueeze(0)
+        rows = slice(kbounds[s], kbounds[s + 1]) if keys is None else keys[0][kbounds[s]:kbounds[s + 1]]
+        ks, vs = (t[rows].transpose(0, 1).unsqueeze(0) for t in (k, v))
         if ks.shape[1] != qs.shape[1]:
             ks, vs = (t.repeat_interleave(qs.shape[1] // t.shape[1], dim=1) for t in (ks, vs))
-        attended = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        lq, lk = qs.shape[2], ks.shape[2]
+        mask = None if lq == lk else torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        attended = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                                                    scale=scale)
         out.append(attended[0].transpose(0, 1))
     return torch.cat(out)
 

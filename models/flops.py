@@ -55,6 +55,13 @@ def llm_flops(config, seqlens: list[int], attention_pairs: int | None = None) ->
     return 6.0 * dense * sum(seqlens) + attn
 
 
+def row_flops(config, microbatches) -> float:
+    """`llm_flops` of packed rows as they run (PackedMicrobatch-like: `num_tokens`, `attention_pairs()`): each
+    token once, each segment's queries over its keys; for unshared rows the sequences' own count."""
+    return llm_flops(config, [mb.num_tokens for mb in microbatches],
+                     sum(mb.attention_pairs() for mb in microbatches))
+
+
 def peak_tflops(device: torch.device) -> float:
     """The device's dense bf16 peak, or 0 where unknown (CPU, other GPUs): then no MFU is reported."""
     if device.type != "cuda":

@@ -409,7 +409,9 @@ def check_head_size(head_dim: int, capability: tuple[int, int]) -> None:
 
 def text_head_dim(config) -> int:
     """The language model's attention head width from a transformers config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    from models.flops import text_config
+
+    text = text_config(config)
     return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
 

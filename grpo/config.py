@@ -86,8 +86,11 @@ class ModelConfig:
     # GRPO's training passes hold each prompt once per micro-batch, its responses attending to it
     # (models.packing.pack_shared): the prompt's tokens, its image's among them, run once for the group
     # instead of once per response. The same logprobs and gradients (tests/test_shared_prompts.py); needs
-    # the varlen attention (auto picks it) and a family with `shares_prompts` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
-    shared_prompts: bool = False
+    # the varlen attention and a family with `shares_prompts` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). auto: on
+    # where all of that holds on CUDA and nothing else rules it out (exact mode, routing replay, TP); on:
+    # required (an error names what stands in the way); off. true/false read as on/off. The 3B recipe's
+    # step on one H200: 8.56 -> 5.80 s (docs/benchmarks.md)
+    shared_prompts: Literal["auto", "on", "off"] = "auto"
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     # MoE families: weight of the routers' load-balancing loss (Switch Transformer's, as the family's
@@ -562,6 +565,9 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(v)
 
 
+BOOLEAN_SWITCHES = ("model.shared_prompts",)  # auto/on/off keys that read true/false as on/off
+
+
 def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
     """Checks OmegaConf does not make for one leaf value, and the interpolation check on its strings."""
     if isinstance(value, dict):
@@ -570,6 +576,8 @@ def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
     if tp is str and isinstance(value, bool):
         raise ConfigError(f"config key '{key}' ({source}): expected a string, got the boolean {value!r}; "
                           "quote it if you mean the text")
+    if isinstance(value, bool) and key in BOOLEAN_SWITCHES:
+        value = "on" if value else "off"  # once a boolean: true/false keep working
     for text in _strings(value):
         _check_interpolations(text, key, source)
     return value
@@ -798,21 +806,29 @@ def _algorithm_errors(a: AlgorithmConfig) -> Iterator[str]:
                    f"({getattr(a, high)}) must bracket 1: a token with no mismatch (weight 1) must be kept")
 
 
-def _shared_prompt_errors(cfg: Config) -> Iterator[str]:
-    """model.shared_prompts: a row of segments that only the varlen attention reads; not what exact mode or
-    routing replay line up token by token with the engine."""
-    if not cfg.model.shared_prompts:
-        return
+def _shared_prompt_blockers(cfg: Config) -> Iterator[str]:
+    """What in the config rules out model.shared_prompts: a row of segments that only the varlen attention
+    reads, and not what exact mode or routing replay line up token by token with the engine."""
     m = cfg.model
     if m.attn_implementation not in ("auto", "varlen"):
-        yield (f"config key 'model.attn_implementation' is {m.attn_implementation} with model.shared_prompts=true; "
+        yield (f"config key 'model.attn_implementation' is {m.attn_implementation} with model.shared_prompts=on; "
                "it needs auto or varlen (the attention that reads a shared prompt's segments)")
     if cfg.rollout.exact:
-        yield "config key 'model.shared_prompts' is true with rollout.exact=true; set it to false"
+        yield "config key 'model.shared_prompts' is on with rollout.exact=true; set it to auto or off"
     if cfg.algorithm.routing_replay:
-        yield "config key 'model.shared_prompts' is true with algorithm.routing_replay=true; set it to false"
+        yield "config key 'model.shared_prompts' is on with algorithm.routing_replay=true; set it to auto or off"
     if cfg.parallel.tp > 1:
-        yield f"config key 'model.shared_prompts' is true with parallel.tp={cfg.parallel.tp}; it needs 1"
+        yield f"config key 'model.shared_prompts' is on with parallel.tp={cfg.parallel.tp}; it needs 1"
+
+
+def _shared_prompt_errors(cfg: Config) -> Iterator[str]:
+    """model.shared_prompts=on with something that rules it out is an error; `auto` settles to off there
+    (the family and the device decide the rest when the policy is built: models.policy.shares_prompts)."""
+    blockers = list(_shared_prompt_blockers(cfg))
+    if cfg.model.shared_prompts == "on":
+        yield from blockers
+    elif cfg.model.shared_prompts == "auto" and blockers:
+        cfg.model.shared_prompts = "off"
 
 
 def _lora_errors(cfg: Config) -> Iterator[str]:

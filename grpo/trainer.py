@@ -389,7 +389,8 @@ class Trainer:
         model tokens are scored: prompt and tool tokens are context."""
         cfg = self.cfg
         batch = episode_batch(episodes, self.adapter)
-        step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device, cfg.model.shared_prompts)
+        step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device,
+                          self.policy.shared_prompts)
         step.set_per_token("engine_logprobs", [torch.tensor(e.logprobs, dtype=torch.float32) for e in episodes])
         if old_logprobs:
             packed_logprobs(self.policy, step, "old_logprobs", cfg.rollout.temperature)

@@ -136,7 +136,7 @@ def _check_end_alignment(device: torch.device) -> None:
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible)[0]
     if not torch.allclose(got.float(), want, atol=3e-2):
         raise RuntimeError(f"torch {torch.__version__}'s varlen attention does not align a causal mask to the last "
-                           "key; model.shared_prompts cannot run on it: set it to false")
+                           "key; model.shared_prompts cannot run on it: set it to off")
 
 
 def row_boundaries(position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, int]:

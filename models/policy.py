@@ -233,6 +233,8 @@ class Policy:
         self.exact_logit_bias: tuple[tuple[int, ...], float] | None = None
         # exact mode: (model-dtype logits, targets, temperature) -> the engine's values for them, or None
         self.exact_engine_logprobs = None
+        # model.shared_prompts as settled for this family and device (models.policy.shares_prompts)
+        self.shared_prompts = False
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -569,11 +571,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         apply_liger_kernels(config.model_type, dims.device_type)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
     attn_name = cfg_model.attn_implementation
-    if getattr(cfg_model, "shared_prompts", False):
-        if not adapter.shares_prompts:
-            raise ValueError(f"config key 'model.shared_prompts' is true, but model family '{adapter.name}' has "
-                             "attention a shared prompt's row cannot reproduce (its own masks or recurrent layers); "
-                             "set it to false")
+    shared = shares_prompts(getattr(cfg_model, "shared_prompts", "off"), adapter, attn_name, dims.device_type)
+    if shared:
         attn_name = "varlen"  # the attention that reads the row's segments (SDPA per segment off CUDA)
     attn = resolve_attn_implementation(attn_name, dims.device_type, adapter.varlen_attention)
     with torch.device("meta"):
@@ -608,10 +607,27 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     if not trainable:
         model.requires_grad_(False)
     policy = Policy(model, adapter, dims, cfg_model.path, dtype)
+    policy.shared_prompts = shared
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)
     return policy
+
+
+def shares_prompts(setting: str | bool, adapter: FamilyAdapter, attn_implementation: str, device_type: str) -> bool:
+    """Whether GRPO's training rows hold each prompt once (model.shared_prompts, after the config's checks).
+
+    `on` (or True) needs a family whose attention a shared row reproduces; `auto` takes it where that
+    holds and the varlen kernel runs (CUDA, attention auto or varlen): elsewhere the row would fall back
+    to SDPA per segment, which saves nothing. `off` (or False) never."""
+    setting = {True: "on", False: "off"}.get(setting, setting)
+    if setting == "on" and not adapter.shares_prompts:
+        raise ValueError(f"config key 'model.shared_prompts' is on, but model family '{adapter.name}' has "
+                         "attention a shared prompt's row cannot reproduce (its own masks or recurrent layers); "
+                         "set it to auto or off")
+    if setting == "auto":
+        return adapter.shares_prompts and device_type == "cuda" and attn_implementation in ("auto", "varlen")
+    return setting == "on"
 
 
 def apply_liger_kernels(model_type: str, device_type: str) -> None:

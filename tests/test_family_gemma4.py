@@ -397,7 +397,8 @@ def test_the_tiny_checkpoint(folder):
     assert adapter.max_soft_tokens == json.loads((folder / "processor_config.json").read_text())[
         "image_processor"]["max_soft_tokens"]
     assert adapter.pad_token_id == 0  # vLLM reads image tokens as token 0 for the per-layer inputs
-    assert adapter.end_of_turn == "<turn|>" and "gemma4" in VLLM_UNVERIFIED
+    # measured on an H200 (vLLM's V1 runner, Triton attention): token_mult_prob_error 1.0078 mean, so auto picks vLLM
+    assert adapter.end_of_turn == "<turn|>" and "gemma4" not in VLLM_UNVERIFIED
     assert not adapter.batch_with_padding and adapter.packable
     from transformers import AutoTokenizer
 

@@ -100,9 +100,43 @@ def test_a_shared_row_lays_out_prompt_then_responses(policy, batch):
 def test_shared_prompts_refuse_what_cannot_share(tiny_model):
     with pytest.raises(ConfigError, match="model.attn_implementation' is sdpa with model.shared_prompts"):
         load_config(None, [f"model.path={tiny_model}", "model.shared_prompts=true", "model.attn_implementation=sdpa"])
-    with pytest.raises(ConfigError, match="'model.shared_prompts' is true with rollout.exact=true"):
-        load_config(None, [f"model.path={tiny_model}", "model.shared_prompts=true", "rollout.exact=true",
+    with pytest.raises(ConfigError, match="'model.shared_prompts' is on with rollout.exact=true"):
+        load_config(None, [f"model.path={tiny_model}", "model.shared_prompts=on", "rollout.exact=true",
                            "rollout.engine=vllm"])
+
+
+def test_auto_settles_off_where_the_config_rules_sharing_out(tiny_model):
+    """The default `auto` is no error where `on` would be one: it settles to off at load; true/false read
+    as on/off; other values are refused with the key's choices."""
+    base = [f"model.path={tiny_model}"]
+    assert load_config(None, base).model.shared_prompts == "auto"
+    assert load_config(None, [*base, "model.attn_implementation=sdpa"]).model.shared_prompts == "off"
+    assert load_config(None, [*base, "rollout.exact=true", "rollout.engine=vllm"]).model.shared_prompts == "off"
+    assert load_config(None, [*base, "model.shared_prompts=true"]).model.shared_prompts == "on"
+    assert load_config(None, [*base, "model.shared_prompts=false"]).model.shared_prompts == "off"
+    with pytest.raises(ConfigError, match="model.shared_prompts"):
+        load_config(None, [*base, "model.shared_prompts=sometimes"])
+
+
+def test_the_family_and_the_device_settle_auto(tiny_model):
+    """`auto` shares where the varlen kernel runs (CUDA, attention auto or varlen) for a family that can;
+    `on` insists and names a family that cannot."""
+    from dataclasses import replace
+
+    from models.family import build_adapter
+    from models.policy import load_model_config, shares_prompts
+
+    adapter = build_adapter(load_model_config(str(tiny_model)))
+    assert adapter.shares_prompts
+    assert shares_prompts("auto", adapter, "auto", "cuda") and shares_prompts("auto", adapter, "varlen", "cuda")
+    assert not shares_prompts("auto", adapter, "auto", "cpu")
+    assert not shares_prompts("auto", adapter, "sdpa", "cuda")
+    assert shares_prompts("on", adapter, "auto", "cpu") and shares_prompts(True, adapter, "auto", "cpu")
+    assert not shares_prompts("off", adapter, "auto", "cuda") and not shares_prompts(False, adapter, "auto", "cuda")
+    cannot = replace(adapter, shares_prompts=False)
+    assert not shares_prompts("auto", cannot, "auto", "cuda")
+    with pytest.raises(ValueError, match="model.shared_prompts' is on, but model family"):
+        shares_prompts("on", cannot, "auto", "cuda")
 
 
 def test_activation_checkpointing_recomputes_a_shared_row(tiny_model, batch):

@@ -205,7 +205,7 @@ def bench_train(trainer, args) -> dict:
     def loss_fn(lp, mb, den):
         return -lp.sum() / den["tokens"], {}
 
-    share = trainer.cfg.model.shared_prompts
+    share = trainer.policy.shared_prompts
 
     def packed():  # packed in every step, as the trainer packs each step's experience
         return PackedStep(batch, args.max_tokens, trainer.policy.device, share)

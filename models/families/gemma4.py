@@ -482,10 +482,6 @@ def _tiny_image_processor(size: SizeSpec):
     return cls(patch_size=TINY_PATCH, pooling_kernel_size=TINY_POOLING, max_soft_tokens=TINY_SOFT_TOKENS)
 
 
-_UNVERIFIED = ("vLLM 0.26's Gemma4ForConditionalGeneration: names, prompts, refit and image features checked on CPU "
-               "(tools/vllm_load_check.py); token_mult_prob_error 1.031 on the H200 with vLLM's V2 model runner, "
-               "which made the tiny model's images causal; on the V1 runner now chosen, not yet measured")
-
 register(Family(
     model_type="gemma4",
     adapter=_gemma4_adapter,
@@ -499,7 +495,6 @@ register(Family(
         ),
         stacking_scopes=("language_model.model.layers.",),
         mm_prefix=True,
-        unverified=_UNVERIFIED,
     ),
     tiny=TinySpec(
         model_class="Gemma4ForConditionalGeneration", processor_class="Gemma4Processor", config=_tiny_config,

@@ -404,3 +404,192 @@ def test_grpo_step_with_the_zoom_tool(folder, clevr_parquet, tmp_path):
     assert m["agent/tool_errors"] == 1 and m["agent/tool_errors_malformed_json"] == 1
     assert 1.0 <= m["fidelity/token_mult_prob_error"] <= 1.0001, m["fidelity/token_mult_prob_error"]
     assert m["reward/std"] > 0 and m["loss/grad_norm"] > 0
+
+
+# --- fla's Hopper guard (#640) on the Gated DeltaNet backward: the decision, with fla's flags stubbed --------
+GUARDED = dict(hopper=True, triton_3_4_0=True, triton_3_7_1=False, triton_version="3.5.1")
+
+
+def _flags(**changes):
+    from models.fla_guard import FlaFlags
+
+    return FlaFlags(**{**GUARDED, **changes})
+
+
+@pytest.mark.parametrize("flags, k_dim, tiling, tilelang, dispatch, route", [
+    (dict(triton_3_7_1=True, triton_version="3.7.1"), 64, True, False, True, "fla"),  # a Triton with the fix
+    (dict(hopper=False), 64, False, False, True, "fla"),  # not Hopper: no guard
+    (dict(triton_3_4_0=False, triton_version="3.3.1"), 64, True, False, True, "fla"),  # before the bug
+    ({}, 128, True, False, True, "lifted"),  # Qwen3.5's 128-wide key heads: BK = 128
+    ({}, 100, True, False, True, "lifted"),  # next power of two: BK = 128 too
+    ({}, 64, True, True, True, "tilelang"),  # fla's own replacement kernel takes it
+    ({}, 64, True, False, True, "a block of 64, the case the issue reports wrong"),
+    ({}, 16, True, False, True, "a block of 16, which the issue does not clear"),
+    ({}, 128, False, False, True, "Hopper tiling is off"),
+    ({}, 128, True, True, False, "FLA_DISABLE_BACKEND_DISPATCH=1"),
+])
+def test_fla_guard_route(flags, k_dim, tiling, tilelang, dispatch, route):
+    from models.fla_guard import DeltaRuleBackwardError, plan_route
+
+    if route in ("fla", "lifted", "tilelang"):
+        assert plan_route(_flags(**flags), k_dim, tiling, tilelang, dispatch) == route
+    else:
+        with pytest.raises(DeltaRuleBackwardError, match=route):
+            plan_route(_flags(**flags), k_dim, tiling, tilelang, dispatch)
+
+
+def test_fla_guard_refusal_says_what_why_and_what_to_do():
+    from models.fla_guard import DeltaRuleBackwardError, plan_route
+
+    with pytest.raises(DeltaRuleBackwardError) as err:
+        plan_route(_flags(), 64, True, False, True, where="cuda:3")
+    text = str(err.value)
+    for part in ("Gated DeltaNet backward on cuda:3", "Triton 3.5.1", "fla-org/flash-linear-attention#640",
+                 "64-wide key heads (linear_key_head_dim)", "Triton to >= 3.7.1", "pip install tilelang"):
+        assert part in text, (part, text)
+
+
+def _stub_fla(monkeypatch, **flags):
+    """A stand-in for fla.ops.common.chunk_o (and triton) in sys.modules with the guard's flags and a
+    `chunk_bwd_dqkwg` behind a dispatch-like wrapper that raises as fla's does."""
+    import functools
+    import sys
+    import types
+
+    chunk_o = types.ModuleType("fla.ops.common.chunk_o")
+    chunk_o.IS_NVIDIA_HOPPER, chunk_o.TRITON_ABOVE_3_4_0 = flags["hopper"], flags["triton_3_4_0"]
+    chunk_o.TRITON_ABOVE_3_7_1 = flags["triton_3_7_1"]
+    exec("def chunk_bwd_dqkwg(q, k, g=None, scale=2.0):\n"
+         "    if g is not None and IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:\n"
+         "        raise RuntimeError('Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs (see #640)')\n"
+         "    return q * k * scale\n", chunk_o.__dict__)
+    raw = chunk_o.chunk_bwd_dqkwg
+    chunk_o.chunk_bwd_dqkwg = functools.wraps(raw)(lambda *a, **kw: raw(*a, **kw))
+    common = types.ModuleType("fla.ops.common")
+    common.chunk_o = chunk_o
+    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                         ("fla.ops.common", common), ("fla.ops.common.chunk_o", chunk_o),
+                         ("triton", types.SimpleNamespace(__version__=flags["triton_version"]))):
+        monkeypatch.setitem(sys.modules, name, module)
+    return chunk_o
+
+
+def test_fla_guard_reads_fla_flags(monkeypatch):
+    from models.fla_guard import read_flags
+
+    _stub_fla(monkeypatch, **GUARDED)
+    assert read_flags() == _flags() and read_flags().guarded
+    _stub_fla(monkeypatch, **{**GUARDED, "triton_3_7_1": True})
+    assert not read_flags().guarded
+
+
+def test_fla_guard_lifts_the_guard_of_its_copy_only(monkeypatch):
+    from models.fla_guard import DeltaRuleBackwardError, unguarded
+
+    chunk_o = _stub_fla(monkeypatch, **GUARDED)
+    with pytest.raises(RuntimeError, match="#640"):
+        chunk_o.chunk_bwd_dqkwg(3.0, 2.0, g=1.0)
+    lifted = unguarded(chunk_o.chunk_bwd_dqkwg)
+    assert lifted(3.0, 2.0, g=1.0) == 12.0 and lifted(3.0, 2.0, g=1.0, scale=1.0) == 6.0
+    assert chunk_o.TRITON_ABOVE_3_7_1 is False  # fla's module keeps its flag: other calls stay guarded
+    with pytest.raises(RuntimeError, match="#640"):
+        chunk_o.chunk_bwd_dqkwg(3.0, 2.0, g=1.0)
+    with pytest.raises(DeltaRuleBackwardError, match="not the function vlrl lifts"):
+        unguarded(lambda q, k: q)  # another fla's function: refuse rather than guess
+
+
+def test_fla_guard_backend_takes_only_cleared_calls(monkeypatch):
+    from models import fla_guard
+
+    monkeypatch.setattr(fla_guard, "_cleared", {0})
+    assert fla_guard.accepts_call(_flags(), True, 0, 128, True) == (True, None)
+    assert not fla_guard.accepts_call(_flags(), True, 1, 128, True)[0]  # device not self-checked
+    assert not fla_guard.accepts_call(_flags(), True, 0, 64, True)[0]  # block 64
+    assert not fla_guard.accepts_call(_flags(), False, 0, 128, True)[0]  # ungated: fla's guard is quiet
+    assert not fla_guard.accepts_call(_flags(triton_3_7_1=True), True, 0, 128, True)[0]
+
+
+def _stub_decision(monkeypatch, check):
+    """fla_guard with a guarded fla on Hopper, no tilelang, and `check` in place of the CUDA self-check."""
+    from models import fla_guard
+
+    monkeypatch.setattr(fla_guard, "_plans", {})
+    monkeypatch.setattr(fla_guard, "_cleared", set())
+    monkeypatch.setattr(fla_guard, "read_flags", lambda: _flags())
+    monkeypatch.setattr(fla_guard, "_hopper_tiling", lambda index: True)
+    monkeypatch.setattr(fla_guard, "_tilelang_usable", lambda: False)
+    monkeypatch.setattr(fla_guard, "_dispatch_enabled", lambda: True)
+    monkeypatch.setattr(fla_guard, "install_backend", lambda: None)
+    monkeypatch.setattr(fla_guard, "check_backward", check)
+    return fla_guard
+
+
+def test_fla_guard_checks_each_device_once(monkeypatch, capsys):
+    calls = []
+
+    def check(rule, reference, shape, device):
+        calls.append(device)
+        assert device.index in fla_guard._cleared  # the lifted kernel may run during its own check
+        return {"out": 0.001, "q": 0.002}
+
+    fla_guard = _stub_decision(monkeypatch, check)
+    shape = fla_guard.RuleShape(16, 32, 128, 128, torch.bfloat16)
+    plan = fla_guard.prepare_backward(torch.device("cuda", 0), shape, None, None)
+    assert plan.route == "lifted" and plan.errors == {"out": 0.001, "q": 0.002}
+    assert fla_guard.prepare_backward(torch.device("cuda", 0), shape, None, None) is plan
+    fla_guard.prepare_backward(torch.device("cuda", 1), shape, None, None)
+    assert calls == [torch.device("cuda", 0), torch.device("cuda", 1)] and fla_guard._cleared == {0, 1}
+    assert "guard lifted for key block 128" in capsys.readouterr().out
+    assert fla_guard.prepare_backward(torch.device("cpu"), shape, None, None).route == "torch"
+
+
+def test_fla_guard_refuses_before_any_check_at_block_64(monkeypatch):
+    fla_guard = _stub_decision(monkeypatch, lambda *a: pytest.fail("no self-check where the block is 64"))
+    shape = fla_guard.RuleShape(2, 4, 64, 64, torch.bfloat16)
+    with pytest.raises(fla_guard.DeltaRuleBackwardError, match="a block of 64"):
+        fla_guard.prepare_backward(torch.device("cuda", 0), shape, None, None)
+    assert not fla_guard._cleared
+
+
+def test_fla_guard_failed_check_leaves_the_device_uncleared(monkeypatch):
+    from models.fla_guard import DeltaRuleBackwardError
+
+    def check(*args):
+        raise DeltaRuleBackwardError("disagree")
+
+    fla_guard = _stub_decision(monkeypatch, check)
+    shape = fla_guard.RuleShape(16, 32, 128, 128, torch.bfloat16)
+    for _ in range(2):  # not remembered as passed: a second call checks (and refuses) again
+        with pytest.raises(DeltaRuleBackwardError, match="disagree"):
+            fla_guard.prepare_backward(torch.device("cuda", 0), shape, None, None)
+        assert not fla_guard._cleared and not fla_guard._plans
+
+
+class _WrongBackward(torch.autograd.Function):
+    """Identity forward whose backward is off by a factor, as a miscompiled backward kernel would be."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.5
+
+
+def test_fla_guard_self_check_numerics():
+    """The self-check's comparison, with the exact torch rule standing in for fla (CPU): equal paths pass;
+    a path whose forward is right but whose key gradient is off is refused, naming that gradient."""
+    from models.families.qwen3_5 import torch_delta_rule_packed
+    from models.fla_guard import DeltaRuleBackwardError, RuleShape, check_backward
+
+    shape = RuleShape(2, 4, 16, 16, torch.float32)
+    errors = check_backward(torch_delta_rule_packed, torch_delta_rule_packed, shape, torch.device("cpu"))
+    assert set(errors) == {"out", "q", "k", "v", "g", "beta"} and max(errors.values()) < 1e-5
+
+    def wrong(q, k, v, g, beta, cu):
+        return torch_delta_rule_packed(q, _WrongBackward.apply(k), v, g, beta, cu)
+
+    with pytest.raises(DeltaRuleBackwardError, match=r"relative error k 0\.\d+ \(tolerance 0\.01\)") as err:
+        check_backward(wrong, torch_delta_rule_packed, shape, torch.device("cpu"))
+    assert "out " not in str(err.value) and "Triton to >= 3.7.1" in str(err.value)

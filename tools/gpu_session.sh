@@ -24,16 +24,23 @@
 #             video prompt check, tests/gpu/test_vllm_video.py (carry the PyAV wheel in .gpu/avwhl)
 #   turns     tools/bench_turns.py on the 3B shape: 3-turn episodes against single-turn generation, zoom
 #             crops with vLLM's processed-image cache off and on (CACHES="0 4"), then text tool messages
-#   qwen35    Qwen3.5-4B's shapes (random weights, make_tiny_model --size qwen3_5_4b): the update alone
-#             (bench.py, 128 sequences x 256 tokens) and train.py GRPO steps at 16 prompts x 8 x 256 tokens
+#   qwen35    Qwen3.5-4B's shapes (random weights, make_tiny_model --size qwen3_5_4b): fla's packed Gated
+#             DeltaNet forward and backward against the torch rule (tests/gpu/test_qwen3_5_packing.py, up to
+#             Q35_TEST_S=180 s; prints the device's route past fla's #640 guard and the self-check's errors),
+#             the update alone (bench.py, 128 sequences x 256 tokens) and train.py GRPO steps at 16 prompts x 8 x 256
 #   tests     TESTS (default tests/gpu/test_device_peak.py) under pytest, up to TEST_S=120 s
-#   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS)
+#   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS);
+#             OPDIFF_3B=1: on the 3B shape at 448x448 with --exact (OPDIFF_EXACT=0 without), op_diff_3b.json
 #   exact     rollout.exact on the tiny Qwen2.5-VL with 128-wide heads (tiny_hd128): tests/gpu/test_exact.py (256
 #             sequences, exact and not, bitwise
 #             check and cost, exact_tiny.json), then op_diff --exact (op_diff_exact.json), then two-turn episodes
 #             with a zoom tool (tests/gpu/test_exact_episodes.py, exact_episodes.json); ~6 min. EXACT_3B=1: the
 #             same test on the 3B shape at 448x448 instead (exact_3b.json; a call of its own)
 #             EXACT_EPISODE_SIZES="tiny tiny_hd128": the two-turn check alone for those sizes (exact_episodes_SIZE.json)
+#             EXACT_VARIANTS="SIZE[@SIDE] ..." (or "default": tiny_hd128 and the tiny_hd128_* sizes, each with one
+#             feature of the 3B shape, at 448x448): the kernel probes at the 3B shapes (op_diff --kernels,
+#             exact_kernels.json; EXACT_KERNELS=0 skips them, EXACT_KERNELS=1 alone runs only them), then the exact
+#             run alone on each (exact_SIZE_SIDE.json), printing max |dlogprob| for each; EXACT_BUDGET_S=560
 set -u
 STAGE=$1
 OUT=${2:-gpu_out}
@@ -253,8 +260,9 @@ turns)
   echo "turns text rc=$? $(tail -c 600 "$OUT/turns_text.json" 2>/dev/null)"
   ;;
 qwen35)
-  timeout 120 $PY -m pytest -q tests/gpu/test_qwen3_5_packing.py > "$OUT/q35_packing.log" 2>&1
+  timeout ${Q35_TEST_S:-180} $PY -m pytest -q -s tests/gpu/test_qwen3_5_packing.py > "$OUT/q35_packing.log" 2>&1
   echo "qwen3.5 packed delta rule (fla vs torch) rc=$? $(tail -1 "$OUT/q35_packing.log")"
+  grep -h "route\|guard lifted" "$OUT/q35_packing.log" | cut -c1-400
   Q=$W/model_qwen3_5_qwen3_5_4b
   [ -f $Q/config.json ] || $PY tools/make_tiny_model.py --family qwen3_5 --size qwen3_5_4b --out $Q --device cuda \
     --dtype bfloat16 --overwrite > "$OUT/build_q35.log" 2>&1
@@ -270,11 +278,28 @@ tests)
   echo "tests rc=$?"; tail -3 "$OUT/tests.log"
   ;;
 op_diff)
-  $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
-  $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/opd.parquet --size 56x56 > /dev/null
-  timeout ${OPDIFF_S:-240} $PY tools/op_diff.py --model $W/tiny --data $W/opd.parquet --task clevr --engine vllm \
-    --dtype ${DTYPE:-bfloat16} ${OPDIFF_ARGS:-} --out "$OUT/op_diff.json" > "$OUT/op_diff.log" 2>&1
-  echo "op_diff rc=$?"; grep -v "^INFO\|^WARNING\|^\[" "$OUT/op_diff.log" | tail -30
+  if [ "${OPDIFF_3B:-0}" = 1 ]; then
+    # the 3B shape at 448x448 (1024 patches, 16 vision windows), exact mode unless OPDIFF_EXACT=0: the first module
+    # that is not bitwise, vision tower included (each sequence runs alone through the engine: one image per
+    # encoder call, one prefill); ~1 min to draw the model on a fresh machine, then ~3 min
+    [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
+      --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+    $PY tools/make_dataset.py --kind clevr --n 32 --seed 3 --out $W/opd3b.parquet --size 448x448 > /dev/null
+    timeout ${OPDIFF_S:-400} $PY tools/op_diff.py --model $M --data $W/opd3b.parquet --task clevr --engine vllm \
+      --dtype bfloat16 --min-pixels 200704 --max-pixels 200704 --num-prompts ${OPDIFF_PROMPTS:-2} --n 2 \
+      --max-new-tokens 16 $([ "${OPDIFF_EXACT:-1}" = 1 ] && echo --exact) ${OPDIFF_ARGS:-} \
+      --out "$OUT/op_diff_3b.json" > "$OUT/op_diff_3b.log" 2>&1
+    echo "op_diff 3b rc=$?"
+    # the modules that are not bitwise, in forward order (the first is the culprit), then the verdict lines
+    grep -E "^model\.|^lm_head|^logprobs" "$OUT/op_diff_3b.log" | grep -E " no( |$)" | head -12
+    grep "first module\|engine generation\|exact mode\|Error" "$OUT/op_diff_3b.log" | cut -c1-600 | tail -4
+  else
+    $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
+    $PY tools/make_dataset.py --kind clevr --n 32 --seed 0 --out $W/opd.parquet --size 56x56 > /dev/null
+    timeout ${OPDIFF_S:-240} $PY tools/op_diff.py --model $W/tiny --data $W/opd.parquet --task clevr --engine vllm \
+      --dtype ${DTYPE:-bfloat16} ${OPDIFF_ARGS:-} --out "$OUT/op_diff.json" > "$OUT/op_diff.log" 2>&1
+    echo "op_diff rc=$?"; grep -v "^INFO\|^WARNING\|^\[" "$OUT/op_diff.log" | tail -30
+  fi
   ;;
 exact)
   if [ "${EXACT_3B:-0}" = 1 ]; then
@@ -286,6 +311,40 @@ exact)
       EXACT_OUT="$OUT/exact_3b.json" EXACT_S=${EXACT_S:-280} timeout 580 $PY -m pytest -q -s tests/gpu/test_exact.py \
       > "$OUT/exact_3b.log" 2>&1
     echo "exact 3b rc=$?"; grep '"cost_pct"\|passed\|failed\|Error' "$OUT/exact_3b.log" | tail -4
+  elif [ -n "${EXACT_VARIANTS:-}" ] || [ "${EXACT_KERNELS:-0}" = 1 ]; then
+    # bisecting a mismatch: the kernel probes at the 3B shapes (op_diff --kernels: cuBLAS row invariance,
+    # FlashAttention decode = prefill; ~1 min), then the exact run alone on each SIZE[@SIDE] (a make_tiny_model size,
+    # SIDExSIDE images, default 448), one process each, while EXACT_BUDGET_S lasts (~1-1.5 min each)
+    [ "${EXACT_VARIANTS:-}" = default ] && EXACT_VARIANTS="tiny_hd128 tiny_hd128_vit3b tiny_hd128_gqa8 \
+tiny_hd128_mlp tiny_hd128_vocab tiny_hd128_deep"
+    if [ "${EXACT_KERNELS:-1}" = 1 ]; then
+      timeout ${EXACT_KERNELS_S:-150} $PY tools/op_diff.py --kernels --out "$OUT/exact_kernels.json" \
+        > "$OUT/exact_kernels.log" 2>&1
+      echo "kernel probes rc=$?"; grep "^kernel probes\|^  gemm\|^  attention\|Error" "$OUT/exact_kernels.log" | tail -24
+    fi
+    for v in ${EXACT_VARIANTS:-}; do
+      size=${v%@*}; side=448; [ "$size" != "$v" ] && side=${v#*@}
+      if [ $(( ${EXACT_BUDGET_S:-560} - SECONDS )) -lt ${EXACT_VARIANT_S:-150} ]; then
+        echo "exact $size@$side: skipped, $(( ${EXACT_BUDGET_S:-560} - SECONDS )) s left"; continue
+      fi
+      f="$OUT/exact_${size}_$side"
+      EXACT_SIZE=$size EXACT_PX=$side EXACT_ONLY=${EXACT_ONLY:-1} EXACT_OUT="$f.json" EXACT_S=${EXACT_VARIANT_S:-150} \
+        timeout $(( ${EXACT_VARIANT_S:-150} + 20 )) $PY -m pytest -q -s tests/gpu/test_exact.py -k reports_its_cost \
+        > "$f.log" 2>&1
+      rc=$?
+      $PY - "$f.json" "$size@$side" $rc <<'PYEOF'
+import json, sys
+path, name, rc = sys.argv[1:]
+try:
+    s = json.load(open(path))["summary"]
+except (OSError, ValueError, KeyError):
+    sys.exit(print(f"exact {name}: rc={rc}, no report (see its .log)"))
+e = s["exact"]
+print(f"exact {name}: rc={rc} max |dlogprob| {e['max_abs_dlogprob']:.3e}, mult-prob error median "
+      f"{e['token_mult_prob_error_median']:.7f} max {e['token_mult_prob_error_max']:.7f} over {s['tokens']} tokens; "
+      f"worst tokens at positions {s['worst_positions_exact']}")
+PYEOF
+    done
   elif [ -n "${EXACT_EPISODE_SIZES:-}" ]; then
     # the two-turn check alone, each size in a process of its own (where the mismatches sit; a one-turn control)
     for s in $EXACT_EPISODE_SIZES; do

@@ -17,6 +17,8 @@ routes each Gated DeltaNet layer through `packed_gated_deltanet` inside a packed
 and the delta rule runs on CUDA through flash-linear-attention's varlen kernel when the `fla`
 package imports, else through transformers' torch chunked rule on the row's sequences as one
 right-padded batch (exact: the rule is causal, so padding after a sequence never reaches it).
+fla refuses its backward on Hopper with Triton in [3.4.0, 3.7.1); `prepare_delta_rule_backward` decides
+per GPU, before the first backward, whether vlrl may run it there (`models.fla_guard`).
 Outside a packed row (the built-in engine, with its cache) the layer runs as transformers wrote it.
 The built-in engine generates one prompt at a time (`batch_with_padding`): right padding would
 run the recurrent state through the pad slots.
@@ -101,13 +103,24 @@ def _torch_rule():
 def delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
     """The gated delta rule over a packed row (1, L, heads, dim), the state starting at zero at each
     sequence of `cu`; returns (1, L, v_heads, v_dim)."""
-    if q.is_cuda and (rule := _fla_rule()) is not None:
-        if k.shape[2] != v.shape[2]:
-            rep = v.shape[2] // k.shape[2]
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                      cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=True)
-        return out
+    if q.is_cuda and _fla_rule() is not None:
+        return fla_delta_rule_packed(q, k, v, g, beta, cu)
+    return torch_delta_rule_packed(q, k, v, g, beta, cu)
+
+
+def fla_delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
+    """`delta_rule_packed` through flash-linear-attention's varlen kernel (CUDA)."""
+    if k.shape[2] != v.shape[2]:
+        rep = v.shape[2] // k.shape[2]
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    out, _ = _fla_rule()(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                         cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=True)
+    return out
+
+
+def torch_delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
+    """`delta_rule_packed` through transformers' torch rule on the row's sequences as one right-padded
+    batch (exact: the rule is causal, so padding after a sequence never reaches it)."""
     lengths = (cu[1:] - cu[:-1]).tolist()
     if len(lengths) == 1:
         out, _ = _torch_rule()(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
@@ -115,6 +128,21 @@ def delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
     pad = lambda t: nn.utils.rnn.pad_sequence(list(t[0].split(lengths)), batch_first=True)  # noqa: E731
     out, _ = _torch_rule()(pad(q), pad(k), pad(v), g=pad(g), beta=pad(beta), use_qk_l2norm_in_kernel=True)
     return torch.cat([out[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
+
+
+def prepare_delta_rule_backward(decoder: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Before the first backward on a CUDA device: how fla's gated backward runs there, with a self-check
+    against the torch rule at this decoder's head shapes where fla's Hopper guard (#640) is lifted, or a
+    DeltaRuleBackwardError where it cannot run (`models.fla_guard`). A no-op off CUDA or without fla."""
+    if device.type != "cuda" or _fla_rule() is None:
+        return
+    layer = next((m.linear_attn for m in decoder.layers if getattr(m, "linear_attn", None) is not None), None)
+    if layer is None:
+        return
+    from models.fla_guard import RuleShape, prepare_backward
+
+    shape = RuleShape(layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype)
+    prepare_backward(device, shape, fla_delta_rule_packed, torch_delta_rule_packed)
 
 
 def packed_gated_deltanet(layer: nn.Module, hidden: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
@@ -280,6 +308,8 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
         decoder = self.language_model(model)
         apply_packed_linear_attention(decoder)
+        if embeds.is_cuda and torch.is_grad_enabled():  # a backward may follow: can fla's run on this GPU?
+            prepare_delta_rule_backward(decoder, embeds.device, embeds.dtype)
         out = decoder(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
         return out.last_hidden_state
 

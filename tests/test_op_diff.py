@@ -5,6 +5,7 @@ its vision tower shows at the language model's input on image tokens only."""
 import json
 
 import pytest
+import torch
 
 from models.parallel import init_distributed
 from tools.op_diff import _ForwardTap, _parse, first_over, op_diff
@@ -124,3 +125,70 @@ def test_vllm_side_reads_a_norms_input_before_its_in_place_kernel():
         h.remove()
     assert torch.equal(captured["layers.1.input_layernorm[input]"][0], total.reshape(1, 5, 8))
     assert torch.allclose(captured["layers.1.input_layernorm"][0], normed.reshape(1, 5, 8))
+
+
+# --- the kernel probes (--kernels), with stand-in kernels on the CPU ------------------------------------------
+def _row_linear(x, w, b=None, bump_below: int = 0):
+    """F.linear one row at a time (so every row count gives the same bits); rows of a call with fewer than
+    `bump_below` rows are moved by 1, as a kernel that changes with the row count would."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.stack([w @ r + (b if b is not None else 0) for r in rows])
+    if rows.shape[0] < bump_below:
+        out = out + 1
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def test_gemm_row_probe_names_the_row_counts_that_change_the_bits():
+    from tools.op_diff import gemm_row_probe
+
+    kw = {"rows": (1, 2, 3, 7, 33), "total": 64, "device": "cpu", "dtype": torch.float32}
+    assert gemm_row_probe(16, 8, True, linear=_row_linear, **kw)["bitwise"]
+    report = gemm_row_probe(16, 8, False, linear=lambda x, w, b: _row_linear(x, w, b, bump_below=4), **kw)
+    assert not report["bitwise"]
+    assert sorted({d["rows"] for d in report["differs"]}) == [1, 2, 3]
+    assert {(d["start"], d["three_d"]) for d in report["differs"]} == {(0, False), (1, False), (0, True)}
+
+
+def _paged_kernel(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal, block_table,
+                  num_splits, decode_bump: int = 0, **extra):
+    """vLLM's paged varlen call in torch, one query row at a time (its bits do not depend on the batch): query rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] attend to the first seqused_k[i] keys of block_table[i], causally with the
+    last query on the last key. With `decode_bump`, a pure decode call (max_seqlen_q 1) moves the rows whose
+    context is longer than decode_bump keys, as FlashAttention tiling decode otherwise than prefill would."""
+    assert causal and num_splits == 1
+    block, rep = k.shape[1], q.shape[1] // k.shape[2]
+    out = torch.empty_like(q)
+    for i in range(len(cu_seqlens_q) - 1):
+        a, b, used = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(seqused_k[i])
+        slots = (block_table[i].long()[:, None] * block + torch.arange(block)).reshape(-1)[:used]
+        keys, values = (t.reshape(-1, *t.shape[2:])[slots].repeat_interleave(rep, dim=1) for t in (k, v))
+        for r in range(a, b):
+            seen = used - (b - 1 - r)
+            weights = torch.softmax(torch.einsum("hd,khd->hk", q[r], keys[:seen]) * softmax_scale, dim=-1)
+            out[r] = torch.einsum("hk,khd->hd", weights, values[:seen])
+            if decode_bump and max_seqlen_q == 1 and seen > decode_bump:
+                out[r] += 1e-2
+    return out
+
+
+def test_decode_layout_gives_each_tokens_sequence_and_position():
+    from tools.op_diff import decode_layout
+
+    seq, pos = decode_layout(torch.tensor([0, 2, 5, 6]))
+    assert seq.tolist() == [0, 0, 1, 1, 1, 2] and pos.tolist() == [0, 1, 0, 1, 2, 0]
+
+
+def test_attention_probe_compares_prefill_with_decode_and_mixed_steps():
+    from tools.op_diff import attention_probe
+
+    kw = {"lengths": (5, 20, 40), "device": "cpu", "dtype": torch.float32}
+    report = attention_probe(4, 2, 8, kernel=_paged_kernel, **kw)
+    for way in ("pure_decode", "mixed_step"):
+        assert report[way]["bitwise"] and report[way]["first_differing_position"] == [None, None, None]
+    # decode summing differently past 16 keys of context: pure decode steps differ from position 16 on, and
+    # only in the sequences that long; a mixed step (the prefill's call) does not
+    bumped = attention_probe(4, 2, 8, kernel=lambda *a, **k: _paged_kernel(*a, decode_bump=16, **k), **kw)
+    assert not bumped["pure_decode"]["bitwise"]
+    assert bumped["pure_decode"]["first_differing_position"] == [None, 16, 16]
+    assert bumped["pure_decode"]["tokens_differing"] == (20 - 16) + (40 - 16)
+    assert bumped["mixed_step"]["bitwise"]

@@ -305,3 +305,27 @@ def test_qwen3_5_4b_size_has_the_released_shapes():
     with torch.device("meta"):
         model = transformers.Qwen3_5ForConditionalGeneration(config)
     assert 4.4e9 < sum(p.numel() for p in model.parameters()) < 4.7e9
+
+
+def test_tiny_hd128_variants_each_add_one_feature_of_the_3b_size():
+    """The exact mode's bisecting sizes: tiny_hd128 with one 3b feature each (configs only, no weights drawn)."""
+    from tools.make_tiny_model import FAMILIES, SIZES, _check_size, build_config, build_tokenizer
+
+    base = SIZES["tiny_hd128"]
+    tokenizer = build_tokenizer(FAMILIES["qwen2_5_vl"], base)
+    configs = {}
+    for name in ("tiny_hd128_vit3b", "tiny_hd128_gqa8", "tiny_hd128_mlp", "tiny_hd128_vocab", "tiny_hd128_deep"):
+        _check_size(SIZES[name], "qwen2_5_vl")
+        configs[name] = build_config("qwen2_5_vl", SIZES[name], tokenizer)
+    for config in configs.values():  # the language model's heads stay 128 wide (the exact mode's H200 rule)
+        t = config.text_config
+        assert t.hidden_size // t.num_attention_heads == 128
+    vit = configs["tiny_hd128_vit3b"].vision_config
+    assert (vit.hidden_size // vit.num_heads, vit.intermediate_size, vit.window_size) == (80, 3420, 112)
+    gqa = configs["tiny_hd128_gqa8"].text_config
+    assert gqa.num_attention_heads // gqa.num_key_value_heads == 8
+    assert configs["tiny_hd128_mlp"].text_config.intermediate_size == 11008
+    assert configs["tiny_hd128_vocab"].text_config.vocab_size == 151936
+    deep = configs["tiny_hd128_deep"]
+    assert deep.text_config.num_hidden_layers == 36 and deep.vision_config.depth == 32
+    assert list(deep.vision_config.fullatt_block_indexes) == [7, 15, 23, 31]

@@ -65,6 +65,10 @@ Sizes (weights in float32, untied embeddings):
 tiny_hd128 is tiny with the released checkpoints' 128-wide attention heads: on an H200, FlashAttention
 tiles the keys of a decode step and of a prefill alike only for heads wider than 64, which the exact
 on-policy checks need past 128 tokens of context (docs/fidelity.md, "Exact mode").
+The `tiny_hd128_*` sizes add one feature of the 3b size each (vit3b: 80-wide vision heads, the 3420-wide
+vision MLP, 112-pixel windows; gqa8: 8 query heads per key/value head; mlp: the 11008-wide MLP; vocab: the
+151,936-row vocabulary; deep: 36 decoder layers and 32 vision blocks), to find which one breaks the exact
+mode's bitwise match (`EXACT_VARIANTS` in tools/gpu_session.sh's exact stage).
 
 Qwen2.5-VL's vision tower alternates window and full attention: tiny uses a 56-pixel
 window (2x2 merged tokens) with block 1 full, demo the family's 112-pixel window with
@@ -152,6 +156,27 @@ SIZES = {
 # tiny with the released checkpoints' 128-wide attention heads (the exact-mode checks on an H200)
 SIZES["tiny_hd128"] = dataclasses.replace(SIZES["tiny"], text_hidden=256, text_heads=2, text_kv_heads=1,
                                           text_intermediate=256, mrope_section=(16, 24, 24))
+
+# tiny_hd128 with one feature of the 3b size each, for bisecting an exact-mode mismatch seen at 3b but not on
+# tiny_hd128 (tests/gpu/test_exact.py with EXACT_SIZE; tools/gpu_session.sh exact with EXACT_VARIANTS).
+# The windows, the ~300-token prompts and several 1024-patch images per encoder call come from 448x448 images.
+_HD128 = SIZES["tiny_hd128"]
+SIZES.update({
+    # the 3b vision block: 80-wide heads, the 3420-wide MLP (a GEMM K that is not a multiple of 8), 112-pixel
+    # windows (16 per 448x448 image) and full-attention blocks between them
+    "tiny_hd128_vit3b": dataclasses.replace(_HD128, vision_hidden=160, vision_heads=2, vision_intermediate=3420,
+                                            vision_depth=4, window_size=112, fullatt_blocks=(1, 3)),
+    # 8 query heads per key/value head, as the 3b's 16/2
+    "tiny_hd128_gqa8": dataclasses.replace(_HD128, text_hidden=1024, text_heads=8, text_kv_heads=1,
+                                           text_intermediate=1024),
+    # the 3b's MLP width: down_proj's GEMM sums over K = 11008
+    "tiny_hd128_mlp": dataclasses.replace(_HD128, text_intermediate=11008),
+    # the 3b's 151,936-row embedding and lm_head (the sampler's log-softmax over 149 blocks of 1024)
+    "tiny_hd128_vocab": dataclasses.replace(_HD128, vocab_size=151936),
+    # the 3b's depths: 36 decoder layers, 32 vision blocks with its window and full-attention blocks
+    "tiny_hd128_deep": dataclasses.replace(_HD128, text_layers=36, vision_depth=32, window_size=112,
+                                           fullatt_blocks=(7, 15, 23, 31)),
+})
 
 
 def _lookup(table: dict, key: str, what: str):

@@ -541,7 +541,161 @@ def op_diff(args) -> dict:
     return report
 
 
+# --- kernel probes (--kernels) ----------------------------------------------------------------------------------
+# The exact mode's premises, on random tensors at Qwen2.5-VL-3B's shapes, with no model: (1) cuBLAS gives a row
+# the same bits whatever the number of rows multiplied with it (the engine multiplies a decode batch or a few
+# prompts, the policy a packed micro-batch of thousands of tokens); (2) vLLM's FlashAttention gives a token the
+# same bits as a one-token decode query over its prefix as inside a causal prefill of its whole sequence. The tiny
+# models cannot break either where it is most likely: sums over K in the thousands (where cuBLAS would split K),
+# a K that is not a multiple of 8 (the vision MLP's 3420: another kernel family), 8 query heads per key/value head.
+GEMM_SHAPES = {  # the 3b size's projections: name -> (K, N, bias)
+    "text.qkv_proj": (2048, 2560, True), "text.o_proj": (2048, 2048, False),
+    "text.gate_up_proj": (2048, 22016, False), "text.down_proj": (11008, 2048, False),
+    "lm_head": (2048, 151936, False), "visual.patch_embed": (1176, 1280, False),
+    "visual.qkv": (1280, 3840, True), "visual.proj": (1280, 1280, True),
+    "visual.gate_up_proj": (1280, 6840, True), "visual.down_proj": (3420, 1280, True),
+    "visual.merger.mlp.0": (5120, 5120, True), "visual.merger.mlp.2": (5120, 2048, True),
+}
+GEMM_ROWS = (1, 2, 3, 4, 7, 8, 16, 33, 64, 100, 128, 255, 256, 300, 1000, 1024, 4096)
+ATTENTION_SHAPES = {"3b": (16, 2, 128), "gqa8": (8, 1, 128), "tiny_hd128": (2, 1, 128)}  # (q heads, kv heads, dim)
+# around the 128-key tiles and the 3b's ~300-token prompts (256 image tokens each)
+ATTENTION_LENGTHS = (37, 128, 129, 200, 256, 300, 333, 400)
+
+
+def gemm_row_probe(k: int, n: int, bias: bool, rows=GEMM_ROWS, total: int = 8192, device="cuda",
+                   dtype=torch.bfloat16, linear=None, seed: int = 0) -> dict:
+    """`total` rows multiplied at once by an (n, k) weight against the same rows multiplied m at a time, for each m
+    in `rows`: from the first row, from the second (an offset the engine's slices can have), and as a 3-D (m, 1, k)
+    input (vLLM's vision tower). Returns the (m, start, 3-D, max |diff|) cases that are not bitwise."""
+    import torch.nn.functional as F
+
+    linear = linear or F.linear
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(total, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)
+    b = torch.randn(n, generator=g, device=device).to(dtype) if bias else None
+    full = linear(x, w, b)
+    differs = []
+    for m in (m for m in rows if m < total):
+        for start, three_d in ((0, False), (1, False), (0, True)):
+            part = x[start:start + m]
+            out = linear(part.unsqueeze(1), w, b).squeeze(1) if three_d else linear(part, w, b)
+            ref = full[start:start + m]
+            if not torch.equal(out, ref):
+                differs.append({"rows": m, "start": start, "three_d": three_d,
+                                "max_abs": float((out.double() - ref.double()).abs().max())})
+    return {"k": k, "n": n, "bias": bias, "total_rows": total, "bitwise": not differs, "differs": differs}
+
+
+def decode_layout(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every token of a packed row with boundaries `cu`: its sequence and its position in that sequence."""
+    lengths = (cu[1:] - cu[:-1]).to(torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
+    pos = torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].to(torch.int64)[seq]
+    return seq, pos
+
+
+def attention_probe(heads: int, kv_heads: int, dim: int, lengths=ATTENTION_LENGTHS, kernel=None, device="cuda",
+                    dtype=torch.bfloat16, seed: int = 0) -> dict:
+    """Each token's causal attention output as the policy computes it (one prefill of the packed row over paged K/V,
+    `models.attention.paged_flash`) against the engine's decode of it: a one-token query over its prefix in a
+    pure decode step (every query one token long), and in a mixed step (decode rows sharing the call with the
+    first sequence's prefill). `kernel` defaults to vLLM's flash_attn_varlen_func (its FlashAttention version).
+    Returns, per way, whether every token is bitwise and the first differing position of each sequence."""
+    from models.attention import _vllm_flash_kernel, paged_flash, paged_kv
+
+    # the policy's call, with vLLM's kernel and FlashAttention version where `kernel` is None
+    policy_kernel, extra = kernel, {}
+    if kernel is None:
+        kernel, version = _vllm_flash_kernel()
+        extra = {"fa_version": version} if version is not None else {}
+    g = torch.Generator(device=device).manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=g, device=device).to(dtype)
+    k, v = (torch.randn(total, kv_heads, dim, generator=g, device=device).to(dtype) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    longest, scale = max(lengths), dim ** -0.5
+    prefill = paged_flash(q, k, v, cu, longest, scale, kernel=policy_kernel)
+    k_cache, v_cache, table, seq_lengths = paged_kv(k, v, cu)
+    seq, pos = decode_layout(cu)
+    i32 = {"dtype": torch.int32, "device": device}
+
+    def call(rows_q, cu_q, max_q, used, blocks):
+        return kernel(q=rows_q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
+                      max_seqlen_k=longest, softmax_scale=scale, causal=True, block_table=blocks, num_splits=1,
+                      **extra)
+
+    decode = call(q, torch.arange(total + 1, **i32), 1, (pos + 1).to(torch.int32), table[seq])
+    # a mixed step: sequence 0 prefilled, every token of the others decoded, in one call
+    first = int(cu[1])
+    rest = torch.arange(first, total, device=device)
+    cu_mixed = torch.cat([torch.tensor([0], **i32), first + torch.arange(0, total - first + 1, **i32)])
+    mixed = call(torch.cat([q[:first], q[rest]]), cu_mixed, first,
+                 torch.cat([seq_lengths[:1], (pos[rest] + 1).to(torch.int32)]), torch.cat([table[:1], table[seq[rest]]]))
+
+    def verdict(out):
+        same = (out == prefill).flatten(1).all(dim=1)
+        firsts = [int(pos[(seq == s) & ~same].min()) if bool(((seq == s) & ~same).any()) else None
+                  for s in range(len(lengths))]
+        return {"bitwise": bool(same.all()), "tokens_differing": int((~same).sum()),
+                "first_differing_position": firsts,
+                "max_abs": float((out.double() - prefill.double()).abs().max())}
+
+    return {"heads": heads, "kv_heads": kv_heads, "dim": dim, "lengths": list(lengths),
+            "pure_decode": verdict(decode), "mixed_step": verdict(mixed)}
+
+
+def kernel_probes(device="cuda") -> dict:
+    """The exact mode's process settings and vLLM's batch-invariant overrides, then every GEMM shape of
+    `GEMM_SHAPES` and attention shape of `ATTENTION_SHAPES`: one report, `all_bitwise` on top."""
+    from rollout import exact
+
+    exact.prepare_process()  # before this process's first GEMM: torch reads the cuBLAS workspace settings once
+    state = {}
+    exact.enable_batch_invariance(state)
+    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "batch_invariant": state,
+              "gemm": {name: gemm_row_probe(*shape, device=device) for name, shape in GEMM_SHAPES.items()},
+              "attention": {name: attention_probe(*shape, device=device) for name, shape in ATTENTION_SHAPES.items()}}
+    report["all_bitwise"] = all(r["bitwise"] for r in report["gemm"].values()) and all(
+        r[way]["bitwise"] for r in report["attention"].values() for way in ("pure_decode", "mixed_step"))
+    return report
+
+
+def format_probes(report: dict) -> str:
+    lines = [f"kernel probes ({report['device']}, torch {report['torch']}): all bitwise {report['all_bitwise']}"]
+    for name, r in report["gemm"].items():
+        bad = ", ".join(f"{d['rows']}{'@1' if d['start'] else ''}{' 3-D' if d['three_d'] else ''}"
+                        for d in r["differs"][:8])
+        lines.append(f"  gemm {name:<22} K={r['k']:<6} N={r['n']:<7} "
+                     + ("bitwise for every row count" if r["bitwise"] else f"NOT bitwise at rows {bad}"))
+    for name, r in report["attention"].items():
+        for way in ("pure_decode", "mixed_step"):
+            v = r[way]
+            lines.append(f"  attention {name:<10} {r['heads']}/{r['kv_heads']}x{r['dim']} {way:<11} "
+                         + ("bitwise" if v["bitwise"] else f"NOT bitwise: {v['tokens_differing']} tokens, first "
+                            f"positions {v['first_differing_position']}, max |diff| {v['max_abs']:.3e}"))
+    return "\n".join(lines)
+
+
+def kernels_main(argv: list[str]) -> int:
+    """`op_diff.py --kernels [--out FILE]`: the kernel probes alone (a GPU with vLLM; no model)."""
+    p = argparse.ArgumentParser(description="the exact mode's kernel probes at the 3b size's shapes")
+    p.add_argument("--kernels", action="store_true", required=True)
+    p.add_argument("--out", default=None, help="also write the JSON report here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("op_diff --kernels: needs CUDA and vLLM (it runs the engine's kernels)")
+    report = kernel_probes()
+    print(format_probes(report), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--kernels" in argv:
+        return kernels_main(argv)
     args = _parse(argv)
     from models.parallel import init_distributed, shutdown_distributed
 

@@ -1,11 +1,13 @@
 """Qwen3.5's packed Gated DeltaNet on a GPU: flash-linear-attention's varlen kernel against transformers'
-torch rule, forward and backward, at Qwen3.5-4B's heads (16 key / 32 value heads, 128 wide) in bf16.
+torch rule, forward and backward, at Qwen3.5-4B's heads (16 key / 32 value heads, 128 wide), in float16
+(fine enough to see #640's corruption) and bfloat16 (what training runs).
 
 On Hopper with Triton >= 3.4.0 and < 3.7.1 fla refuses this backward (fla-org/flash-linear-attention#640);
 `models.fla_guard` lifts that guard for 128-wide key heads after a self-check on the device, as the
 trainer does before its first backward. The module's fixture makes that decision and prints it (run
 with -s to see the self-check's errors); the tests then compare gradients on packed rows."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -44,13 +46,15 @@ def _inputs(lengths, shape, seed=0):
     return [q, k, v, gate, beta]
 
 
-def test_fla_varlen_equals_torch_rule_per_sequence():
-    """fla on a packed row (bf16) against transformers' rule on each sequence alone (fp32): output and
-    every input's gradient, within the self-check's tolerances."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fla_varlen_equals_torch_rule_per_sequence(dtype):
+    """fla on a packed row against transformers' rule on each sequence alone (fp32): output and every
+    input's gradient, within the self-check's tolerances."""
     lengths = [37, 5, 190, 64, 1]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
-    values = _inputs(lengths, SHAPE_4B)
-    grad_out = torch.randn(1, sum(lengths), SHAPE_4B.v_heads, SHAPE_4B.v_dim, device="cuda")
+    shape = dataclasses.replace(SHAPE_4B, dtype=dtype)
+    values = _inputs(lengths, shape)
+    grad_out = torch.randn(1, sum(lengths), shape.v_heads, shape.v_dim, device="cuda")
     leaves = [t.clone().requires_grad_() for t in values]
     packed = fla_delta_rule_packed(*leaves, cu)
     got = [packed, *torch.autograd.grad(packed, leaves, grad_out.to(packed.dtype))]
@@ -64,18 +68,20 @@ def test_fla_varlen_equals_torch_rule_per_sequence():
     reference = torch.cat(outs, dim=1)
     want = [reference, *torch.autograd.grad(reference, exact, grad_out)]
     errors = {name: fla_guard.relative_error(a, b) for name, a, b in zip(("out", *fla_guard.GRADIENTS), got, want)}
-    print(f"\nper-sequence reference, relative errors {errors}", flush=True)
+    print(f"\nper-sequence reference, {dtype}, relative errors {errors}", flush=True)
     for name, error in errors.items():
-        assert error <= fla_guard.tolerance(name, SHAPE_4B.dtype), (name, errors)
+        assert error <= fla_guard.tolerance(name, dtype), (name, errors)
 
 
-def test_self_check_on_other_lengths(plan):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_self_check_on_other_lengths(plan, dtype):
     """The self-check's comparison on a second packed row (a long sequence first, short ones after)."""
-    errors = fla_guard.gradient_errors(fla_delta_rule_packed, torch_delta_rule_packed, SHAPE_4B,
+    errors = fla_guard.gradient_errors(fla_delta_rule_packed, torch_delta_rule_packed,
+                                       dataclasses.replace(SHAPE_4B, dtype=dtype),
                                        torch.device("cuda", torch.cuda.current_device()), lengths=(300, 7, 128, 65))
-    print(f"\nroute {plan.route}, relative errors {errors}", flush=True)
+    print(f"\nroute {plan.route}, {dtype}, relative errors {errors}", flush=True)
     for name, error in errors.items():
-        assert error <= fla_guard.tolerance(name, SHAPE_4B.dtype), (name, errors)
+        assert error <= fla_guard.tolerance(name, dtype), (name, errors)
 
 
 def test_block_64_is_refused_where_fla_guards(plan):

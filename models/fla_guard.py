@@ -17,8 +17,8 @@ What vlrl does, per device and before the first backward (`prepare_backward`):
   changed), and only on devices that passed a self-check: a small random packed problem with the
   model's head counts and widths, fla's output and gradients against the exact torch rule in fp32, in
   float16 at fla's own test tolerances (the #640 corruption showed as a g-gradient error of 0.04
-  against fla's 0.02 there; bf16 rounds too coarsely to see it) and in the model's dtype. A
-  disagreement beyond tolerance refuses the run;
+  against fla's tolerance of 0.02, an error bf16's own rounding could hide) and in the model's dtype.
+  A disagreement beyond tolerance refuses the run;
 - the guard would fire and BK is anything else (64 is the case #640 reports wrong): refuse.
 Refusals raise `DeltaRuleBackwardError`, which says what to do: Triton >= 3.7.1 or tilelang.
 """
@@ -264,7 +264,7 @@ def gradient_errors(rule: Callable, reference: Callable, shape: RuleShape, devic
     """Relative errors of `rule(q, k, v, g, beta, cu)`'s output and input gradients on a random packed
     problem against `reference` run on the same values in fp32."""
     inputs, cu, grad_out = _check_problem(shape, device, lengths)
-    with torch.enable_grad():
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):  # the reference stays fp32
         leaves = [t.clone().requires_grad_() for t in inputs]
         out = rule(*leaves, cu)
         got = [out, *torch.autograd.grad(out, leaves, grad_out)]

@@ -44,6 +44,7 @@ the CPU tests exercise the paged layout, the routing and the validation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -148,11 +149,68 @@ def vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return ((xf * cos) + (rotate_half(xf) * sin)).to(x.dtype)
 
 
+@functools.cache
+def _engine_linear_fn():
+    """vLLM's `linear_batch_invariant`, or None without vLLM. Under VLLM_BATCH_INVARIANT its unquantized linear
+    layers and its lm_head call it on CUDA (`UnquantizedLinearMethod.apply`, `UnquantizedEmbeddingMethod.apply`):
+    on Hopper too, where the aten::mm override is not registered, it runs vLLM's persistent Triton matmul (fixed
+    tiles, so a row's bits do not depend on how many rows share the call) and adds the bias after, in the model
+    dtype. cuBLAS's F.linear is neither the same kernel nor the same bias rounding (one rounding, in its epilogue)."""
+    try:
+        from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+    except ImportError:
+        return None
+    return linear_batch_invariant
+
+
+class _EngineLinear(torch.autograd.Function):
+    """Forward: vLLM's batch-invariant linear (the engine's bits). Backward: the gradients of x·Wᵀ + b by torch's
+    GEMMs (the backward may differ from F.linear's in the last bits; the engine has none)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        w = weight.to(x.dtype)  # FSDP's unsharded parameters are already in the compute dtype
+        return _engine_linear_fn()(x, w, None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = (g @ weight.to(g.dtype)).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gw = (g.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = g.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+# How the engine's linear layers multiply in this process: "batch_invariant" (vLLM 0.26 under VLLM_BATCH_INVARIANT:
+# `linear_batch_invariant`) or "torch" (F.linear, a vLLM whose UnquantizedLinearMethod does not call it);
+# `patch_vllm` reads the installed vLLM's.
+ENGINE_LINEAR = {"path": "batch_invariant"}
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·Wᵀ + b as the engine's layers compute it in exact mode: vLLM's `linear_batch_invariant` on CUDA (the
+    policy's gradient from torch's GEMMs), F.linear without CUDA or vLLM or where the engine uses F.linear."""
+    if x.is_cuda and ENGINE_LINEAR["path"] == "batch_invariant" and _engine_linear_fn() is not None:
+        return _EngineLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _policy_linear(module):
+    def forward(x):
+        return exact_linear(x, module.weight, module.bias)
+
+    return forward
+
+
 def patch_embed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The vision patch embedding as one matmul over flattened patches (a Conv3d whose stride is its kernel):
-    (patches, C·T·P·P) → (patches, E), whatever shape the weight is stored in."""
+    (patches, C·T·P·P) → (patches, E), whatever shape the weight is stored in; through `exact_linear` on both
+    sides (the engine encodes other images per call than the policy: a row-invariant kernel)."""
     w = weight.reshape(weight.shape[0], -1)
-    return F.linear(x.reshape(-1, w.shape[1]).to(w.dtype), w)
+    return exact_linear(x.reshape(-1, w.shape[1]).to(w.dtype), w)
 
 
 def _policy_patch_embed(module):
@@ -182,7 +240,7 @@ class _FusedLinears:
                 weight = torch.cat([m.weight for m in self.members])
                 biases = [m.bias for m in self.members]
                 bias = torch.cat(biases) if all(b is not None for b in biases) else None
-                self.key, self.parts, self.served = x, F.linear(x, weight, bias).split(self.sizes, dim=-1), 0
+                self.key, self.parts, self.served = x, exact_linear(x, weight, bias).split(self.sizes, dim=-1), 0
             out = self.parts[index]
             self.served += 1
             if self.served == len(self.members):  # all read: hold no activation past the layer
@@ -355,18 +413,24 @@ def _engine_arg_names() -> set[str] | None:
 def apply_exact_modules(model, adapter) -> int:
     """Set the exact attention implementations on the language model and the vision tower; every RMSNorm to
     `rms_norm`, the text rotary to `_policy_text_rope`, the patch embedding to `patch_embed`, q/k/v and gate/up
-    to one GEMM each (the engine's fused projections). Returns the counts."""
+    to one GEMM each (the engine's fused projections), every linear layer to `exact_linear` (the engine's
+    batch-invariant GEMM and bias add). Returns the counts."""
     register_attention()
     for m in model.modules():
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             config._attn_implementation = ATTENTION_NAME
     adapter.vision_tower(model).config._attn_implementation = VISION_ATTENTION_NAME
-    routed = {"rms_norm": 0, "text_rope": 0, "patch_embed": 0, "fused_qkv": 0, "fused_gate_up": 0}
+    routed = {"rms_norm": 0, "text_rope": 0, "patch_embed": 0, "fused_qkv": 0, "fused_gate_up": 0, "linear": 0}
     for m in model.modules():
-        kind = type(m).__name__
         routed["fused_qkv"] += _fuse(m, ("q_proj", "k_proj", "v_proj"))
         routed["fused_gate_up"] += _fuse(m, ("gate_proj", "up_proj"))
+    for m in model.modules():  # every other linear layer (o_proj, down_proj, the vision tower's, lm_head)
+        if isinstance(m, torch.nn.Linear) and "forward" not in m.__dict__:
+            m.forward = _policy_linear(m)
+            routed["linear"] += 1
+    for m in model.modules():
+        kind = type(m).__name__
         if kind.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
             m.forward = _policy_rms_norm(m)
             routed["rms_norm"] += 1
@@ -449,6 +513,7 @@ def patch_vllm(report: dict) -> None:
         for method in ("forward_cuda", "forward_native"):
             setattr(cls, method, native)
         report[name] = "routed to torch code" if impl is not None else "forward_cuda -> forward_native"
+    report["linear"] = _engine_linear_path()
     try:
         from vllm.model_executor.models import qwen2_5_vl
     except ImportError:
@@ -456,7 +521,9 @@ def patch_vllm(report: dict) -> None:
         return
     for name, attr, impl in (("Qwen2_5_VisionPatchEmbed", "forward", _engine_patch_embed),
                              ("apply_rotary_pos_emb_vision", None, _engine_vision_rope)):
-        if not hasattr(qwen2_5_vl, name):
+        if not hasattr(qwen2_5_vl, name) and attr is None:  # vLLM 0.26: the rotation is an ApplyRotaryEmb op
+            report[name] = "absent (the vision rotation is ApplyRotaryEmb, routed by align_engine)"
+        elif not hasattr(qwen2_5_vl, name):
             report[name] = "not found in vllm.model_executor.models.qwen2_5_vl"
         elif attr is None:
             setattr(qwen2_5_vl, name, impl)
@@ -464,6 +531,22 @@ def patch_vllm(report: dict) -> None:
         else:
             setattr(getattr(qwen2_5_vl, name), attr, impl)
             report[name] = "routed to torch code"
+
+
+def _engine_linear_path() -> str:
+    """Which GEMM the installed vLLM's unquantized linear layers run under VLLM_BATCH_INVARIANT (read from the
+    source of `UnquantizedLinearMethod.apply`), set in ENGINE_LINEAR for `exact_linear`; returns the report line."""
+    import inspect
+
+    try:
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        source = inspect.getsource(UnquantizedLinearMethod.apply)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return f"UnquantizedLinearMethod not readable: exact_linear assumes {ENGINE_LINEAR['path']}"
+    ENGINE_LINEAR["path"] = "batch_invariant" if "linear_batch_invariant" in source else "torch"
+    return ("vLLM's linear_batch_invariant on both sides (exact_linear)" if ENGINE_LINEAR["path"] == "batch_invariant"
+            else "F.linear on both sides (this vLLM's linear layers do not call linear_batch_invariant)")
 
 
 def _engine_vision_rope(t, freqs, *args, **kwargs):

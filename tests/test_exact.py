@@ -286,6 +286,11 @@ def test_policy_routing_keeps_logprobs_and_runs_the_exact_paths(tiny_model, monk
     layers = len(policy.adapter.decoder_layers(policy.model))
     assert mode.report["policy"]["fused_qkv"] == layers  # the vision tower's qkv is one layer already
     assert mode.report["policy"]["fused_gate_up"] >= layers
+    # every other linear layer runs the engine's GEMM: o_proj and down_proj of each decoder layer, the vision
+    # blocks' qkv, proj and down_proj, the merger's two, lm_head
+    depth = len(policy.adapter.vision_tower(policy.model).blocks)
+    assert mode.report["policy"]["linear"] == 2 * layers + 3 * depth + 2 + 1
+    assert "forward" in policy.adapter.lm_head(policy.model).__dict__
     assert policy.adapter.vision_tower(policy.model).config._attn_implementation == exact.VISION_ATTENTION_NAME
     assert policy.model.config.get_text_config()._attn_implementation == exact.ATTENTION_NAME
     with torch.no_grad():
@@ -339,6 +344,8 @@ def test_patch_vllm_routes_the_custom_ops(monkeypatch):
     rms, silu, rope = _fake_vllm(monkeypatch, {})
     report = {}
     exact.patch_vllm(report)
+    assert report.pop("linear").startswith("UnquantizedLinearMethod not readable")  # no linear module in the fake
+    assert exact.ENGINE_LINEAR["path"] == "batch_invariant"
     assert report == {"RMSNorm": "routed to torch code", "SiluAndMul": "routed to torch code",
                       "MRotaryEmbedding": "forward_cuda -> forward_native",
                       "ApplyRotaryEmb": "not found in vllm.model_executor.layers.rotary_embedding.common",
@@ -356,6 +363,52 @@ def test_patch_vllm_routes_the_custom_ops(monkeypatch):
     report = {}
     exact.patch_vllm(report)
     assert report["SiluAndMul"].startswith("not found")
+
+
+class _BatchInvariantLinearMethod:  # vLLM 0.26's UnquantizedLinearMethod.apply, as read by _engine_linear_path
+    def apply(self, layer, x, bias=None):
+        return "linear_batch_invariant(x, layer.weight, bias)"
+
+
+class _TorchLinearMethod:
+    def apply(self, layer, x, bias=None):
+        return "dispatch_unquantized_gemm()(layer, x, layer.weight, bias)"
+
+
+@pytest.mark.parametrize("method,path", [(_BatchInvariantLinearMethod, "batch_invariant"), (_TorchLinearMethod, "torch")])
+def test_policy_linear_follows_the_engines_linear_method(monkeypatch, method, path):
+    """exact_linear takes vLLM's batch-invariant GEMM where the engine's linear layers call it, F.linear where not;
+    off CUDA it is F.linear either way."""
+    monkeypatch.setitem(exact.ENGINE_LINEAR, "path", "batch_invariant")
+    linear = types.ModuleType("vllm.model_executor.layers.linear")
+    linear.UnquantizedLinearMethod = method
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.linear", linear)
+    assert (path == "batch_invariant") == ("linear_batch_invariant on both sides" in exact._engine_linear_path())
+    assert exact.ENGINE_LINEAR["path"] == path
+    x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+    assert torch.equal(exact.exact_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_engine_linear_forward_is_vllms_and_backward_is_linears(monkeypatch):
+    """_EngineLinear returns vLLM's linear_batch_invariant bits (here a stand-in that adds the bias after the
+    product, rounded to bf16 in between as vLLM's does) and the gradients of x·Wᵀ + b."""
+    def batch_invariant(x, w, bias=None):
+        out = (x @ w.t()).to(torch.bfloat16).to(x.dtype)
+        return out if bias is None else out + bias
+
+    monkeypatch.setattr(exact, "_engine_linear_fn", lambda: batch_invariant)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    out = exact._EngineLinear.apply(x, w, b)
+    assert torch.equal(out, batch_invariant(x, w, b))
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (x, w, b), upstream)
+    expect = torch.autograd.grad(F.linear(x, w, b), (x, w, b), upstream)
+    assert all(torch.allclose(a, e) for a, e in zip(grads, expect))
 
 
 def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):

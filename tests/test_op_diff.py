@@ -192,3 +192,20 @@ def test_attention_probe_compares_prefill_with_decode_and_mixed_steps():
     assert bumped["pure_decode"]["first_differing_position"] == [None, 16, 16]
     assert bumped["pure_decode"]["tokens_differing"] == (20 - 16) + (40 - 16)
     assert bumped["mixed_step"]["bitwise"]
+
+
+def test_format_probes_names_what_is_not_bitwise():
+    from tools.op_diff import attention_probe, format_probes, gemm_pair_probe, gemm_row_probe
+
+    cpu = {"device": "cpu", "dtype": torch.float32}
+    good = gemm_row_probe(16, 8, True, rows=(1, 3), total=16, linear=_row_linear, **cpu)
+    bad = gemm_row_probe(16, 8, True, rows=(1, 3), total=16, linear=lambda x, w, b: _row_linear(x, w, b, 2), **cpu)
+    pair = gemm_pair_probe(16, 8, _row_linear, lambda x, w, b: _row_linear(x, w, None) + b, rows=4, **cpu)
+    assert pair["zero_bias"]["bitwise"]
+    report = {"device": "cpu", "torch": torch.__version__, "all_bitwise": False,
+              "gemm": {"a": good}, "gemm_engine": {"a": bad}, "engine_vs_cublas": {"a": pair},
+              "attention": {"x": attention_probe(2, 1, 8, lengths=(3, 5), kernel=_paged_kernel, **cpu)}}
+    text = format_probes(report)
+    assert "gemm cuBLAS a" in text and "bitwise for every row count" in text
+    assert "gemm vLLM   a" in text and "NOT bitwise at rows 1, 1@1, 1 3-D" in text
+    assert "attention x" in text and "pure_decode bitwise" in text

@@ -320,7 +320,8 @@ tiny_hd128_mlp tiny_hd128_vocab tiny_hd128_deep"
     if [ "${EXACT_KERNELS:-1}" = 1 ]; then
       timeout ${EXACT_KERNELS_S:-150} $PY tools/op_diff.py --kernels --out "$OUT/exact_kernels.json" \
         > "$OUT/exact_kernels.log" 2>&1
-      echo "kernel probes rc=$?"; grep "^kernel probes\|^  gemm\|^  attention\|Error" "$OUT/exact_kernels.log" | tail -24
+      echo "kernel probes rc=$?"
+      grep "^kernel probes\|^  attention\|NOT bitwise\|vs cuBLAS\|Error" "$OUT/exact_kernels.log" | head -44
     fi
     for v in ${EXACT_VARIANTS:-}; do
       size=${v%@*}; side=448; [ "$size" != "$v" ] && side=${v#*@}

@@ -587,6 +587,21 @@ def gemm_row_probe(k: int, n: int, bias: bool, rows=GEMM_ROWS, total: int = 8192
     return {"k": k, "n": n, "bias": bias, "total_rows": total, "bitwise": not differs, "differs": differs}
 
 
+def gemm_pair_probe(k: int, n: int, linear_a, linear_b, rows: int = 300, device="cuda", dtype=torch.bfloat16,
+                    seed: int = 0) -> dict:
+    """Two implementations of x·Wᵀ + b on the same `rows` rows: bitwise with a zero bias (the random test models'
+    biases) and with a drawn one (a released checkpoint's q/k/v and vision biases)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)
+    out = {}
+    for name, b in (("zero_bias", torch.zeros(n, device=device, dtype=dtype)),
+                    ("bias", torch.randn(n, generator=g, device=device).to(dtype))):
+        a, c = linear_a(x, w, b), linear_b(x, w, b)
+        out[name] = {"bitwise": torch.equal(a, c), "max_abs": float((a.double() - c.double()).abs().max())}
+    return out
+
+
 def decode_layout(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For every token of a packed row with boundaries `cu`: its sequence and its position in that sequence."""
     lengths = (cu[1:] - cu[:-1]).to(torch.int64)
@@ -650,24 +665,38 @@ def kernel_probes(device="cuda") -> dict:
     `GEMM_SHAPES` and attention shape of `ATTENTION_SHAPES`: one report, `all_bitwise` on top."""
     from rollout import exact
 
+    import torch.nn.functional as F
+
     exact.prepare_process()  # before this process's first GEMM: torch reads the cuBLAS workspace settings once
     state = {}
     exact.enable_batch_invariance(state)
+    engine_linear = exact._engine_linear_fn()  # what vLLM's linear layers call under VLLM_BATCH_INVARIANT
     report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "batch_invariant": state,
+              # the policy's GEMM before exact_linear (cuBLAS), then the engine's (and exact_linear's)
               "gemm": {name: gemm_row_probe(*shape, device=device) for name, shape in GEMM_SHAPES.items()},
+              "gemm_engine": {name: gemm_row_probe(*shape, device=device, linear=engine_linear)
+                              for name, shape in GEMM_SHAPES.items()},
+              "engine_vs_cublas": {name: gemm_pair_probe(k, n, engine_linear, F.linear, device=device)
+                                   for name, (k, n, _) in GEMM_SHAPES.items()},
               "attention": {name: attention_probe(*shape, device=device) for name, shape in ATTENTION_SHAPES.items()}}
-    report["all_bitwise"] = all(r["bitwise"] for r in report["gemm"].values()) and all(
+    # what exact mode relies on: the engine's GEMM row-invariant, the attention decode-invariant
+    report["all_bitwise"] = all(r["bitwise"] for r in report["gemm_engine"].values()) and all(
         r[way]["bitwise"] for r in report["attention"].values() for way in ("pure_decode", "mixed_step"))
     return report
 
 
 def format_probes(report: dict) -> str:
     lines = [f"kernel probes ({report['device']}, torch {report['torch']}): all bitwise {report['all_bitwise']}"]
-    for name, r in report["gemm"].items():
-        bad = ", ".join(f"{d['rows']}{'@1' if d['start'] else ''}{' 3-D' if d['three_d'] else ''}"
-                        for d in r["differs"][:8])
-        lines.append(f"  gemm {name:<22} K={r['k']:<6} N={r['n']:<7} "
-                     + ("bitwise for every row count" if r["bitwise"] else f"NOT bitwise at rows {bad}"))
+    for kind, label in (("gemm", "cuBLAS"), ("gemm_engine", "vLLM")):
+        for name, r in report[kind].items():
+            bad = ", ".join(f"{d['rows']}{'@1' if d['start'] else ''}{' 3-D' if d['three_d'] else ''}"
+                            for d in r["differs"][:8])
+            lines.append(f"  gemm {label:<6} {name:<22} K={r['k']:<6} N={r['n']:<7} "
+                         + ("bitwise for every row count" if r["bitwise"] else f"NOT bitwise at rows {bad}"))
+    for name, r in report["engine_vs_cublas"].items():
+        lines.append(f"  vLLM's linear vs cuBLAS {name:<22} zero bias: "
+                     + "  bias: ".join(f"{'bitwise' if v['bitwise'] else 'differ'} ({v['max_abs']:.2e})"
+                                       for v in r.values()))
     for name, r in report["attention"].items():
         for way in ("pure_decode", "mixed_step"):
             v = r[way]

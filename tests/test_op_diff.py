@@ -183,7 +183,7 @@ def test_attention_probe_compares_prefill_with_decode_and_mixed_steps():
 
     kw = {"lengths": (5, 20, 40), "device": "cpu", "dtype": torch.float32}
     report = attention_probe(4, 2, 8, kernel=_paged_kernel, **kw)
-    for way in ("pure_decode", "mixed_step"):
+    for way in ("pure_decode", "mixed_step", "prompt_prefill"):
         assert report[way]["bitwise"] and report[way]["first_differing_position"] == [None, None, None]
     # decode summing differently past 16 keys of context: pure decode steps differ from position 16 on, and
     # only in the sequences that long; a mixed step (the prefill's call) does not
@@ -191,7 +191,12 @@ def test_attention_probe_compares_prefill_with_decode_and_mixed_steps():
     assert not bumped["pure_decode"]["bitwise"]
     assert bumped["pure_decode"]["first_differing_position"] == [None, 16, 16]
     assert bumped["pure_decode"]["tokens_differing"] == (20 - 16) + (40 - 16)
-    assert bumped["mixed_step"]["bitwise"]
+    assert bumped["mixed_step"]["bitwise"] and bumped["prompt_prefill"]["bitwise"]
+    # a prefill whose bits depend on how long its keys run: the prompts' rows differ, from their first position
+    cut = attention_probe(4, 2, 8, kernel=lambda *a, **k: _paged_kernel(*a, **k) + (k["max_seqlen_q"] < 40) * 1e-3,
+                          **kw)
+    assert cut["prompt_prefill"]["first_differing_position"] == [0, 0, 0]
+    assert cut["prompt_prefill"]["tokens_differing"] == 3 + 15 + 30
 
 
 def test_format_probes_names_what_is_not_bitwise():

@@ -560,6 +560,7 @@ GEMM_ROWS = (1, 2, 3, 4, 7, 8, 16, 33, 64, 100, 128, 255, 256, 300, 1000, 1024, 
 ATTENTION_SHAPES = {"3b": (16, 2, 128), "gqa8": (8, 1, 128), "tiny_hd128": (2, 1, 128)}  # (q heads, kv heads, dim)
 # around the 128-key tiles and the 3b's ~300-token prompts (256 image tokens each)
 ATTENTION_LENGTHS = (37, 128, 129, 200, 256, 300, 333, 400)
+ATTENTION_WAYS = ("pure_decode", "mixed_step", "prompt_prefill")  # the engine's calls a token's output can come from
 
 
 def gemm_row_probe(k: int, n: int, bias: bool, rows=GEMM_ROWS, total: int = 8192, device="cuda",
@@ -648,16 +649,24 @@ def attention_probe(heads: int, kv_heads: int, dim: int, lengths=ATTENTION_LENGT
     mixed = call(torch.cat([q[:first], q[rest]]), cu_mixed, first,
                  torch.cat([seq_lengths[:1], (pos[rest] + 1).to(torch.int32)]), torch.cat([table[:1], table[seq[rest]]]))
 
-    def verdict(out):
-        same = (out == prefill).flatten(1).all(dim=1)
+    # the engine's prompt prefill: each sequence's first three quarters alone (its keys end there), all in one call
+    cuts = [max(1, 3 * n // 4) for n in lengths]
+    kept = torch.cat([torch.arange(int(cu[i]), int(cu[i]) + c, device=device) for i, c in enumerate(cuts)])
+    cu_cut = torch.tensor([0, *torch.tensor(cuts).cumsum(0).tolist()], **i32)
+    prompt = paged_flash(q[kept], k[kept], v[kept], cu_cut, max(cuts), scale, kernel=policy_kernel)
+
+    def verdict(out, rows=None):
+        rows = torch.arange(total, device=device) if rows is None else rows
+        same = torch.ones(total, dtype=torch.bool, device=device)
+        same[rows] = (out == prefill[rows]).flatten(1).all(dim=1)
         firsts = [int(pos[(seq == s) & ~same].min()) if bool(((seq == s) & ~same).any()) else None
                   for s in range(len(lengths))]
         return {"bitwise": bool(same.all()), "tokens_differing": int((~same).sum()),
                 "first_differing_position": firsts,
-                "max_abs": float((out.double() - prefill.double()).abs().max())}
+                "max_abs": float((out.double() - prefill[rows].double()).abs().max())}
 
     return {"heads": heads, "kv_heads": kv_heads, "dim": dim, "lengths": list(lengths),
-            "pure_decode": verdict(decode), "mixed_step": verdict(mixed)}
+            "pure_decode": verdict(decode), "mixed_step": verdict(mixed), "prompt_prefill": verdict(prompt, kept)}
 
 
 def kernel_probes(device="cuda") -> dict:
@@ -681,7 +690,7 @@ def kernel_probes(device="cuda") -> dict:
               "attention": {name: attention_probe(*shape, device=device) for name, shape in ATTENTION_SHAPES.items()}}
     # what exact mode relies on: the engine's GEMM row-invariant, the attention decode-invariant
     report["all_bitwise"] = all(r["bitwise"] for r in report["gemm_engine"].values()) and all(
-        r[way]["bitwise"] for r in report["attention"].values() for way in ("pure_decode", "mixed_step"))
+        r[way]["bitwise"] for r in report["attention"].values() for way in ATTENTION_WAYS)
     return report
 
 
@@ -698,7 +707,7 @@ def format_probes(report: dict) -> str:
                      + "  bias: ".join(f"{'bitwise' if v['bitwise'] else 'differ'} ({v['max_abs']:.2e})"
                                        for v in r.values()))
     for name, r in report["attention"].items():
-        for way in ("pure_decode", "mixed_step"):
+        for way in ATTENTION_WAYS:
             v = r[way]
             lines.append(f"  attention {name:<10} {r['heads']}/{r['kv_heads']}x{r['dim']} {way:<11} "
                          + ("bitwise" if v["bitwise"] else f"NOT bitwise: {v['tokens_differing']} tokens, first "

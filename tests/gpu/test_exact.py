@@ -113,6 +113,8 @@ def test_kernel_probes_at_3b_shapes(tmp_path):
     """cuBLAS gives a row the same bits at any row count, and vLLM's FlashAttention a token the same bits in a
     decode step as in a prefill, at the 3b size's shapes (tools/op_diff.py --kernels, a process of its own: the
     exact mode's cuBLAS settings must come before its first GEMM)."""
+    from tools.op_diff import ATTENTION_WAYS
+
     out = Path(os.environ.get("EXACT_KERNELS_OUT") or tmp_path / "kernels.json")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "op_diff.py"), "--kernels", "--out", str(out)],
@@ -121,6 +123,6 @@ def test_kernel_probes_at_3b_shapes(tmp_path):
     assert done.returncode == 0, f"op_diff --kernels failed:\n{done.stderr[-4000:]}"
     report = json.loads(out.read_text())
     broken = [name for name, r in report["gemm"].items() if not r["bitwise"]] + [
-        f"attention {name} {way}" for name, r in report["attention"].items() for way in ("pure_decode", "mixed_step")
+        f"attention {name} {way}" for name, r in report["attention"].items() for way in ATTENTION_WAYS
         if not r[way]["bitwise"]]
     assert report["all_bitwise"], f"not bitwise at the 3b shapes: {', '.join(broken)}"

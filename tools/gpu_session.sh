@@ -37,7 +37,7 @@
 #             with a zoom tool (tests/gpu/test_exact_episodes.py, exact_episodes.json); ~6 min. EXACT_3B=1: the
 #             same test on the 3B shape at 448x448 instead (exact_3b.json; a call of its own)
 #             EXACT_EPISODE_SIZES="tiny tiny_hd128": the two-turn check alone for those sizes (exact_episodes_SIZE.json)
-#             EXACT_VARIANTS="SIZE[@SIDE] ..." (or "default": tiny_hd128 and the tiny_hd128_* sizes, each with one
+#             EXACT_VARIANTS="SIZE[@SIDE] ..." (or "default": tiny_hd128 at 56 and 448, the tiny_hd128_* sizes, each with one
 #             feature of the 3B shape, at 448x448): the kernel probes at the 3B shapes (op_diff --kernels,
 #             exact_kernels.json; EXACT_KERNELS=0 skips them, EXACT_KERNELS=1 alone runs only them), then the exact
 #             run alone on each (exact_SIZE_SIDE.json), printing max |dlogprob| for each; EXACT_BUDGET_S=560
@@ -315,8 +315,8 @@ exact)
     # bisecting a mismatch: the kernel probes at the 3B shapes (op_diff --kernels: cuBLAS row invariance,
     # FlashAttention decode = prefill; ~1 min), then the exact run alone on each SIZE[@SIDE] (a make_tiny_model size,
     # SIDExSIDE images, default 448), one process each, while EXACT_BUDGET_S lasts (~1-1.5 min each)
-    [ "${EXACT_VARIANTS:-}" = default ] && EXACT_VARIANTS="tiny_hd128 tiny_hd128_vit3b tiny_hd128_gqa8 \
-tiny_hd128_mlp tiny_hd128_vocab tiny_hd128_deep"
+    [ "${EXACT_VARIANTS:-}" = default ] && EXACT_VARIANTS="tiny_hd128@56 tiny_hd128 tiny_hd128_vit3b \
+tiny_hd128_gqa8 tiny_hd128_mlp tiny_hd128_vocab tiny_hd128_deep"
     if [ "${EXACT_KERNELS:-1}" = 1 ]; then
       timeout ${EXACT_KERNELS_S:-150} $PY tools/op_diff.py --kernels --out "$OUT/exact_kernels.json" \
         > "$OUT/exact_kernels.log" 2>&1

@@ -4,6 +4,8 @@
     python tools/op_diff.py ... --random-responses --tol 1e-5 --out op_diff.json
     python tools/op_diff.py ... --perturb-engine model.language_model.layers.1.mlp.down_proj.weight=1e-2
     python tools/op_diff.py ... --engine vllm --exact   # rollout.exact=true: the first module still not bitwise
+    python tools/op_diff.py --kernels --out kernels.json   # no model: the exact mode's kernel premises at the 3b
+                                                           # shapes (GEMM row invariance, attention decode = prefill)
 
 It builds the trainer (grpo.trainer.Trainer), so the policy is the real sharded policy, takes a few
 prompts, and gets responses from the configured engine (or random tokens, `--random-responses`).

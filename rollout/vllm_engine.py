@@ -89,7 +89,7 @@ import torch
 from models.family import FAMILIES, FamilyAdapter, build_adapter
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
 from rollout.colocation import kv_bytes_per_token
-from rollout.weight_names import VLLMSkips, vllm_load_name, vllm_names, vllm_param_for
+from rollout.weight_names import FUSED_EXPERT_PARAMS, ExpertShard, VLLMSkips, vllm_load_name, vllm_names, vllm_param_for
 
 log = logging.getLogger(__name__)
 
@@ -303,8 +303,37 @@ def _qkv_part(module, data: torch.Tensor, shard: str, tp: int) -> torch.Tensor:
     return full
 
 
+def _expert_tensor(module, attr: str, data: torch.Tensor, shard: ExpertShard | None) -> torch.Tensor:
+    """The checkpoint-shaped experts behind a vLLM FusedMoE parameter (RoutedExperts' w13_weight or
+    w2_weight): all of a layer's experts as transformers 5 holds them (gate_up_proj (E, 2·I, H),
+    down_proj (E, H, I)), or one expert's gate, up or down projection of a hub file.
+
+    Each rank holds its slice of the intermediate dimension: [gate_r; up_r] rows of w13, columns
+    of w2, possibly padded past the checkpoint's sizes, which are cut off before gathering.
+    """
+    parallel = module.moe_config.moe_parallel_config
+    if parallel.use_ep or parallel.dp_size > 1:
+        raise NotImplementedError(
+            f"read_weights: {attr} of {module.layer_name} is split across expert-parallel or data-parallel "
+            f"ranks (use_ep={parallel.use_ep}, dp_size={parallel.dp_size}); only tensor parallelism is read back")
+    tp = parallel.tp_size
+    hidden = module.moe_config.hidden_dim_unpadded
+    inter = module.moe_config.intermediate_size_per_partition_unpadded
+    if attr == "w2_weight":
+        down = _gather(data[:, :hidden, :inter], 2, tp)
+        return down if shard is None else down[shard.expert]
+    half = data.shape[1] // 2  # w1 rows, then w3 rows (FusedMoE's gated layout)
+    gate = _gather(data[:, :inter, :hidden], 1, tp)
+    up = _gather(data[:, half : half + inter, :hidden], 1, tp)
+    if shard is None:
+        return torch.cat([gate, up], 1)
+    return (gate if shard.part == "w1" else up)[shard.expert]
+
+
 def _full_tensor(module, attr: str, data: torch.Tensor, shard) -> torch.Tensor:
     """The checkpoint-shaped tensor behind one vLLM parameter (or one shard of a stacked one)."""
+    if attr in FUSED_EXPERT_PARAMS and hasattr(module, "moe_config"):
+        return _expert_tensor(module, attr, data, shard)
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -405,17 +434,39 @@ def refit_stream(family: str, skips: VLLMSkips, tied: bool, named_tensors: Itera
         yield vllm_load_name(family, name), tensor.detach()
 
 
+# Children that load the weights their parent module is handed and report names relative to
+# themselves: vLLM 0.26's MoERunner (`mlp.experts`) passes its weights to RoutedExperts
+# (`mlp.experts.routed_experts`), whose `load_weights` yields `w13_weight`; AutoWeightsLoader then
+# prefixes the runner's path, so the loaded expert parameters come back as `...mlp.experts.w13_weight`.
+_REPORTING_CHILDREN = ("routed_experts",)
+
+
+def _reported_tensor(name: str, tensors: set[str]) -> str | None:
+    """The model's tensor a name reported by `load_weights` stands for: itself, the same name under a
+    child in `_REPORTING_CHILDREN`, or None when it names nothing in the model."""
+    if name in tensors:
+        return name
+    path, _, attr = name.rpartition(".")
+    for child in _REPORTING_CHILDREN:
+        inner = f"{path}.{child}.{attr}" if path else f"{child}.{attr}"
+        if inner in tensors:
+            return inner
+    return None
+
+
 def load_into(model, stream) -> set[str]:
-    """vLLM's `model.load_weights(stream)`: the names it reports loaded that name a parameter or buffer of the model.
+    """vLLM's `model.load_weights(stream)`: the parameters and buffers of the model it reports loaded.
 
     vLLM 0.26's Gemma4 text model (gemma4.py `Gemma4Model.load_weights`) reports a stacked tensor
     under the fused parameter's name and under its own (q_proj, gate_proj, ...), which names nothing
-    in the model; an unexpected name that is a real parameter still fails `check_loaded`.
+    in the model and is dropped. vLLM's FusedMoE layers (Qwen3.5-MoE's experts) report what they loaded
+    one module short (`_REPORTING_CHILDREN`), which is resolved to the parameter. An unexpected name
+    that is a real parameter still fails `check_loaded`.
     """
     loaded = set(model.load_weights(stream))
     tensors = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     tensors |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    return loaded & tensors
+    return {t for t in (_reported_tensor(n, tensors) for n in loaded) if t is not None}
 
 
 def check_loaded(loaded: set[str], expected: set[str]) -> None:

@@ -13,6 +13,8 @@ into one parameter:
     model.visual.blocks.0.attn.qkv.w                    visual.blocks.0.attn.qkv.w  (already fused on both sides)
     model.visual.blocks.0.mlp.gate_proj.w  (2.5 only)   visual.blocks.0.mlp.gate_up_proj.w                  (shard 0)
     lm_head.w                                           language_model.lm_head.w
+    model.language_model.layers.0.mlp.experts.gate_up_proj  (MoE: all experts, (E, 2·I, H))
+        → language_model.model.layers.0.mlp.experts.routed_experts.w13_weight  (vLLM's FusedMoE)
 
 A shard id says where a checkpoint tensor sits inside the fused vLLM parameter: "q", "k",
 "v" for the attention projection (vLLM's QKVParallelLinear), 0 and 1 for gate and up
@@ -73,6 +75,26 @@ SHARD_IDS: dict[str, str | int | tuple[int, ...]] = {
 }
 
 _MEMBER_TO_STACK = {member: stacked for stacked, members in STACKED for member in members}
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """One expert's projection inside vLLM's fused expert parameter (FusedMoE's w13_weight / w2_weight).
+
+    Hub checkpoints store routed experts one tensor per expert and projection
+    (`...experts.3.up_proj.weight`); vLLM's `RoutedExperts` holds all of a layer's experts in one
+    parameter. `expert` is the index along its first dimension, `part` vLLM's shard id: "w1" the
+    gate rows and "w3" the up rows of w13_weight, "w2" the down projection w2_weight.
+    """
+
+    expert: int
+    part: str
+
+
+# Per-expert checkpoint names and the vLLM shard id of each projection (RoutedExperts' own ids).
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+FUSED_EXPERT_PARAMS = ("w13_weight", "w2_weight")
 
 
 @dataclass(frozen=True)
@@ -140,13 +162,18 @@ def hf_to_vllm_name(family: str, hf_name: str) -> str:
     )
 
 
-def vllm_param_for(family: str, hf_name: str) -> tuple[str, str | int | None]:
+def vllm_param_for(family: str, hf_name: str) -> tuple[str, str | int | tuple[int, ...] | ExpertShard | None]:
     """(vLLM parameter name, shard id or None) that holds the transformers tensor `hf_name`.
 
     A shard id is returned when vLLM fuses the tensor with its siblings into one parameter
-    (q/k/v → qkv_proj, gate/up → gate_up_proj); None when the parameter is the tensor itself.
+    (q/k/v → qkv_proj, gate/up → gate_up_proj, one expert of a hub file → the layer's fused
+    experts, an `ExpertShard`); None when the parameter is the tensor itself (transformers 5's
+    fused `experts.gate_up_proj` is all of w13_weight).
     """
     name = hf_to_vllm_name(family, hf_name)
+    expert = _PER_EXPERT.search(hf_name)
+    if expert is not None and name.rpartition(".")[2] in FUSED_EXPERT_PARAMS:
+        return name, ExpertShard(int(expert.group(1)), _EXPERT_PARTS[expert.group(2)])
     if not name.startswith(vllm_names(family).stacking_scopes):
         return name, None
     parts = name.split(".")

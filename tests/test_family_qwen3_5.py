@@ -8,6 +8,8 @@ to one `<|image_pad|>` per image, which vLLM's Qwen3-VL processor replaces with 
 """
 
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from models.packing import pack, unpack_per_sequence
 from models.parallel import build_parallel_dims, init_distributed
 from models.policy import build_policy
 from rollout.base import Generation
-from rollout.weight_names import vllm_param_for
+from rollout.weight_names import ExpertShard, vllm_param_for
 from tests.test_families import _prompts
 from tests.test_torch_engine import generation_batch
 
@@ -201,13 +203,27 @@ def test_moe_hub_files_load_per_expert_into_fused_experts(moe_folder):
         assert torch.equal(ours[name], theirs[name]), name
 
 
+def test_moe_engine_runs_the_experts_in_the_layout_refit_writes(moe_folder):
+    """vLLM's Triton MoE kernels read w13/w2 as loaded; FlashInfer's read a layout made once at start-up."""
+    from transformers import AutoConfig
+
+    from models.family import build_adapter
+
+    kwargs = build_adapter(AutoConfig.from_pretrained(moe_folder)).vllm_engine_kwargs()
+    assert kwargs == {"additional_config": {"gdn_prefill_backend": "triton"}, "moe_backend": "triton"}
+
+
 @pytest.mark.parametrize("hf_name, vllm_name, shard", [
-    ("model.language_model.layers.0.mlp.experts.gate_up_proj", "language_model.model.layers.0.mlp.experts.w13_weight",
-     None),
-    ("model.language_model.layers.1.mlp.experts.down_proj", "language_model.model.layers.1.mlp.experts.w2_weight",
-     None),
+    ("model.language_model.layers.0.mlp.experts.gate_up_proj",
+     "language_model.model.layers.0.mlp.experts.routed_experts.w13_weight", None),
+    ("model.language_model.layers.1.mlp.experts.down_proj",
+     "language_model.model.layers.1.mlp.experts.routed_experts.w2_weight", None),
     ("model.language_model.layers.1.mlp.experts.3.up_proj.weight",
-     "language_model.model.layers.1.mlp.experts.w13_weight", None),
+     "language_model.model.layers.1.mlp.experts.routed_experts.w13_weight", ExpertShard(3, "w3")),
+    ("model.layers.0.mlp.experts.0.gate_proj.weight",
+     "language_model.model.layers.0.mlp.experts.routed_experts.w13_weight", ExpertShard(0, "w1")),
+    ("model.language_model.layers.0.mlp.experts.2.down_proj.weight",
+     "language_model.model.layers.0.mlp.experts.routed_experts.w2_weight", ExpertShard(2, "w2")),
     ("model.language_model.layers.0.mlp.gate.weight", "language_model.model.layers.0.mlp.gate.weight", None),
     ("model.language_model.layers.0.mlp.shared_expert.gate_proj.weight",
      "language_model.model.layers.0.mlp.shared_expert.gate_up_proj.weight", 0),
@@ -242,6 +258,225 @@ def test_read_back_of_the_stacked_gated_deltanet_projections(monkeypatch):
     assert torch.equal(_full_tensor(qkvz, "weight", data, (0, 1, 2)), data[:14])
     assert torch.equal(_full_tensor(qkvz, "weight", data, 3), data[14:])
 
+
+# --- vLLM 0.26's FusedMoE as refit meets it (stand-ins: no vLLM in the CPU tests) ---------------
+class _RoutedExperts(torch.nn.Module):
+    """vLLM 0.26's RoutedExperts (fused_moe/routed_experts.py) as far as refit sees it: a layer's experts
+    as w13_weight (E, 2·I, H: gate rows, then up) and w2_weight (E, H, I), this rank's slice of I plus
+    `pad` rows or columns; `load_weights` takes transformers' fused tensors and hub files' per-expert
+    ones, yields the parameter's name relative to itself, and drops any other name without a word."""
+
+    def __init__(self, experts, inter, hidden, pad=0, tp_size=1, tp_rank=0):
+        super().__init__()
+        nan = float("nan")
+        self.w13_weight = torch.nn.Parameter(torch.full((experts, 2 * (inter + pad), hidden), nan), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(torch.full((experts, hidden, inter + pad), nan), requires_grad=False)
+        self.layer_name = "stand-in"
+        self.tp_rank = tp_rank
+        self.moe_config = SimpleNamespace(
+            moe_parallel_config=SimpleNamespace(use_ep=False, dp_size=1, tp_size=tp_size),
+            hidden_dim_unpadded=hidden, intermediate_size_per_partition_unpadded=inter)
+
+    def _w13(self, expert, part, weight):
+        inter, half = self.moe_config.intermediate_size_per_partition_unpadded, self.w13_weight.shape[1] // 2
+        rows = weight.narrow(-2, self.tp_rank * inter, inter)
+        self.w13_weight.data[expert, (0 if part == "w1" else half) + torch.arange(inter)] = rows
+
+    def _w2(self, expert, weight):
+        inter = self.moe_config.intermediate_size_per_partition_unpadded
+        self.w2_weight.data[expert, :, :inter] = weight.narrow(-1, self.tp_rank * inter, inter)
+
+    def load_weights(self, weights):
+        for name, weight in weights:
+            per_expert = re.fullmatch(r"(\d+)\.(gate|up|down)_proj\.weight", name)
+            if name == "gate_up_proj":
+                for e, (gate, up) in enumerate(zip(*weight.chunk(2, 1))):
+                    self._w13(e, "w1", gate), self._w13(e, "w3", up)
+                yield "w13_weight"
+            elif name == "down_proj":
+                for e, down in enumerate(weight):
+                    self._w2(e, down)
+                yield "w2_weight"
+            elif per_expert:
+                e, proj = int(per_expert.group(1)), per_expert.group(2)
+                if proj == "down":
+                    self._w2(e, weight)
+                else:
+                    self._w13(e, "w1" if proj == "gate" else "w3", weight)
+                yield "w2_weight" if proj == "down" else "w13_weight"
+
+
+class _MoERunner(torch.nn.Module):
+    """vLLM 0.26's MoERunner (`mlp.experts`): hands its weights to its `routed_experts` child."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.routed_experts = experts
+
+    def load_weights(self, weights):
+        return self.routed_experts.load_weights(weights)
+
+
+class _MoEModel(torch.nn.Module):
+    """The expert path of vLLM's Qwen3.5-MoE: `language_model.model.layers.N.mlp.experts`; its
+    `load_weights` maps transformers' prefix as Qwen3-VL's mapper does and, as AutoWeightsLoader, gives
+    a child with `load_weights` the rest of each name and prefixes the child's path to what it reports."""
+
+    def __init__(self, layers, experts, inter, hidden):
+        super().__init__()
+        self.language_model = torch.nn.Module()
+        self.language_model.model = torch.nn.Module()
+        self.language_model.model.layers = torch.nn.ModuleList()
+        for _ in range(layers):
+            layer = torch.nn.Module()
+            layer.mlp = torch.nn.Module()
+            layer.mlp.experts = _MoERunner(_RoutedExperts(experts, inter, hidden))
+            self.language_model.model.layers.append(layer)
+
+    def load_weights(self, weights):
+        for name, weight in weights:
+            name = re.sub(r"^model\.(language_model\.)?", "language_model.model.", name)
+            path, _, rest = name.partition(".mlp.experts.")
+            runner = f"{path}.mlp.experts"
+            yield from (f"{runner}.{n}" for n in self.get_submodule(runner).load_weights([(rest, weight)]))
+
+
+def _experts_state(layers=2, experts=4, inter=3, hidden=5):
+    """Transformers 5's fused experts of a Qwen3.5-MoE decoder, random."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for i in range(layers):
+        out[f"model.language_model.layers.{i}.mlp.experts.gate_up_proj"] = torch.randn(experts, 2 * inter, hidden,
+                                                                                         generator=g)
+        out[f"model.language_model.layers.{i}.mlp.experts.down_proj"] = torch.randn(experts, hidden, inter, generator=g)
+    return out
+
+
+def _per_expert(fused: dict) -> dict:
+    """The same experts under a hub file's names, one tensor per expert and projection."""
+    out = {}
+    for name, t in fused.items():
+        prefix = name.rpartition(".")[0]
+        for e, w in enumerate(t):
+            if name.endswith("gate_up_proj"):
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = w.chunk(2, 0)
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = w
+    return out
+
+
+def _read_back(experts, name):
+    """`vllm_engine._full_tensor` of the expert parameter a transformers name maps to."""
+    from rollout.vllm_engine import _full_tensor
+
+    param, shard = vllm_param_for("qwen3_5_moe", name)
+    attr = param.rpartition(".")[2]
+    return _full_tensor(experts, attr, getattr(experts, attr).data, shard)
+
+
+@pytest.mark.parametrize("names", ["module", "file"])
+def test_refit_loads_the_experts_and_reads_them_back(names):
+    """vLLM 0.26 reports the experts it loaded as `...mlp.experts.w13_weight`, one module short of the
+    parameter `...mlp.experts.routed_experts.w13_weight` (the H200's first refit failed on this): the
+    refit must count them loaded, and every expert tensor must read back as sent."""
+    from rollout.vllm_engine import _read_params, check_loaded, load_into, refit_stream
+    from rollout.weight_names import VLLMSkips
+
+    sent = _experts_state() if names == "module" else _per_expert(_experts_state())
+    model = _MoEModel(2, 4, 3, 5)
+    expected, skipped = set(), {}
+    with torch.no_grad():
+        loaded = load_into(model, refit_stream("qwen3_5_moe", VLLMSkips(), False, sent.items(), expected, skipped))
+    check_loaded(loaded, expected)
+    assert expected == {f"language_model.model.layers.{i}.mlp.experts.routed_experts.{w}"
+                        for i in (0, 1) for w in ("w13_weight", "w2_weight")}
+    assert not any(p.isnan().any() for p in model.parameters())  # every expert row was written
+    back = _read_params(model, [(n, *vllm_param_for("qwen3_5_moe", n)) for n in sent])
+    assert all(torch.equal(back[n], t) for n, t in sent.items())
+
+
+def test_refit_fails_when_vllm_drops_or_misreports_the_experts(monkeypatch):
+    """Expert tensors under a name vLLM's loader ignores would leave the engine's experts stale, and
+    names reported one module short are not counted without their resolution: both fail the refit."""
+    import rollout.vllm_engine as engine
+    from rollout.weight_names import VLLMSkips
+
+    def refit():
+        expected = set()
+        stream = engine.refit_stream("qwen3_5_moe", VLLMSkips(), False, _experts_state().items(), expected, {})
+        engine.check_loaded(engine.load_into(_MoEModel(2, 4, 3, 5), stream), expected)
+
+    refit()
+    with monkeypatch.context() as patch:  # a name RoutedExperts.load_weights matches nothing with
+        patch.setattr(engine, "vllm_load_name", lambda family, name: name.replace("gate_up_proj", "gate_up"))
+        with pytest.raises(RuntimeError, match=r"did not load \['language_model.model.layers.0.mlp.experts."
+                                               r"routed_experts.w13_weight', 'language_model.model.layers.1"):
+            refit()
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_REPORTING_CHILDREN", ())
+        with pytest.raises(RuntimeError, match=r"did not load .*\(4 in all\)"):
+            refit()
+
+
+def test_expert_read_back_gathers_each_ranks_slice_of_the_intermediate_dimension(monkeypatch):
+    """With tensor parallelism each rank holds [gate_r; up_r] rows of w13 and columns of w2 (padded
+    here past the checkpoint's size); read-back cuts the padding and gathers gate and up apart."""
+    import threading
+
+    import rollout.vllm_engine as engine
+
+    fused = _experts_state(layers=1, experts=3, inter=4, hidden=5)
+    per_expert = _per_expert(fused)
+    names = [*fused, "model.language_model.layers.0.mlp.experts.2.up_proj.weight",
+             "model.language_model.layers.0.mlp.experts.1.gate_proj.weight",
+             "model.language_model.layers.0.mlp.experts.1.down_proj.weight"]
+    tp, barrier, pieces, rank = 2, threading.Barrier(2), {}, threading.local()
+
+    def all_gather(t, dim, size):  # torch.distributed's all_gather, with two threads as the ranks
+        pieces.setdefault(rank.step, [None] * size)[rank.id] = t
+        barrier.wait()
+        out = torch.cat(pieces[rank.step], dim)
+        rank.step += 1
+        return out
+
+    monkeypatch.setattr(engine, "_gather", all_gather)
+    results = [None] * tp
+
+    def run(r):
+        rank.id, rank.step = r, 0
+        experts = _RoutedExperts(3, 4 // tp, 5, pad=1, tp_size=tp, tp_rank=r)
+        list(experts.load_weights((n.rpartition(".experts.")[2], t) for n, t in fused.items()))
+        results[r] = {n: _read_back(experts, n) for n in names}
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(tp):
+        for name in names:
+            assert torch.equal(results[r][name], fused.get(name, per_expert.get(name))), (r, name)
+
+
+
+def test_vllms_own_moe_model_loads_every_expert_on_cpu(moe_folder):
+    """vLLM 0.26's own Qwen3.5-MoE class, built on CPU by tools/vllm_load_check.py: both refits load
+    exactly the predicted parameters, write every parameter, and read back bitwise. Runs where vLLM's
+    source and its pure-Python dependencies import (PYTHONPATH=<vLLM 0.26 source>:<deps>)."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM's source is not importable (PYTHONPATH=<vLLM 0.26 source>:<its deps>)")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "tools" / "vllm_load_check.py"), "--model", str(moe_folder),
+                           "--max-images", "1"], capture_output=True, text=True, timeout=900, cwd=root)
+    results = {r["check"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert results.get("setup", {}).get("ok"), proc.stdout + proc.stderr[-4000:]
+    for label in ("refit_module_names", "refit_file_names"):
+        assert results[label]["ok"] and results[label]["unwritten"] == [], results[label]
 
 def test_load_balancing_loss_is_transformers_own():
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func

@@ -8,7 +8,9 @@ For one model folder it constructs vLLM 0.26's model class the way the engine's 
             model's `load_weights`, then `check_loaded`): vLLM must load exactly the parameters the
             name table predicts; then every tensor read back (`vllm_engine._read_params`, as
             `VLLMEngine.read_weights`) must equal what was sent, bit for bit. The same for the
-            checkpoint file's names.
+            checkpoint file's names. Every parameter is set to NaN before each refit, so a tensor
+            that reads back equal was written by that refit, and a parameter (or part of one) that
+            no refit tensor reaches is reported (`unwritten`): in the engine it would stay stale.
   features  a trainer prompt's images (1 and 2 images of different shapes) through vLLM's processor
             and its model's `embed_multimodal`, against the policy's image features
             (`FamilyAdapter.image_features`) on the trainer's pixels: the vision tower, the
@@ -117,7 +119,9 @@ def check_refit(model, family: str, model_config: dict, named: dict, label: str)
         tied = head_is_embedding(model, family)
         expected, skipped = set(), {}
         with torch.no_grad():
+            _poison(model)
             loaded = load_into(model, refit_stream(family, skips, tied, named.items(), expected, skipped))
+        unwritten = _poisoned(model)
         check_loaded(loaded, expected)
         targets = [(name, *vllm_param_for(family, name)) for name in named if skips.reason(family, name) is None]
         back = _read_params(model, targets)
@@ -125,8 +129,26 @@ def check_refit(model, family: str, model_config: dict, named: dict, label: str)
         return {**out, "ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
     wrong = [n for n, _, _ in targets if back[n].shape != named[n].shape or not torch.equal(back[n], named[n])]
     out.update(tied_head=tied, loaded=len(loaded), skipped=len(skipped), read_back=len(back),
-               read_back_wrong=wrong[:5], ok=not wrong)
+               read_back_wrong=wrong[:5], unwritten=unwritten[:5], ok=not wrong and not unwritten)
     return out
+
+
+def _poison(model) -> None:
+    """Fill every floating-point parameter of vLLM's model with NaN before a refit, so that a tensor
+    reading back equal was written by this refit (not left from the last one, or from a loader that
+    skipped it), and any part of a parameter the refit did not write stays NaN."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.data.fill_(float("nan"))
+
+
+def _poisoned(model) -> list[str]:
+    """The parameters still holding a NaN of `_poison` after the refit: in the engine they would keep
+    their start-up values while the policy trains."""
+    import torch
+
+    return [name for name, param in model.named_parameters()
+            if param.is_floating_point() and torch.isnan(param.data).any()]
 
 
 def check_features(processor, vllm_config, model, policy, trainer_processor, adapter, vocab, count: int,

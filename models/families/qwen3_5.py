@@ -465,6 +465,13 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter):
         return {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                 "self_attn.o_proj": "rowwise"}
 
+    def vllm_engine_kwargs(self) -> dict:
+        # Refit writes the experts in the checkpoint's layout, which is what vLLM's Triton MoE kernels
+        # read (its pick on Hopper). FlashInfer's kernels, its pick on other GPUs, run on a layout made
+        # once after start-up loading (fused_moe/oracle/unquantized.py `convert_to_unquantized_kernel_format`:
+        # w3 before w1, or a shuffled block layout) that a refit would not remake.
+        return {**super().vllm_engine_kwargs(), "moe_backend": "triton"}
+
 
 def _qwen3_5_moe_adapter(config) -> Qwen3_5MoeAdapter:
     add_cache_batch_ops()
@@ -477,20 +484,24 @@ def _qwen3_5_moe_adapter(config) -> Qwen3_5MoeAdapter:
 QWEN3_5_EXTRA_TOKENS = QWEN2_5_EXTRA_TOKENS + (("<think>", False), ("</think>", False))
 # Gated DeltaNet projections vLLM 0.26 fuses (its `packed_modules_mapping`), inside the decoder.
 DECODER = ("language_model.model.layers.",)
-# vLLM's FusedMoE holds each layer's experts as w13_weight (E, 2·I, H: gate rows, then up) and
-# w2_weight (E, H, I), the layout of transformers 5's fused gate_up_proj and down_proj; its loader
-# takes the fused tensors by their transformers names. The router (`mlp.gate`), the shared expert
-# (gate/up stacked into gate_up_proj) and its gate keep transformers' paths.
+# vLLM 0.26 builds each layer's experts as a MoERunner (`mlp.experts`, fused_moe/runner/moe_runner.py)
+# whose `routed_experts` child (RoutedExperts) holds them as w13_weight (E, 2·I, H: gate rows, then up)
+# and w2_weight (E, H, I), the layout of transformers 5's fused gate_up_proj and down_proj. Its loader
+# takes the fused tensors by their transformers names and per-expert hub tensors alike
+# (`RoutedExperts.load_weights`); each lands in the routed_experts parameter, which is the name here
+# (vLLM reports it without `routed_experts.`; `vllm_engine.load_into` resolves that). The router
+# (`mlp.gate`), the shared expert (gate/up stacked into gate_up_proj) and its gate keep transformers' paths.
+_ROUTED = r"language_model.model.\1routed_experts."
 _EXPERTS = (
-    (r"^model\.language_model\.(layers\.\d+\.mlp\.experts\.)gate_up_proj$", r"language_model.model.\1w13_weight"),
-    (r"^model\.language_model\.(layers\.\d+\.mlp\.experts\.)down_proj$", r"language_model.model.\1w2_weight"),
-    (r"^model\.(layers\.\d+\.mlp\.experts\.)gate_up_proj$", r"language_model.model.\1w13_weight"),
-    (r"^model\.(layers\.\d+\.mlp\.experts\.)down_proj$", r"language_model.model.\1w2_weight"),
-    # Hub files' per-expert tensors: each is a slice of the same vLLM parameter.
+    (r"^model\.language_model\.(layers\.\d+\.mlp\.experts\.)gate_up_proj$", _ROUTED + "w13_weight"),
+    (r"^model\.language_model\.(layers\.\d+\.mlp\.experts\.)down_proj$", _ROUTED + "w2_weight"),
+    (r"^model\.(layers\.\d+\.mlp\.experts\.)gate_up_proj$", _ROUTED + "w13_weight"),
+    (r"^model\.(layers\.\d+\.mlp\.experts\.)down_proj$", _ROUTED + "w2_weight"),
+    # Hub files' per-expert tensors: each is one expert's slice of the same vLLM parameter
+    # (`weight_names.ExpertShard` says which).
     (r"^model\.(?:language_model\.)?(layers\.\d+\.mlp\.experts\.)\d+\.(gate|up)_proj\.weight$",
-     r"language_model.model.\1w13_weight"),
-    (r"^model\.(?:language_model\.)?(layers\.\d+\.mlp\.experts\.)\d+\.down_proj\.weight$",
-     r"language_model.model.\1w2_weight"),
+     _ROUTED + "w13_weight"),
+    (r"^model\.(?:language_model\.)?(layers\.\d+\.mlp\.experts\.)\d+\.down_proj\.weight$", _ROUTED + "w2_weight"),
 )
 _UNVERIFIED = "vLLM path written from vLLM's qwen3_5.py ({}); not yet run on a GPU"
 

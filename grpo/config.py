@@ -153,6 +153,11 @@ class RolloutConfig:
     exact: bool = False
     # vLLM's attention backend for the language model (auto: vLLM's choice, FlashAttention on an H200)
     attention_backend: Literal["auto", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION"] = "auto"
+    # vLLM's kernel warm-up at engine start (V2 model runner; rollout/vllm_engine.py `kernel_warmup`): full
+    # (vLLM's: every sampler feature), lean (the kernels a rollout's sampling runs), off (each compiles on first use)
+    engine_warmup: Literal["full", "lean", "off"] = "full"
+    # let vLLM keep its memory profile's KV-cache size (VLLM_ENABLE_STARTUP_PLAN) and skip profiling next time
+    engine_startup_plan: bool = False
 
 
 DEFAULT_TIS_CAP = 2.0  # veRL's default; TRL uses 3

@@ -69,6 +69,9 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   image attention) get their KV cache capped where its per-step block map would grow past
   256 MiB (`flex_kv_cap_bytes`; only models with little KV per token, like the tiny ones). A refit of a sleeping engine wakes only the weights; `wake` then
   brings the KV cache back.
+- Start-up: `build_times` holds the seconds of importing vLLM, of `LLM(...)` and of the V2 model
+  runner's kernel warm-up inside it, which `rollout.engine_warmup` can shrink to the kernels a rollout
+  runs or skip (`kernel_warmup`); `rollout.engine_startup_plan` lets vLLM reuse its memory profile.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ import logging
 import os
 import random
 import socket
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -142,17 +146,26 @@ def _ensure_launcher_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+def engine_env(family_env: dict[str, str], startup_plan: bool) -> dict[str, str]:
+    """The environment an engine is built in: the family's, and with `startup_plan` vLLM's
+    VLLM_ENABLE_STARTUP_PLAN (rollout.engine_startup_plan): vLLM then keeps its memory profile's KV-cache
+    size under ~/.cache/vllm/startup_plan, keyed by a fingerprint of the config, device and versions, and
+    a later build with that fingerprint and at least as much free memory skips the profiling."""
+    return {**family_env, **({"VLLM_ENABLE_STARTUP_PLAN": "1"} if startup_plan else {})}
+
+
 # Names vLLM 0.26's pixtral module (imported by its LLaVA module) takes from transformers, which
 # transformers 5.17 removed. They serve Pixtral vision towers only, never LLaVA's CLIP/SigLIP.
 _PIXTRAL_NAMES = ("PixtralRotaryEmbedding", "position_ids_in_meshgrid")
 
 
 def apply_vllm_env(env: dict[str, str]) -> None:
-    """Set a family's environment for the engine about to be built (`FamilyAdapter.vllm_env`) and drop
-    vLLM's cache of its variables: an engine built earlier in this process froze them."""
+    """Set the environment for the engine about to be built (the family's `FamilyAdapter.vllm_env`, and
+    the engine's own switches) and drop vLLM's cache of its variables: an engine built earlier in this
+    process froze them."""
     for key, value in env.items():
         if os.environ.get(key) != value:
-            log.info("VLLMEngine: %s=%s (the family's choice, was %s)", key, value, os.environ.get(key))
+            log.info("VLLMEngine: %s=%s (was %s)", key, value, os.environ.get(key))
         os.environ[key] = value
     if env:
         try:
@@ -212,6 +225,66 @@ def _sampling_rng(seed: int, device: int):
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)
         yield
+
+
+# What `rollout.engine_warmup` makes of vLLM 0.26's kernel warm-up for the V2 model runner
+# (gpu_worker.compile_or_warm_up_model → v1/worker/gpu/warmup.py `warmup_kernels`: a prefill of
+# max_num_seqs dummy requests with `SamplingParams.for_sampler_warmup()`, which turns on every sampler
+# feature (penalties, bad words, min-p, top-k/top-p, prompt logprobs, 5 logprobs), plus a grammar
+# bitmask, then a decode step). It only compiles and loads kernels: the KV blocks it writes belong to
+# no request, and vLLM reseeds its generators after it. On the 3B recipe 13 s passed between the end of
+# CUDA-graph capture and the end of warm-up, where this runs (V1-runner engines: under 1 s there).
+#   full: vLLM's own warm-up, every kernel any request could use.
+#   lean: the same prefill and decode, sampled the way this engine's `generate` samples (temperature,
+#         the banned-token bias, the sampled token's logprob, no grammar): the kernels a rollout runs.
+#   off:  none; each kernel compiles when a rollout first needs it (vLLM's JIT monitor names them).
+WARMUP_MODES = ("full", "lean", "off")
+
+
+@contextlib.contextmanager
+def _sampler_warmup_params(params):
+    """vLLM's `SamplingParams.for_sampler_warmup()` returns `params` inside the block."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    original = VLLMSamplingParams.__dict__["for_sampler_warmup"]
+    VLLMSamplingParams.for_sampler_warmup = staticmethod(lambda: params)
+    try:
+        yield
+    finally:
+        VLLMSamplingParams.for_sampler_warmup = original
+
+
+@contextlib.contextmanager
+def kernel_warmup(mode: str, lean_params, times: dict):
+    """While an engine is built: run the V2 model runner's kernel warm-up as `mode` says (WARMUP_MODES)
+    and put its seconds in `times["warmup_s"]`. `lean_params` (a vLLM SamplingParams) is what the lean
+    warm-up samples with. The V1 model runner has no such warm-up; then nothing is timed."""
+    if mode not in WARMUP_MODES:
+        raise ValueError(f"VLLMEngine: engine_warmup={mode!r}; expected one of {WARMUP_MODES}")
+    try:
+        from vllm.v1.worker import gpu_worker
+    except ImportError:  # a vLLM without the V2 worker: nothing to time or change
+        yield
+        return
+    original = gpu_worker.warmup_kernels
+
+    def warmup(model_runner, execute_model, sample_tokens):
+        start = time.monotonic()
+        try:
+            if mode == "full":
+                original(model_runner, execute_model, sample_tokens)
+            elif mode == "lean":
+                with _sampler_warmup_params(lean_params):
+                    # no grammar bitmask: rollouts never use structured output
+                    original(model_runner, execute_model, lambda grammar_output: sample_tokens(None))
+        finally:
+            times["warmup_s"] = time.monotonic() - start
+
+    gpu_worker.warmup_kernels = warmup  # gpu_worker looks the name up when it warms up
+    try:
+        yield
+    finally:
+        gpu_worker.warmup_kernels = original
 
 
 def _mix_seed(*values: int) -> int:
@@ -517,6 +590,9 @@ class VLLMEngine(Engine):
         return_routed_experts: bool = False,
         exact=None,
         attention_backend: str = "auto",
+        engine_warmup: str = "full",
+        warmup_sampling: SamplingParams | None = None,
+        startup_plan: bool = False,
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -558,7 +634,17 @@ class VLLMEngine(Engine):
         self._calls = 0
         self.last_stats: dict[str, int] = {}
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
+        if engine_warmup not in WARMUP_MODES:
+            raise ValueError(f"VLLMEngine: engine_warmup={engine_warmup!r}; expected one of {WARMUP_MODES}")
+        self._engine_warmup = engine_warmup
+        # what the lean warm-up samples with: the rollouts' settings, or generate's defaults
+        self._warmup_sampling = warmup_sampling or SamplingParams(max_new_tokens=2, banned_token_ids=[image_pad_id])
+        self.build_times: dict[str, float] = {}  # seconds of the build's parts: import_s, llm_s, warmup_s
         _ensure_launcher_env()
+        start = time.monotonic()
+        from vllm import LLM  # noqa: F401  (timed apart: importing vLLM is seconds before it logs anything)
+
+        self.build_times["import_s"] = time.monotonic() - start
         # rollout.exact (rollout/exact.py): batch-invariant vLLM, eager, its custom ops routed to torch code
         self._exact = exact
         self._attention_backend = attention_backend  # "auto": vLLM's choice
@@ -576,12 +662,14 @@ class VLLMEngine(Engine):
         if self._world % tensor_parallel_size:
             raise ValueError(f"VLLMEngine: tensor_parallel_size={tensor_parallel_size} does not divide the "
                              f"{self._world} ranks")
-        apply_vllm_env(self.adapter.vllm_env())
+        apply_vllm_env(engine_env(self.adapter.vllm_env(), startup_plan))
+        start = time.monotonic()
         with _preserved_rng(self._device):
             self._llm = self._build_llm(
                 str(model_path), tensor_parallel_size, gpu_memory_utilization, enforce_eager,
                 max_model_len, seed, dtype, min_pixels, max_pixels,
             )
+        self.build_times["llm_s"] = time.monotonic() - start
         if (self.adapter.vllm_env().get("VLLM_USE_V2_MODEL_RUNNER") == "0"
                 and getattr(self._llm.llm_engine.vllm_config, "use_v2_model_runner", False)):
             raise RuntimeError(f"VLLMEngine: {self.family} needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), "
@@ -603,7 +691,16 @@ class VLLMEngine(Engine):
                    min_pixels, max_pixels):
         from vllm import LLM
 
-        return LLM(
+        mode = getattr(self, "_engine_warmup", "full")
+        lean = self._vllm_sampling(self._warmup_sampling, 1) if mode == "lean" else None
+        with kernel_warmup(mode, lean, getattr(self, "build_times", {})):
+            return LLM(**self._llm_kwargs(path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed,
+                                          dtype, min_pixels, max_pixels))
+
+    def _llm_kwargs(self, path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed, dtype,
+                    min_pixels, max_pixels) -> dict:
+        """The arguments of `vllm.LLM` for this engine."""
+        return dict(
             model=path,
             tokenizer=path,
             distributed_executor_backend="external_launcher",

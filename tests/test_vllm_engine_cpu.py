@@ -1,6 +1,9 @@
-"""The vLLM engine's code that runs without vLLM: the refit stream, its check, the KV cap, the shim."""
+"""The vLLM engine's code that runs without vLLM: the refit stream, its check, the KV cap, the shim, the
+start-up switches (kernel warm-up, startup plan) and what reaches vLLM's constructor."""
 
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -10,7 +13,9 @@ from rollout.vllm_engine import (
     FLEX_MAX_NUM_SEQS,
     KV_BLOCK_TOKENS,
     check_loaded,
+    engine_env,
     flex_kv_cap_bytes,
+    kernel_warmup,
     kv_bytes_per_token,
     refit_stream,
     vllm_compat,
@@ -99,3 +104,122 @@ def test_flex_cap_is_per_gpu_under_tensor_parallelism():
     assert flex_kv_cap_bytes(tiny, 2, 0.5, H200_BYTES, tensor_parallel_size=2) == one // 2
     # more GPUs than KV heads: heads are replicated, a GPU still holds one head's share
     assert flex_kv_cap_bytes(tiny, 2, 0.5, H200_BYTES, tensor_parallel_size=4) == one // 2
+
+
+class _FakeSamplingParams:
+    """vLLM's SamplingParams as far as the warm-up touches it."""
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+    @staticmethod
+    def for_sampler_warmup():
+        return "every feature"
+
+
+def _fake_worker(monkeypatch, calls: list):
+    """A vLLM whose V2 worker warms up through `gpu_worker.warmup_kernels`, which records what it got."""
+
+    def warmup_kernels(model_runner, execute_model, sample_tokens):
+        calls.append({"runner": model_runner, "params": _FakeSamplingParams.for_sampler_warmup(),
+                      "sampled": sample_tokens("grammar bitmask")})
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = _FakeSamplingParams
+    worker = types.ModuleType("vllm.v1.worker.gpu_worker")
+    worker.warmup_kernels = warmup_kernels
+    for name, module in (("vllm", vllm), ("vllm.v1", types.ModuleType("vllm.v1")),
+                         ("vllm.v1.worker", types.ModuleType("vllm.v1.worker")), (worker.__name__, worker)):
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["vllm.v1.worker"].gpu_worker = worker
+    sys.modules["vllm.v1"].worker = sys.modules["vllm.v1.worker"]
+    vllm.v1 = sys.modules["vllm.v1"]
+    return vllm, worker, warmup_kernels
+
+
+@pytest.mark.parametrize("mode", ["full", "lean", "off"])
+def test_kernel_warmup_modes_reach_the_v2_worker(monkeypatch, mode):
+    calls = []
+    _, worker, original = _fake_worker(monkeypatch, calls)
+    times = {}
+    with kernel_warmup(mode, "rollout params", times):
+        assert worker.warmup_kernels is not original
+        worker.warmup_kernels("runner", lambda out: None, lambda grammar: f"sampled with {grammar}")
+    assert worker.warmup_kernels is original and _FakeSamplingParams.for_sampler_warmup() == "every feature"
+    assert times["warmup_s"] >= 0
+    expected = {"full": [{"runner": "runner", "params": "every feature", "sampled": "sampled with grammar bitmask"}],
+                "lean": [{"runner": "runner", "params": "rollout params", "sampled": "sampled with None"}],
+                "off": []}[mode]
+    assert calls == expected
+
+
+def test_kernel_warmup_names_a_bad_mode_and_tolerates_a_vllm_without_the_v2_worker(monkeypatch):
+    with pytest.raises(ValueError, match="engine_warmup='fast'"):
+        with kernel_warmup("fast", None, {}):
+            pass
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # a plain module: no vllm.v1
+    times = {}
+    with kernel_warmup("off", None, times):
+        pass
+    assert times == {}
+
+
+def test_the_build_runs_the_configured_warmup_inside_the_llm_constructor(monkeypatch, tmp_path):
+    from rollout.base import SamplingParams
+    from rollout.vllm_engine import BAN_BIAS, VLLMEngine
+
+    calls, captured = [], {}
+    vllm, worker, _ = _fake_worker(monkeypatch, calls)
+
+    class LLM:  # vLLM's constructor warms up through the worker, inside the engine's build
+        def __init__(self, **kwargs):
+            captured.update(kwargs)
+            worker.warmup_kernels("runner", lambda out: None, lambda grammar: grammar)
+
+    vllm.LLM = LLM
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.__dict__.update(_world=1, _processor_cache_gb=0.0, max_images_per_prompt=1, max_videos_per_prompt=0,
+                           _async_scheduling=None, _max_num_seqs=128, _routing=False, _exact=None,
+                           _engine_warmup="lean", build_times={},
+                           _warmup_sampling=SamplingParams(temperature=0.7, max_new_tokens=2, banned_token_ids=[5, 9]))
+    engine.adapter = types.SimpleNamespace(vllm_processor_kwargs=lambda a, b: {}, vllm_engine_kwargs=lambda: {})
+    monkeypatch.setattr(VLLMEngine, "_kv_cache_kwargs", lambda self, *a: {})
+    engine._build_llm(str(tmp_path), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["max_num_seqs"] == 128 and captured["load_format"] == "dummy"
+    (call,) = calls
+    lean = call["params"]  # the rollouts' sampling: their temperature and bans, the sampled token's logprob only
+    assert (lean.temperature, lean.top_p, lean.top_k, lean.logprobs) == (0.7, 1.0, 0, 0)
+    assert lean.logit_bias == {5: BAN_BIAS, 9: BAN_BIAS} and call["sampled"] is None
+    assert "warmup_s" in engine.build_times
+    engine._engine_warmup = "full"
+    calls.clear()
+    engine._build_llm(str(tmp_path), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
+    assert calls == [{"runner": "runner", "params": "every feature", "sampled": "grammar bitmask"}]
+
+
+def test_engine_env_adds_the_startup_plan_only_when_asked():
+    family = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert engine_env(family, False) == family
+    assert engine_env(family, True) == {**family, "VLLM_ENABLE_STARTUP_PLAN": "1"}
+    assert engine_env({}, False) == {}
+
+
+def test_factory_passes_the_start_up_switches(monkeypatch, tiny_model):
+    from grpo.config import load_config
+    from models.family import build_adapter
+    from rollout import factory, vllm_engine
+    from transformers import AutoConfig
+
+    built = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: built.update(kw))
+    monkeypatch.setattr(factory, "resolve_engine_name", lambda name, family=None: "vllm")
+    adapter = build_adapter(AutoConfig.from_pretrained(str(tiny_model)))
+    policy = types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen2_5_vl")),
+                                   dtype=torch.bfloat16, adapter=adapter)
+    factory.build_engine(load_config(None, [f"model.path={tiny_model}"]), policy)
+    assert built["engine_warmup"] == "full" and built["startup_plan"] is False  # vLLM's own start-up by default
+    factory.build_engine(load_config(None, [f"model.path={tiny_model}", "rollout.engine_warmup=lean",
+                                            "rollout.engine_startup_plan=true", "rollout.temperature=0.6"]), policy)
+    assert built["engine_warmup"] == "lean" and built["startup_plan"] is True
+    warm = built["warmup_sampling"]
+    assert warm.temperature == 0.6 and warm.banned_token_ids == list(adapter.banned_token_ids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -57,6 +57,21 @@ OBJECTIVE_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
 STEP_PHASES = ("perf/gen_s", "perf/logprob_s", "perf/score_s", "perf/train_s", "perf/refit_s")
 
 
+@contextmanager
+def timed(times: dict, key: str):
+    """Add the block's wall-clock seconds to `times[key]`."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        times[key] = times.get(key, 0.0) + time.monotonic() - start
+
+
+def _seconds(times: dict) -> str:
+    """'policy_build 12.3 s, ...' for perf/*_s timings."""
+    return ", ".join(f"{k.removeprefix('perf/').removesuffix('_s')} {v:.1f} s" for k, v in times.items())
+
+
 class NonFiniteStop(RuntimeError):
     """Too many non-finite steps in a row: the run stopped with a checkpoint."""
 
@@ -66,6 +81,9 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        started = time.monotonic()
+        # start-up seconds, logged with the first step's metrics (perf/*_build_s), with the engine's once it is built
+        self._startup: dict[str, float] = {}
         preflight(cfg, dist.get_world_size())
         self.dims = build_parallel_dims(cfg.parallel.tp, cfg.parallel.replicate)
         self.run_dir = Path(cfg.trainer.run_dir)
@@ -78,17 +96,19 @@ class Trainer:
                                               self.dims.local_world_size)
         if cfg.rollout.exact:  # before the policy's first GEMM: cuBLAS reads the batch-invariant settings once
             prepare_process()
-        self.policy: Policy = build_policy(cfg.model, self.dims)
-        if cfg.rollout.exact:
-            build_exact(self.policy)
+        with timed(self._startup, "perf/policy_build_s"):
+            self.policy: Policy = build_policy(cfg.model, self.dims)
+            if cfg.rollout.exact:
+                build_exact(self.policy)
         self.adapter = self.policy.adapter
         self.optimizer = build_optimizer(self.policy, cfg.optim)
-        self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
-        self.tokenizer = self.processor.tokenizer
-        self.stop_ids = stop_token_ids(cfg.model.path, self.tokenizer, self.adapter.end_of_turn)
-        self.tool_prompt = tool_prompt(cfg, self.adapter, self.processor)  # rollout.tools' schemas in every prompt
-        self.feeder = self._feeder(cfg.data.train_path)
-        self.eval_feeder = self._feeder(cfg.data.eval_path, shuffle=False) if cfg.data.eval_path else None
+        with timed(self._startup, "perf/data_build_s"):  # processor, tokenizer, datasets
+            self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
+            self.tokenizer = self.processor.tokenizer
+            self.stop_ids = stop_token_ids(cfg.model.path, self.tokenizer, self.adapter.end_of_turn)
+            self.tool_prompt = tool_prompt(cfg, self.adapter, self.processor)  # rollout.tools' schemas in every prompt
+            self.feeder = self._feeder(cfg.data.train_path)
+            self.eval_feeder = self._feeder(cfg.data.eval_path, shuffle=False) if cfg.data.eval_path else None
         # The reference model for the KL term: a frozen copy, or with LoRA the policy itself with its
         # adapters off (its base weights never train, so it is the same model without a second copy).
         self.ref: Policy | None = None
@@ -96,14 +116,14 @@ class Trainer:
             if cfg.model.lora.rank > 0:
                 self.ref = self.policy
             else:
-                self.ref = build_policy(cfg.model, self.dims, trainable=False)
-                if cfg.rollout.exact:
-                    build_exact(self.ref)
+                with timed(self._startup, "perf/reference_build_s"):
+                    self.ref = build_policy(cfg.model, self.dims, trainable=False)
+                    if cfg.rollout.exact:
+                        build_exact(self.ref)
         self.colocation = Colocation(
             self.policy, self.optimizer, reference=None if self.ref is self.policy else self.ref,
             needs=self._memory_needs,
-            build_engine=lambda share: build_engine(cfg, self.policy, gpu_memory_utilization=share,
-                                                    max_num_seqs=self._rollout_sequences()),
+            build_engine=self._build_engine,
             offload=cfg.parallel.offload_during_generate, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             agree=lambda v: all_reduce_max_int(v, self.policy.device), is_main=self.dims.is_main,
         )
@@ -122,6 +142,9 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard, stdout=cfg.logging.stdout, progress=cfg.trainer.progress,
             backends=cfg.logging.backends, config=config_to_dict(cfg),
         )
+        self._startup["perf/init_s"] = time.monotonic() - started
+        if self.dims.is_main:
+            print("start-up: " + _seconds(self._startup), flush=True)
 
     # --- construction ------------------------------------------------------------------------
     def _feeder(self, path: str, shuffle: bool | None = None) -> PromptFeeder:
@@ -144,6 +167,19 @@ class Trainer:
             max_prompt_tokens=d.max_prompt_tokens, rank=self.dims.dp_rank, world=self.dims.dp, gather=gather,
             tool_prompt=self.tool_prompt,
         )
+
+    def _build_engine(self, share: float | None):
+        """The rollout engine for the colocation plan's share of the device, its build timed: perf/engine_build_s
+        and the engine's own parts (perf/engine_import_s, perf/engine_llm_s, perf/engine_warmup_s)."""
+        with timed(self._startup, "perf/engine_build_s"):
+            engine = build_engine(self.cfg, self.policy, gpu_memory_utilization=share,
+                                  max_num_seqs=self._rollout_sequences())
+        parts = {f"perf/engine_{k}": v for k, v in getattr(engine, "build_times", {}).items()}
+        self._startup.update(parts)
+        if self.dims.is_main:
+            print("engine built: " + _seconds({"perf/engine_build_s": self._startup["perf/engine_build_s"], **parts}),
+                  flush=True)
+        return engine
 
     @property
     def engine(self):
@@ -243,6 +279,8 @@ class Trainer:
             metrics["memory/peak_gb"] = self.colocation.peak.end()
             metrics["memory/alloc_retries"] = self.colocation.peak.alloc_retries()
             metrics["data/skipped_samples"] = self._skipped_total()
+            metrics.update(self._startup)  # start-up and engine-build seconds, once (the step that built the engine)
+            self._startup = {}
             if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 and self.eval_feeder:
                 metrics.update(self.evaluate())
             self.logger.log(self.step, metrics)

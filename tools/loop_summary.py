@@ -6,7 +6,11 @@ Prints one JSON object: `loop_step_s` (mean step seconds), the mean of each perf
 `mfu_llm`, `overhead_frac` (the share of a step that is not generation, the policy's passes or
 refit), `non_gen_train_frac` (neither generation nor the update: what tools/bench.py calls overhead),
 `sleep_wake_s`, `gen_tokens_per_s`, `untimed_frac` (what the phases do not cover), the first
-step's seconds and how much longer than a steady step it took, and the peak memory. With
+step's seconds and how much longer than a steady step it took, and the peak memory. Where the run
+logged its start-up (the trainer does, with the step that built the engine) it adds the seconds of
+building the policy, the reference and the data, of the trainer's whole start-up (`init_s`), of the
+engine's build (`engine_build_s`: importing vLLM, `LLM(...)`, and vLLM's kernel warm-up inside it), and
+`first_step_extra_other_s`: the first step's extra time that the engine's build does not explain. With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`.
@@ -31,6 +35,14 @@ SETTINGS = {
     "max_new_tokens": ("rollout", "max_new_tokens"),
     "unsharded_accumulation": ("optim", "unsharded_accumulation"),
     "shared_prompts": ("model", "shared_prompts"),
+    "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
+}
+# start-up seconds the trainer logs once (summary key -> metric)
+STARTUP = {
+    "policy_build_s": "perf/policy_build_s", "reference_build_s": "perf/reference_build_s",
+    "data_build_s": "perf/data_build_s", "init_s": "perf/init_s", "engine_build_s": "perf/engine_build_s",
+    "engine_import_s": "perf/engine_import_s", "engine_llm_s": "perf/engine_llm_s",
+    "engine_warmup_s": "perf/engine_warmup_s",
 }
 
 
@@ -77,6 +89,19 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
         out["first_step_s"] = first["perf/step_s"]
         out["first_step_extra_s"] = first["perf/step_s"] - step
         out["first_sleep_s"] = first.get("perf/sleep_s", 0.0)
+    out.update(startup(rows))
+    if "first_step_extra_s" in out and "engine_build_s" in out:
+        out["first_step_extra_other_s"] = out["first_step_extra_s"] - out["engine_build_s"]
+    return out
+
+
+def startup(rows: list[dict]) -> dict:
+    """The STARTUP seconds, each from the first row that logged it; those no row holds are left out."""
+    out = {}
+    for name, key in STARTUP.items():
+        value = next((r[key] for r in rows if key in r), None)
+        if value is not None:
+            out[name] = value
     return out
 
 

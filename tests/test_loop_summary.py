@@ -51,11 +51,13 @@ def test_summary_reports_the_start_up_and_what_the_engine_build_leaves(tmp_path)
     rows = [_row(s, t) for s, t in [(1, 50.0), (2, 12.0), (3, 9.0), (4, 10.0), (5, 11.0)]]
     rows[0].update({"perf/policy_build_s": 7.5, "perf/reference_build_s": 3.0, "perf/data_build_s": 0.5,
                     "perf/init_s": 12.0, "perf/engine_build_s": 28.0, "perf/engine_import_s": 5.0,
-                    "perf/engine_llm_s": 23.0, "perf/engine_warmup_s": 13.0})
+                    "perf/engine_llm_s": 23.0, "perf/engine_warmup_s": 13.0, "perf/gen_s": 33.0})
     s = summarize(rows)
     assert (s["policy_build_s"], s["reference_build_s"], s["data_build_s"], s["init_s"]) == (7.5, 3.0, 0.5, 12.0)
     assert (s["engine_build_s"], s["engine_import_s"], s["engine_llm_s"], s["engine_warmup_s"]) == (28, 5, 23, 13)
     assert s["first_step_extra_other_s"] == pytest.approx(40.0 - 28.0)
+    assert s["first_gen_extra_s"] == pytest.approx(33.0 - 28.0 - 2.0)  # steady generation: 2.0
+    assert s["first_update_extra_s"] == pytest.approx(0.0)
     # a run from before the start-up timings: none of the keys, the rest as before
     old = summarize([_row(s, t) for s, t in [(1, 50.0), (3, 9.0)]])
     assert "engine_build_s" not in old and "first_step_extra_other_s" not in old and old["first_step_extra_s"] == 41

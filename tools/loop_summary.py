@@ -10,7 +10,9 @@ step's seconds and how much longer than a steady step it took, and the peak memo
 logged its start-up (the trainer does, with the step that built the engine) it adds the seconds of
 building the policy, the reference and the data, of the trainer's whole start-up (`init_s`), of the
 engine's build (`engine_build_s`: importing vLLM, `LLM(...)`, and vLLM's kernel warm-up inside it), and
-`first_step_extra_other_s`: the first step's extra time that the engine's build does not explain. With
+`first_step_extra_other_s`: the first step's extra time that the engine's build does not explain, of
+which `first_gen_extra_s` in generation (`first_update_extra_s`: the first reference pass and update
+beyond steady ones, always reported). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`.
@@ -89,9 +91,14 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
         out["first_step_s"] = first["perf/step_s"]
         out["first_step_extra_s"] = first["perf/step_s"] - step
         out["first_sleep_s"] = first.get("perf/sleep_s", 0.0)
+        # the first reference/old-logprob pass and update against steady ones (allocator, kernels, NCCL warming up)
+        out["first_update_extra_s"] = (first.get("perf/logprob_s", 0.0) + first.get("perf/train_s", 0.0)
+                                       - out["logprob_s"] - out["train_s"])
     out.update(startup(rows))
-    if "first_step_extra_s" in out and "engine_build_s" in out:
+    if first and "engine_build_s" in out:
         out["first_step_extra_other_s"] = out["first_step_extra_s"] - out["engine_build_s"]
+        # generation beyond a steady one once the engine is built: kernels the warm-up left to compile
+        out["first_gen_extra_s"] = first.get("perf/gen_s", 0.0) - out["engine_build_s"] - out["gen_s"]
     return out
 
 

@@ -641,10 +641,7 @@ class VLLMEngine(Engine):
         self._warmup_sampling = warmup_sampling or SamplingParams(max_new_tokens=2, banned_token_ids=[image_pad_id])
         self.build_times: dict[str, float] = {}  # seconds of the build's parts: import_s, llm_s, warmup_s
         _ensure_launcher_env()
-        start = time.monotonic()
-        from vllm import LLM  # noqa: F401  (timed apart: importing vLLM is seconds before it logs anything)
-
-        self.build_times["import_s"] = time.monotonic() - start
+        start = time.monotonic()  # import_s: importing (and patching) vLLM, seconds before it logs anything
         # rollout.exact (rollout/exact.py): batch-invariant vLLM, eager, its custom ops routed to torch code
         self._exact = exact
         self._attention_backend = attention_backend  # "auto": vLLM's choice
@@ -663,6 +660,9 @@ class VLLMEngine(Engine):
             raise ValueError(f"VLLMEngine: tensor_parallel_size={tensor_parallel_size} does not divide the "
                              f"{self._world} ranks")
         apply_vllm_env(engine_env(self.adapter.vllm_env(), startup_plan))
+        from vllm import LLM  # noqa: F401  (here, after the environment: the rest of the import is timed too)
+
+        self.build_times["import_s"] = time.monotonic() - start
         start = time.monotonic()
         with _preserved_rng(self._device):
             self._llm = self._build_llm(

@@ -132,8 +132,14 @@ class Episode:
     def tool_image_grid_thw(self) -> torch.Tensor | None:
         return torch.cat(self.tool_grids) if self.tool_grids else None
 
-    def engine_input(self) -> PromptInput:
-        """The whole sequence so far as an engine prompt (its ids and every image in order)."""
+    def engine_input(self, pixels: bool = True) -> PromptInput:
+        """The whole sequence so far as an engine prompt (its ids and every image in order).
+
+        `pixels=False` leaves out the processor outputs (pixel rows and grids) for an engine that
+        processes the images itself (vLLM): joining every image's pixel rows costs a copy of all of
+        them on every turn (~10 MB per 448x448 crop), which such an engine never reads."""
+        if not pixels:
+            return PromptInput(list(self.token_ids), list(self.images), videos=list(self.videos))
         return PromptInput(list(self.token_ids), list(self.images), self.pixel_values(), self.image_grid_thw(),
                            list(self.videos), self.video_pixels, self.video_grid, self.video_seconds)
 

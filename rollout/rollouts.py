@@ -4,7 +4,8 @@
 whole of it (one wake and one sleep per step, `generating`), refill rounds of dynamic sampling
 included. In each turn every live episode of the step generates in one engine call: the first
 turn sends each prompt once with n samples (the engine prefills it once), later turns send each
-live episode's whole sequence with its images. Finished episodes drop out. Tool calls are found
+live episode's whole sequence with its images (without their joined pixel rows to an engine whose
+`reads_pixel_values` is False: vLLM processes the images itself). Finished episodes drop out. Tool calls are found
 in the text the model wrote between the family's call markers, run in `ToolRunner`'s bounded
 pool, and each result is appended as the chat template's tokens for its message
 (`ToolResultEncoder`).
@@ -149,6 +150,8 @@ class Rollouts:
         turn = 0
         # members of a tensor-parallel engine group generate together, even with nothing of their own
         together = self.engine_group.size > 1
+        # an engine that processes the images itself (vLLM) gets no joined pixel rows (Episode.engine_input)
+        pixels = getattr(engine, "reads_pixel_values", True)
         while (self.agree_max(len(live)) if together else len(live)) > 0:
             allowed = [min(budget - e.model_tokens, self.context - len(e.token_ids)) for e in live]
             for e, a in zip(live, allowed):
@@ -161,10 +164,10 @@ class Rollouts:
             if params.seed is not None:
                 turn_params.seed = params.seed + turn * TURN_SEED_STRIDE
             if turn == 0:
-                inputs = [e.engine_input() for e in episodes[::params.n]] if live else []
+                inputs = [e.engine_input(pixels) for e in episodes[::params.n]] if live else []
                 gens = self.generate(engine, inputs, turn_params)
             else:
-                gens = self.generate(engine, [e.engine_input() for e in live], replace(turn_params, n=1))
+                gens = self.generate(engine, [e.engine_input(pixels) for e in live], replace(turn_params, n=1))
             turn += 1
             calls = self._end_turn(live, gens, allowed, turn, budget, tools)
             if calls:

@@ -478,3 +478,32 @@ def test_qwen3_vl_tool_results_use_its_tool_role(tmp_path):
     assert text.endswith("zoomed<|im_end|>\n<|im_start|>tool\nerror: x<|im_end|>\n<|im_start|>assistant\n")
     assert images[0].width % 32 == 0 and images[0].height % 32 == 0 and grid.shape == (1, 3)
     assert ids.count(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == int(grid.prod()) // 4
+
+
+class PixelBlindEngine(ScriptedEngine):
+    """A ScriptedEngine that processes images itself, as vLLM does: it records the pixel rows and
+    images each call got."""
+
+    reads_pixel_values = False
+
+    def generate(self, prompts, params):
+        self.seen = getattr(self, "seen", []) + [[(p.pixel_values, p.image_grid_thw, len(p.images)) for p in prompts]]
+        return super().generate(prompts, params)
+
+
+def test_engines_that_process_images_themselves_get_no_joined_pixel_rows(tiny_model):
+    e, processor = _zoom_episode(tiny_model)
+    full, lean = e.engine_input(), e.engine_input(pixels=False)
+    assert full.image_grid_thw.shape[0] == 2 and full.pixel_values.shape[0] == int(full.image_grid_thw.prod(1).sum())
+    assert lean.input_ids == full.input_ids and lean.images == full.images and lean.videos == full.videos
+    assert lean.pixel_values is None and lean.image_grid_thw is None
+    answer = "<answer>3</answer><|im_end|>"
+    engine = PixelBlindEngine(processor.tokenizer, [[_call(ZOOM)], [answer]])
+    rollouts = _rollouts(_cfg(tiny_model), processor, engine)
+    try:
+        rollouts.generate_and_score(engine, [_prompt(processor)], rollouts_params(n=2))
+    finally:
+        rollouts.close()
+    first, second = engine.seen
+    assert [n for _, _, n in first] == [1] and [n for _, _, n in second] == [2, 2]  # every image, every turn
+    assert all(pix is None and grid is None for call in engine.seen for pix, grid, _ in call)

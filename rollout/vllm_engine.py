@@ -35,6 +35,11 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   image content, so an episode's earlier images are not processed again each turn; they do not
   depend on the weights; the turns of one step share it. It, the encoder cache and the prefix cache
   are emptied at every wake, so no vision features or KV blocks of old weights are reused.
+- Image keys (`rollout.mm_uuids`, on by default): each request names its images by a content key
+  (`multi_modal_uuids`), computed once per image object (`ImageKeys`), so vLLM does not hash every
+  earlier image of an episode again on every turn; vLLM uses the key wherever it would use its own
+  hash (processor cache, encoder cache, prefix-cache block keys). Prompts get no joined pixel rows
+  (`reads_pixel_values`): vLLM processes the images itself.
 - Videos: the trainer's canonical frames go as `multi_modal_data["video"]` with the clip's timing
   (`data.processing.video_metadata`) where the family's vLLM processor reads it
   (`FamilyAdapter.vllm_video_items`: Qwen3-VL in the item, Qwen2.5-VL as the request's
@@ -83,6 +88,7 @@ import logging
 import os
 import random
 import socket
+import weakref
 import time
 from pathlib import Path
 from typing import Iterable
@@ -562,10 +568,64 @@ def processor_cache(adapter: FamilyAdapter, cache_gb: float, max_videos_per_prom
     return cache_gb
 
 
+def _content_hasher():
+    """blake3 where vLLM is installed (its own image hash), else blake2b: both are fast on megabytes."""
+    try:
+        from blake3 import blake3
+
+        return blake3()
+    except ImportError:
+        return hashlib.blake2b(digest_size=32)
+
+
+def image_key(image) -> str:
+    """A content key for one PIL image: its mode, size, palette and pixel bytes. vLLM takes it as the
+    image's `multi_modal_uuids` entry in place of hashing the image itself; the engine's processor
+    arguments are fixed for its lifetime, so content alone names the processed result."""
+    hasher = _content_hasher()
+    hasher.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    palette = image.getpalette() if image.mode in ("P", "PA") else None
+    if palette:
+        hasher.update(bytes(palette))
+    hasher.update(image.tobytes())
+    return f"vlrl-image-{hasher.hexdigest()}"
+
+
+class ImageKeys:
+    """`image_key` of each image object, computed once: an episode sends the same image objects every
+    turn (its prompt's, shared by the prompt's n episodes, and its tools'), so each later turn costs a
+    dictionary look-up per image instead of hashing megabytes. Images handed to an engine are never
+    modified in place (episodes keep them as the model saw them). Entries go when their image is freed."""
+
+    def __init__(self):
+        self._keys: dict[int, tuple[weakref.ref, str]] = {}
+        self.computed = 0  # keys hashed so far (the rest were look-ups)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __call__(self, image) -> str:
+        entry = self._keys.get(id(image))
+        if entry is not None and entry[0]() is image:
+            return entry[1]
+        key = image_key(image)
+        self.computed += 1
+        ident = id(image)
+
+        def forget(ref, ident=ident):
+            if self._keys.get(ident, (None,))[0] is ref:
+                del self._keys[ident]
+
+        self._keys[ident] = (weakref.ref(image, forget), key)
+        return key
+
+
 class VLLMEngine(Engine):
     """Rollouts with vLLM in this process; sleeps to give the GPU to training; takes weights by refit."""
 
     max_videos_per_prompt: int = 0  # vLLM's video limit per prompt (the datasets' most videos in a row)
+    reads_pixel_values = False  # vLLM processes the images itself: prompts need no processor outputs
+    mm_uuids = True  # name images by content key (`image_key`); False: vLLM hashes each image per request
 
     def __init__(
         self,
@@ -587,6 +647,7 @@ class VLLMEngine(Engine):
         max_num_seqs: int | None = None,
         sleep_level: int = 1,
         processor_cache_gb: float = 4.0,
+        mm_uuids: bool = True,
         return_routed_experts: bool = False,
         exact=None,
         attention_backend: str = "auto",
@@ -629,6 +690,8 @@ class VLLMEngine(Engine):
         if processor_cache_gb < 0:
             raise ValueError(f"VLLMEngine: processor_cache_gb must be >= 0, got {processor_cache_gb}")
         self._processor_cache_gb = processor_cache(self.adapter, processor_cache_gb, max_videos_per_prompt)
+        self.mm_uuids = mm_uuids  # rollout.mm_uuids
+        self._image_keys = ImageKeys()
         self._routing = return_routed_experts  # MoE routing replay: vLLM reports each token's experts
         self._seed = seed
         self._calls = 0
@@ -826,6 +889,11 @@ class VLLMEngine(Engine):
         request = {"prompt_token_ids": ids}
         if images:
             request["multi_modal_data"] = {"image": images}
+            if self.mm_uuids:
+                keys = getattr(self, "_image_keys", None)
+                if keys is None:  # an engine object built without __init__ (tests)
+                    keys = self._image_keys = ImageKeys()
+                request["multi_modal_uuids"] = {"image": [keys(image) for image in images]}
         if videos:
             items, kwargs = self.adapter.vllm_video_items(videos)
             request.setdefault("multi_modal_data", {})["video"] = items

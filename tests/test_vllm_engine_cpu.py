@@ -223,3 +223,181 @@ def test_factory_passes_the_start_up_switches(monkeypatch, tiny_model):
     assert built["engine_warmup"] == "lean" and built["startup_plan"] is True
     warm = built["warmup_sampling"]
     assert warm.temperature == 0.6 and warm.banned_token_ids == list(adapter.banned_token_ids)
+
+
+def test_image_keys_name_content_and_hash_each_image_object_once():
+    import gc
+
+    from PIL import Image
+
+    from rollout.vllm_engine import ImageKeys, image_key
+
+    red, red_again, blue = Image.new("RGB", (8, 8), "red"), Image.new("RGB", (8, 8), "red"), Image.new("RGB", (8, 8), "blue")
+    keys = ImageKeys()
+    assert keys(red) == keys(red_again) == image_key(red) != keys(blue)  # by content, not by object
+    assert keys.computed == 3 and keys(red) == image_key(red) and keys.computed == 3  # the second time a look-up
+    # the same bytes in another shape or mode are another image
+    assert image_key(Image.new("L", (24, 8), 0)) != image_key(Image.new("L", (8, 24), 0))
+    assert image_key(Image.new("L", (8, 8), 0)) != image_key(Image.new("P", (8, 8), 0))
+    del red_again
+    gc.collect()
+    assert len(keys) == 2  # a freed image's entry goes with it
+
+
+def _request_engine(tiny_model, **attrs):
+    from data.processing import load_processor
+    from models.family import build_adapter
+    from rollout.vllm_engine import VLLMEngine
+    from transformers import AutoConfig
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.adapter = build_adapter(AutoConfig.from_pretrained(str(tiny_model)))
+    engine.family, engine.max_images_per_prompt, engine.max_videos_per_prompt = "qwen2_5_vl", 3, 0
+    processor = load_processor(str(tiny_model))
+    engine._vocab = processor.tokenizer.get_vocab()
+    engine.__dict__.update(attrs)
+    return engine, processor
+
+
+def test_vllm_requests_name_their_images_by_content_key(tiny_model):
+    from PIL import Image
+
+    from rollout.base import PromptInput
+    from rollout.vllm_engine import image_key
+
+    engine, processor = _request_engine(tiny_model)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]}]
+    images = processor.prepare_images([Image.new("RGB", (56, 56), "red"), Image.new("RGB", (56, 56), "blue")])
+    ids = processor(processor.apply_chat_template(messages), images)["input_ids"].tolist()
+    prompt = PromptInput(ids, images)
+    request = engine._vllm_prompt(0, prompt)
+    assert request["multi_modal_uuids"] == {"image": [image_key(i) for i in images]}
+    assert request["multi_modal_data"] == {"image": images}
+    engine._vllm_prompt(1, prompt)  # a later turn sends the same image objects: no hashing again
+    assert engine._image_keys.computed == 2
+    engine.mm_uuids = False  # rollout.mm_uuids=false: vLLM hashes the images itself
+    assert "multi_modal_uuids" not in engine._vllm_prompt(0, prompt)
+    assert "multi_modal_uuids" not in engine._vllm_prompt(0, PromptInput(processor.tokenizer.encode("hi")))
+
+
+def test_factory_passes_mm_uuids(monkeypatch, tiny_model):
+    from grpo.config import load_config
+    from models.family import build_adapter
+    from rollout import factory, vllm_engine
+    from transformers import AutoConfig
+
+    built = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: built.update(kw))
+    monkeypatch.setattr(factory, "resolve_engine_name", lambda name, family=None: "vllm")
+    adapter = build_adapter(AutoConfig.from_pretrained(str(tiny_model)))
+    policy = types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen2_5_vl")),
+                                   dtype=torch.bfloat16, adapter=adapter)
+    factory.build_engine(load_config(None, [f"model.path={tiny_model}"]), policy)
+    assert built["mm_uuids"] is True
+    factory.build_engine(load_config(None, [f"model.path={tiny_model}", "rollout.mm_uuids=false"]), policy)
+    assert built["mm_uuids"] is False
+
+
+def test_bench_turns_probe_reads_the_engine_s_vllm_objects(tiny_model):
+    """tools/bench_turns.py's TurnProbe on stand-ins shaped like vLLM 0.26's in-process objects."""
+    from types import SimpleNamespace as NS
+
+    from PIL import Image
+
+    from rollout.base import PromptInput
+    from tools.bench_turns import TurnProbe, zoom_crop
+
+    engine, processor = _request_engine(tiny_model)
+    feature = NS(mm_position=NS(get_num_embeds=lambda: 4))
+    scheduler = NS(requests={"r0": NS(mm_features=[feature, feature])})
+    steps = [NS(num_scheduled_tokens={"r0": 9, "r1": 1}, total_num_scheduled_tokens=10,
+                scheduled_encoder_inputs={"r0": [0, 1]}, scheduled_encoder_input_stats=None, preempted_req_ids={"r2"}),
+             NS(num_scheduled_tokens={"r0": 1, "r1": 1}, total_num_scheduled_tokens=2, scheduled_encoder_inputs={},
+                scheduled_encoder_input_stats=None, preempted_req_ids=None)]
+    scheduler.schedule = lambda: steps.pop(0)
+
+    class LLM:
+        def _add_completion_requests(self, prompts):
+            return [engine._vllm_prompt(i, p) for i, p in enumerate(prompts)]
+
+        def _run_engine(self):
+            scheduler.schedule()
+            scheduler.schedule()
+
+    engine._llm = LLM()
+    engine._llm.llm_engine = NS(engine_core=NS(engine_core=NS(scheduler=scheduler)))  # no renderer, no runner
+    probe = TurnProbe(engine)
+    try:
+        image = Image.new("RGB", (28, 28), "red")
+        ids = processor(processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}]),
+                        [image])["input_ids"].tolist()
+        engine._llm._add_completion_requests([PromptInput(ids, [image])] * 3)
+        engine._llm._run_engine()
+        out = probe.report({"prompt_tokens": 30, "cached_prompt_tokens": 12}, input_s=0.25)
+    finally:
+        probe.close()
+    assert out["images_sent"] == 3 and out["images_encoded"] == 2 and out["encoder_embeds"] == 8
+    assert (out["steps"], out["prefill_steps"], out["scheduled_tokens"], out["prefill_tokens"]) == (2, 1, 12, 9)
+    assert out["preempted"] == 1 and out["input_s"] == 0.25 and out["cached_prompt_tokens"] == 12
+    assert out["prep_s"] >= 0 and out["add_s"] >= out["prep_s"] and out["steps_s"] >= 0
+    # what these stand-ins lack reads null, not zero
+    assert out["mm_stage_s"] is None and out["images_processed"] is None and out["encoder_s"] is None
+    assert probe.report()["steps"] == 0  # reset after reading
+    crops = [zoom_crop(Image.new("RGB", (56, 56), "red"), 56, k, t, True) for k in range(3) for t in range(2)]
+    assert len({c.tobytes() for c in crops}) == 6 and all(c.size == (56, 56) for c in crops)
+    assert zoom_crop(image, 28, 0, 0, False).tobytes() == zoom_crop(image, 28, 5, 1, False).tobytes()
+
+
+def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_model, tmp_path):
+    """tools/bench_turns.py's turns, tool messages and JSON, with an engine that answers without vLLM."""
+    import json
+
+    import rollout.vllm_engine as vllm_engine
+    from rollout.base import Generation
+    from tools import bench_turns
+
+    class StandIn:
+        reads_pixel_values = False
+
+        def __init__(self, path, **kwargs):
+            self.kwargs, self.calls, self.last_stats = kwargs, [], {}
+            self._llm = None  # nothing for the probe to wrap: every breakdown field reads null
+
+        def generate(self, prompts, params):
+            self.calls.append((prompts, params))
+            self.last_stats = {"prompt_tokens": sum(len(p.input_ids) for p in prompts), "cached_prompt_tokens": 0}
+            return [Generation(i, [11] * params.max_new_tokens, [-0.1] * params.max_new_tokens, "length")
+                    for i, _ in enumerate(prompts) for _ in range(params.n)]
+
+    built = []
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: built.append(StandIn(path, **kw)) or built[-1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    out = tmp_path / "turns.json"
+    result = bench_turns.main(["--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "3",
+                               "--turn-tokens", "4", "--side", "56", "--crops", "distinct", "--mm-uuids", "0",
+                               "--json-out", str(out)])
+    assert json.loads(out.read_text()) == result
+    (engine,) = built
+    assert engine.kwargs["mm_uuids"] is False and engine.kwargs["max_images_per_prompt"] == 3
+    turns = engine.calls[2:]  # after the warm-up and the single-turn call
+    assert [len(c[0]) for c in turns] == [2, 4, 4] and [len(c[0][0].images) for c in turns] == [1, 2, 3]
+    assert all(p.pixel_values is None for c in turns for p in c[0])  # built as Rollouts builds them for vLLM
+    assert len({p.images[2].tobytes() for p in turns[2][0]}) == 4  # distinct crops: one per episode
+    assert result["crops"] == "distinct" and result["mm_uuids"] is False and len(result["turn_s"]) == 3
+    assert [t["turn"] for t in result["turn_breakdown"]] == [1, 2, 3]
+    assert result["turn_breakdown"][1]["input_s"] >= 0 and result["turn_breakdown"][1]["steps"] is None
+    assert result["single_turn_breakdown"]["prompt_tokens"] == sum(len(p.input_ids) for p in engine.calls[1][0])
+
+
+def test_bench_turns_summary_line_reads_a_result(tmp_path):
+    import json
+
+    from tools.bench_turns import COUNTS, TIMES, main
+
+    turn = {"turn": 2, "s": 1.8, "input_s": 0.1, "mm_stage_s": {"get_mm_hashes": 0.2}, "prompt_tokens": 9,
+            "cached_prompt_tokens": 4, **{k: 1 for k in COUNTS}, **dict.fromkeys(TIMES, 0.5)}
+    result = {"ratio": 0.7, "single_turn_tokens_per_s": 10.0, "multi_turn_tokens_per_s": 7.0, "crops": "same",
+              "mm_uuids": True, "tool_message_s": 2.0, "turn_breakdown": [turn]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert main(["--summarize", str(path)]) == result

@@ -1,19 +1,43 @@
 """vLLM generation throughput of multi-turn episodes against single-turn generation of the same tokens.
 
     python tools/bench_turns.py --model DIR [--prompts 16 --n 8 --turns 3 --turn-tokens 128] [--json-out F]
+        [--crops same|distinct] [--mm-uuids 1|0] [--text-tools] [--processor-cache-gb 4]
+    python tools/bench_turns.py --summarize F     # one line of a result: ratio, per turn where the time went
 
 Single-turn: each prompt, n samples, `turns × turn_tokens` new tokens. Multi-turn: the same prompts
 and samples, `turn_tokens` per turn; between turns every episode gets a tool message holding a
 zoomed crop of its prompt image (rendered by the family's chat template, as `rollout/rollouts.py`
-appends it), and the next turn sends each whole episode to the engine in one call. Generation is
-forced to its full length (no stop tokens) so both sides generate the same number of tokens.
-Tokens/s count generated tokens over the engine's generate calls only. Weights are vLLM's dummy
-ones: throughput does not depend on their values.
+appends it), and the next turn sends each whole episode to the engine in one call, built as
+`Rollouts` builds it for vLLM (`Episode.engine_input(pixels=False)`). Generation is forced to its
+full length (no stop tokens) so both sides generate the same number of tokens. Tokens/s count
+generated tokens over the engine's generate calls only. Weights are vLLM's dummy ones: throughput
+does not depend on their values.
+
+Crops: `same` (the default, the benchmark as first measured) zooms every episode into the same
+corner of its prompt's image each turn, so the 8 episodes of a prompt, and its turns, send the same
+crop: vLLM's processor and encoder caches process and encode 16 crops per turn, not 128. `distinct`
+marks each episode's crop of each turn with a few pixels of its own, so every crop is new content,
+as when a model zooms where it likes: 128 crops processed and encoded per later turn. Same size
+either way (the benchmark's definition).
+
+Per turn (`turn_breakdown` in the JSON, one entry per turn; `single_turn_breakdown` for the single-turn call),
+from wrappers on the engine's vLLM objects (`TurnProbe`; a part vLLM lacks reads null):
+  input_s          building the engine prompts from the episodes (outside the generate call)
+  prep_s           the engine's own prompt building (collapse, re-expansion check, image keys)
+  add_s            vLLM taking the requests: its multimodal processor and the engine core's add
+  mm_stage_s       add_s's multimodal processor by stage (get_mm_hashes, apply_hf_processor, ...)
+  steps_s          vLLM's engine steps (schedule, forward, sample) until every request finished
+  encoder_s        the vision encoder's forward inside the steps (synchronized around each call)
+  gc_s             Python garbage collection during the call
+  images_sent, images_processed (the HF processor's misses), images_encoded, encoder_embeds,
+  steps, prefill_steps, scheduled_tokens, prefill_tokens (scheduled in chunks of more than one
+  token), prompt_tokens, cached_prompt_tokens (served by the prefix cache), preempted
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -21,6 +45,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+COUNTS = ("images_sent", "images_processed", "images_encoded", "encoder_embeds", "steps", "prefill_steps",
+          "scheduled_tokens", "prefill_tokens", "preempted")
+TIMES = ("prep_s", "add_s", "steps_s", "encoder_s", "gc_s")
 
 
 def _prompts(processor, count: int, side: int):
@@ -38,6 +66,192 @@ def _prompts(processor, count: int, side: int):
     return out
 
 
+def zoom_crop(image, side: int, episode: int, turn: int, distinct: bool):
+    """The zoomed top-left quarter of `image` at `side` × `side`; `distinct` marks it with pixels that
+    encode (episode, turn), so no two episodes or turns send the same crop."""
+    crop = image.crop((0, 0, side // 2, side // 2)).resize((side, side))
+    if distinct:
+        for bit in range(24):  # episode and turn as a row of black/white pixels
+            on = ((episode << 8 | turn) >> bit) & 1
+            crop.putpixel((bit, 0), (255, 255, 255) if on else (0, 0, 0))
+    return crop
+
+
+def _wrap(obj, name: str, around) -> bool:
+    """Replace obj.name by around(original) on the instance; False where obj lacks it."""
+    original = getattr(obj, name, None) if obj is not None else None
+    if original is None:
+        return False
+    setattr(obj, name, around(original))
+    return True
+
+
+class TurnProbe:
+    """Where one generate call's time goes, from wrappers on one VLLMEngine's vLLM objects (this
+    benchmark only). Each wrapper is installed where vLLM 0.26 has the object; a part it cannot find
+    is reported as null rather than failing the run."""
+
+    def __init__(self, engine):
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.times = dict.fromkeys(TIMES, 0.0)
+        self.stages: dict[str, float] = {}
+        self.missing: set[str] = set()
+        self._gc_start = None
+        llm = engine._llm
+        core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+        self._scheduler = getattr(core, "scheduler", None)
+        self._install(engine, llm, core)
+        gc.callbacks.append(self._gc)
+
+    # --- wrappers ------------------------------------------------------------------------------
+    def _timer(self, key: str):
+        def around(original):
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.times[key] += time.perf_counter() - start
+            return timed
+        return around
+
+    def _install(self, engine, llm, core) -> None:
+        def prep(original):
+            def timed(index, prompt):
+                self.counts["images_sent"] += len(prompt.images)
+                return self._timer("prep_s")(original)(index, prompt)
+            return timed
+
+        ok = {"prep_s": _wrap(engine, "_vllm_prompt", prep),
+              "add_s": _wrap(llm, "_add_completion_requests", self._timer("add_s")),
+              "steps_s": _wrap(llm, "_run_engine", self._timer("steps_s"))}
+        renderer = getattr(getattr(llm, "llm_engine", None), "renderer", None)
+        processor = getattr(renderer, "mm_processor", None)
+        ok["mm_stage_s"] = _wrap(processor, "apply", self._stage_timing)
+        ok["images_processed"] = _wrap(processor, "_get_cache_missing_items", self._count_missing)
+        ok["steps"] = _wrap(self._scheduler, "schedule", self._scheduled)
+        runner = getattr(getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None),
+                                 "worker", None), "model_runner", None)
+        encoder = getattr(getattr(runner, "model_state", None), "encoder_runner", None)  # V2 model runner
+        ok["encoder_s"] = (_wrap(encoder, "execute_mm_encoder", self._synced("encoder_s"))
+                           or _wrap(runner, "_execute_mm_encoder", self._synced("encoder_s")))  # V1
+        self.missing = {k for k, v in ok.items() if not v}
+        if "steps" in self.missing:
+            self.missing |= {"images_encoded", "encoder_embeds", "prefill_steps", "scheduled_tokens",
+                             "prefill_tokens", "preempted"}
+
+    def _synced(self, key: str):
+        def around(original):
+            def timed(*args, **kwargs):
+                import torch
+
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    torch.cuda.synchronize()
+                    self.times[key] += time.perf_counter() - start
+            return timed
+        return around
+
+    def _stage_timing(self, original):
+        from vllm.multimodal.processing.context import TimingContext
+
+        def apply(inputs, timing_ctx=None, *args, **kwargs):
+            ctx = TimingContext(enabled=True)  # vLLM's own per-stage timer, on for this call
+            try:
+                return original(inputs, ctx, *args, **kwargs)
+            finally:
+                for stage, secs in ctx.stage_secs.items():
+                    self.stages[stage] = self.stages.get(stage, 0.0) + secs
+        return apply
+
+    def _count_missing(self, original):
+        def missing(*args, **kwargs):
+            is_cached, items = original(*args, **kwargs)
+            self.counts["images_processed"] += sum(not c for flags in is_cached.values() for c in flags)
+            return is_cached, items
+        return missing
+
+    def _scheduled(self, original):
+        def schedule(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self.record_step(out)
+            return out
+        return schedule
+
+    def record_step(self, out) -> None:
+        """Count one SchedulerOutput: a step, its tokens, its prefill chunks and encoder inputs."""
+        per_request = getattr(out, "num_scheduled_tokens", {}) or {}
+        if not per_request:
+            return
+        self.counts["steps"] += 1
+        self.counts["scheduled_tokens"] += int(out.total_num_scheduled_tokens)
+        chunks = [n for n in per_request.values() if n > 1]
+        self.counts["prefill_steps"] += bool(chunks)
+        self.counts["prefill_tokens"] += sum(chunks)
+        self.counts["preempted"] += len(getattr(out, "preempted_req_ids", None) or ())
+        stats = getattr(out, "scheduled_encoder_input_stats", None)
+        if stats is not None:
+            self.counts["images_encoded"] += stats.num_inputs
+            self.counts["encoder_embeds"] += stats.output_tokens
+        else:
+            for req_id, inputs in (getattr(out, "scheduled_encoder_inputs", None) or {}).items():
+                self.counts["images_encoded"] += len(inputs)
+                request = self._scheduler.requests.get(req_id) if self._scheduler is not None else None
+                if request is not None:
+                    self.counts["encoder_embeds"] += sum(request.mm_features[i].mm_position.get_num_embeds()
+                                                         for i in inputs)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.times["gc_s"] += time.perf_counter() - self._gc_start
+            self._gc_start = None
+
+    # --- reading ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.times = dict.fromkeys(TIMES, 0.0)
+        self.stages = {}
+
+    def report(self, stats: dict | None = None, input_s: float | None = None) -> dict:
+        """This call's breakdown (module docstring), then reset; `stats` is the engine's last_stats."""
+        out = {"input_s": None if input_s is None else round(input_s, 3)}
+        for key, value in self.times.items():
+            out[key] = None if key in self.missing else round(value, 3)
+        out["mm_stage_s"] = None if "mm_stage_s" in self.missing else {
+            k.removesuffix("_secs"): round(v, 3) for k, v in sorted(self.stages.items())}
+        for key, value in self.counts.items():
+            out[key] = None if key in self.missing else value
+        stats = stats or {}
+        out["prompt_tokens"] = stats.get("prompt_tokens")
+        out["cached_prompt_tokens"] = stats.get("cached_prompt_tokens")
+        self.reset()
+        return out
+
+    def close(self) -> None:
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+
+
+def summary_line(result: dict) -> str:
+    """One line of a result: the ratio, then per turn its seconds and where they went."""
+    def turn(b: dict) -> str:
+        stages = b.get("mm_stage_s") or {}
+        return (f"t{b['turn']} {b['s']}s=add {b['add_s']}(hash {stages.get('get_mm_hashes')}, hf "
+                f"{stages.get('apply_hf_processor')}, updates {stages.get('apply_prompt_updates')})+steps "
+                f"{b['steps_s']}(enc {b['encoder_s']}) gc {b['gc_s']} in {b['input_s']} img "
+                f"{b['images_sent']}/{b['images_processed']}/{b['images_encoded']} prefill {b['prefill_tokens']} "
+                f"in {b['prefill_steps']}/{b['steps']} steps cached {b['cached_prompt_tokens']}/{b['prompt_tokens']}")
+    head = (f"ratio {result['ratio']} single {result['single_turn_tokens_per_s']} multi "
+            f"{result['multi_turn_tokens_per_s']} tok/s crops {result.get('crops')} keys {result.get('mm_uuids')} "
+            f"tool_message_s {result['tool_message_s']}")
+    return " | ".join([head] + [turn(b) for b in result.get("turn_breakdown", [])])
+
+
 def _timed(engine, inputs, params) -> tuple[list, float]:
     import torch
 
@@ -50,17 +264,28 @@ def _timed(engine, inputs, params) -> tuple[list, float]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default="")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-tokens", type=int, default=128)
     p.add_argument("--side", type=int, default=448)
     p.add_argument("--text-tools", action="store_true", help="tool messages hold text only (no crop)")
+    p.add_argument("--crops", choices=("same", "distinct"), default="same",
+                   help="same: one crop per prompt (vLLM dedupes it); distinct: every episode and turn its own")
     p.add_argument("--processor-cache-gb", type=float, default=4.0, help="vLLM's processed-image cache; 0: off")
+    p.add_argument("--mm-uuids", type=int, choices=(0, 1), default=1,
+                   help="1: images named by content keys computed once (rollout.mm_uuids); 0: vLLM hashes them")
     p.add_argument("--json-out", default="")
+    p.add_argument("--summarize", default="", help="print the summary line of this result file and exit")
     args = p.parse_args(argv)
+    if args.summarize:
+        result = json.loads(Path(args.summarize).read_text())
+        print(summary_line(result))
+        return result
 
+    if not args.model:
+        p.error("--model is required")
     from data.processing import load_processor
     from models.family import build_adapter
     from models.policy import load_model_config
@@ -78,41 +303,50 @@ def main(argv=None) -> dict:
     engine = VLLMEngine(args.model, gpu_memory_utilization=0.5, max_model_len=context, seed=0, dtype="bfloat16",
                         min_pixels=784, max_pixels=pixels, image_pad_id=adapter.image_token_id,
                         adapter=adapter, max_images_per_prompt=args.turns, max_num_seqs=args.prompts * args.n,
-                        processor_cache_gb=args.processor_cache_gb)
+                        processor_cache_gb=args.processor_cache_gb, mm_uuids=bool(args.mm_uuids))
     encoder = ToolResultEncoder(processor, adapter.tool_format, adapter.end_of_turn, 784, pixels)
     banned = adapter.banned_token_ids
     whole = SamplingParams(n=args.n, max_new_tokens=args.turns * args.turn_tokens, banned_token_ids=banned, seed=1)
     turn = SamplingParams(n=args.n, max_new_tokens=args.turn_tokens, banned_token_ids=banned, seed=1)
-    inputs = [Episode.start(i, p).engine_input() for i, p in enumerate(prompts)]
+    pixels_in = engine.reads_pixel_values  # False for vLLM: as Rollouts builds its inputs
+    inputs = [Episode.start(i, p).engine_input(pixels_in) for i, p in enumerate(prompts)]
     engine.generate(inputs[:2], SamplingParams(n=2, max_new_tokens=8, banned_token_ids=banned))  # warm-up
+    probe = TurnProbe(engine)
 
     gens, single_s = _timed(engine, inputs, whole)
     single_tokens = sum(len(g.token_ids) for g in gens)
+    single_breakdown = probe.report(engine.last_stats)
 
     episodes = [Episode.start(i, p) for i, p in enumerate(prompts) for _ in range(args.n)]
-    multi_s, multi_tokens, tool_s, turn_s = 0.0, 0, 0.0, []
+    multi_s, multi_tokens, tool_s, turn_s, turns = 0.0, 0, 0.0, [], []
     end_id = processor.tokenizer.convert_tokens_to_ids(adapter.end_of_turn)
     for t in range(args.turns):
+        start = time.perf_counter()
+        batch = inputs if t == 0 else [e.engine_input(pixels_in) for e in episodes]
+        input_s = time.perf_counter() - start
         if t == 0:
-            gens, s = _timed(engine, inputs, turn)
+            gens, s = _timed(engine, batch, turn)
         else:
-            gens, s = _timed(engine, [e.engine_input() for e in episodes],
+            gens, s = _timed(engine, batch,
                              SamplingParams(n=1, max_new_tokens=args.turn_tokens, banned_token_ids=banned, seed=1 + t))
+        del batch
         multi_s += s
         turn_s.append(round(s, 3))
+        turns.append({"turn": t + 1, "s": round(s, 3), **probe.report(engine.last_stats, input_s)})
         multi_tokens += sum(len(g.token_ids) for g in gens)
         for e, g in zip(episodes, gens):
             e.add_model_turn(g)
         if t < args.turns - 1:
             start = time.perf_counter()
-            for e in episodes:
-                crop = e.images[0].crop((0, 0, args.side // 2, args.side // 2)).resize((args.side, args.side))
+            for k, e in enumerate(episodes):
+                crop = zoom_crop(e.images[0], args.side, k, t, args.crops == "distinct")
                 # generation was forced to full length: the turn's last token stands in for the
                 # end-of-turn token a stopping model writes before a tool message
                 e.token_ids[-1] = end_id
                 ids, pix, grid, images = encoder.encode([("zoomed", [] if args.text_tools else [crop])])
                 e.add_tool_tokens(ids, pix, grid, images)
             tool_s += time.perf_counter() - start
+    probe.close()
     hit = engine.last_stats.get("cached_prompt_tokens", 0) / max(engine.last_stats.get("prompt_tokens", 1), 1)
     result = {
         "multi_turn": True, "model": Path(args.model).name, "prompts": args.prompts, "n": args.n,
@@ -125,6 +359,8 @@ def main(argv=None) -> dict:
         "ratio": round((multi_tokens / multi_s) / (single_tokens / single_s), 3),
         "turn_s": turn_s, "tool_images": not args.text_tools, "tool_message_s": round(tool_s, 3), "last_turn_prefix_cache_hit": round(hit, 3),
         "episode_tokens_max": max(len(e.token_ids) for e in episodes),
+        "crops": args.crops, "mm_uuids": bool(args.mm_uuids),
+        "single_turn_breakdown": single_breakdown, "turn_breakdown": turns,
     }
     print(json.dumps(result))
     if args.json_out:

@@ -22,8 +22,9 @@
 #   moe       Qwen3.5-MoE: the tiny model's vLLM logprob check, then train.py steps with routing replay off and on
 #   video     vLLM vs policy logprobs on video prompts (tiny Qwen2.5-VL and Qwen3-VL, FAMS; FPS=4), the
 #             video prompt check, tests/gpu/test_vllm_video.py (carry the PyAV wheel in .gpu/avwhl)
-#   turns     tools/bench_turns.py on the 3B shape: 3-turn episodes against single-turn generation, zoom
-#             crops with vLLM's processed-image cache off and on (CACHES="0 4"), then text tool messages
+#   turns     tools/bench_turns.py on the 3B shape: 3-turn episodes against single-turn generation with a
+#             per-turn breakdown; zoom crops (the same per prompt, then distinct per episode, then without
+#             image keys: --mm-uuids 0), then text tool messages (TURNS_RUNS="NAME:ARGS ..." for others)
 #   qwen35    Qwen3.5-4B's shapes (random weights, make_tiny_model --size qwen3_5_4b): fla's packed Gated
 #             DeltaNet forward and backward against the torch rule (tests/gpu/test_qwen3_5_packing.py, up to
 #             Q35_TEST_S=180 s; prints the device's route past fla's #640 guard and the self-check's errors),
@@ -252,12 +253,15 @@ video)
 turns)
   [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
     --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
-  for c in ${CACHES:-0 4}; do
-    timeout 200 $PY tools/bench_turns.py --model $M --processor-cache-gb $c --json-out "$OUT/turns_zoom_c$c.json" \
-      > "$OUT/turns_zoom_c$c.log" 2>&1; echo "turns zoom cache=$c rc=$? $(tail -c 600 "$OUT/turns_zoom_c$c.json" 2>/dev/null)"
+  # TURNS_RUNS: NAME:ARGS ('+' for spaces) per bench_turns.py process, up to TURNS_S=170 s each (~100 s on a
+  # warm machine: the engine's build is most of it); each prints its summary line (per turn: vLLM's request
+  # adding vs engine steps, images sent/processed/encoded, prefill tokens) and leaves turns_NAME.json
+  for run in ${TURNS_RUNS:-zoom:--crops+same zoom_distinct:--crops+distinct zoom_nokeys:--mm-uuids+0 text:--text-tools}; do
+    name=${run%%:*}; args=${run#*:}
+    timeout ${TURNS_S:-170} $PY tools/bench_turns.py --model $M ${args//+/ } --json-out "$OUT/turns_$name.json" \
+      > "$OUT/turns_$name.log" 2>&1
+    echo "turns $name rc=$? $($PY tools/bench_turns.py --summarize "$OUT/turns_$name.json" 2>/dev/null)"
   done
-  timeout 200 $PY tools/bench_turns.py --model $M --text-tools --json-out "$OUT/turns_text.json" > "$OUT/turns_text.log" 2>&1
-  echo "turns text rc=$? $(tail -c 600 "$OUT/turns_text.json" 2>/dev/null)"
   ;;
 qwen35)
   timeout ${Q35_TEST_S:-180} $PY -m pytest -q -s tests/gpu/test_qwen3_5_packing.py > "$OUT/q35_packing.log" 2>&1

@@ -62,7 +62,8 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
 - Stopping: exactly `stop_token_ids` (`ignore_eos=True` keeps vLLM from adding the tokenizer's
   or generation_config's EOS on its own); the stop token is kept as the response's last token.
 - Randomness: constructing vLLM reseeds Python's, numpy's and torch's global generators; their
-  states are restored afterwards. Unseeded sampling draws from the CUDA generator, reseeded from
+  states are restored afterwards. Unseeded sampling draws from the CUDA generator (V1 runner) or from
+  per-request seeds vLLM draws from numpy's global generator (V2 runner); both are reseeded from
   (engine seed, call count, data-parallel rank) inside a forked RNG scope for each `generate`,
   so ranks of a tensor-parallel group sample identically whatever the trainer did with the
   global generator in between, and the trainer's stream is left as it was. With
@@ -225,12 +226,21 @@ def _preserved_rng(device: int):
 
 
 @contextlib.contextmanager
-def _sampling_rng(seed: int, device: int):
-    """Seed this GPU's generator for one generate call, leaving the caller's stream untouched."""
-    with torch.random.fork_rng(devices=[device]):
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
-        yield
+def _sampling_rng(seed: int, device: int | None):
+    """Seed this GPU's generator and numpy's global one for one generate call, leaving the caller's streams
+    untouched. vLLM 0.26's V2 model runner gives every unseeded request a seed drawn from numpy's global
+    generator (v1/worker/gpu/sample/states.py `add_request`), the V1 runner samples from the CUDA generator:
+    both are seeded here, so each rank of a tensor-parallel group draws the same tokens and a run repeats."""
+    state = np.random.get_state()
+    np.random.seed(seed % 2**32)
+    try:
+        with torch.random.fork_rng(devices=[] if device is None else [device]):
+            if device is not None:
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
+            yield
+    finally:
+        np.random.set_state(state)
 
 
 # What `rollout.engine_warmup` makes of vLLM 0.26's kernel warm-up for the V2 model runner

@@ -401,3 +401,24 @@ def test_bench_turns_summary_line_reads_a_result(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
     assert main(["--summarize", str(path)]) == result
+
+
+
+def test_each_generate_seeds_numpys_generator_and_restores_it():
+    """vLLM 0.26's V2 runner draws an unseeded request's seed from numpy's global generator: inside a
+    generate call it is seeded from the call's seed (the ranks of a tensor-parallel group draw alike, a run
+    repeats), and the trainer's own numpy stream continues afterwards as if nothing had drawn from it."""
+    import numpy as np
+
+    from rollout.vllm_engine import _sampling_rng
+
+    np.random.seed(123)
+    expected_after = np.random.get_state()[1].copy()
+    draws = []
+    for _ in range(2):
+        with _sampling_rng(7, None):
+            draws.append(np.random.randint(-2**63, 2**63 - 1, size=4))
+    with _sampling_rng(8, None):
+        other = np.random.randint(-2**63, 2**63 - 1, size=4)
+    assert (draws[0] == draws[1]).all() and not (draws[0] == other).all()
+    assert (np.random.get_state()[1] == expected_after).all()

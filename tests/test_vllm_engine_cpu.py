@@ -339,6 +339,7 @@ def test_bench_turns_probe_reads_the_engine_s_vllm_objects(tiny_model):
     assert out["images_sent"] == 3 and out["images_encoded"] == 2 and out["encoder_embeds"] == 8
     assert (out["steps"], out["prefill_steps"], out["scheduled_tokens"], out["prefill_tokens"]) == (2, 1, 12, 9)
     assert out["preempted"] == 1 and out["input_s"] == 0.25 and out["cached_prompt_tokens"] == 12
+    assert len(out["slowest_steps_s"]) == 1  # two scheduler calls: one interval
     assert out["prep_s"] >= 0 and out["add_s"] >= out["prep_s"] and out["steps_s"] >= 0
     # what these stand-ins lack reads null, not zero
     assert out["mm_stage_s"] is None and out["images_processed"] is None and out["encoder_s"] is None

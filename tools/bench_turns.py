@@ -29,6 +29,8 @@ from wrappers on the engine's vLLM objects (`TurnProbe`; a part vLLM lacks reads
   steps_s          vLLM's engine steps (schedule, forward, sample) until every request finished
   encoder_s        the vision encoder's forward inside the steps (synchronized around each call)
   gc_s             Python garbage collection during the call
+  slowest_steps_s  the three longest intervals between consecutive scheduler calls (one step each): a
+                   stall inside one step (a collection, a pinned-memory allocation) shows here
   images_sent, images_processed (the HF processor's misses), images_encoded, encoder_embeds,
   steps, prefill_steps, scheduled_tokens, prefill_tokens (scheduled in chunks of more than one
   token), prompt_tokens, cached_prompt_tokens (served by the prefix cache), preempted
@@ -97,6 +99,8 @@ class TurnProbe:
         self.stages: dict[str, float] = {}
         self.missing: set[str] = set()
         self._gc_start = None
+        self._last_step = None
+        self._gaps: list[float] = []
         llm = engine._llm
         core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
         self._scheduler = getattr(core, "scheduler", None)
@@ -176,6 +180,10 @@ class TurnProbe:
 
     def _scheduled(self, original):
         def schedule(*args, **kwargs):
+            now = time.perf_counter()
+            if self._last_step is not None:
+                self._gaps.append(now - self._last_step)
+            self._last_step = now
             out = original(*args, **kwargs)
             self.record_step(out)
             return out
@@ -216,6 +224,8 @@ class TurnProbe:
         self.counts = dict.fromkeys(COUNTS, 0)
         self.times = dict.fromkeys(TIMES, 0.0)
         self.stages = {}
+        self._gaps = []
+        self._last_step = None
 
     def report(self, stats: dict | None = None, input_s: float | None = None) -> dict:
         """This call's breakdown (module docstring), then reset; `stats` is the engine's last_stats."""
@@ -226,6 +236,8 @@ class TurnProbe:
             k.removesuffix("_secs"): round(v, 3) for k, v in sorted(self.stages.items())}
         for key, value in self.counts.items():
             out[key] = None if key in self.missing else value
+        out["slowest_steps_s"] = None if "steps" in self.missing else [
+            round(g, 3) for g in sorted(self._gaps, reverse=True)[:3]]
         stats = stats or {}
         out["prompt_tokens"] = stats.get("prompt_tokens")
         out["cached_prompt_tokens"] = stats.get("cached_prompt_tokens")
@@ -245,7 +257,8 @@ def summary_line(result: dict) -> str:
                 f"{stages.get('apply_hf_processor')}, updates {stages.get('apply_prompt_updates')})+steps "
                 f"{b['steps_s']}(enc {b['encoder_s']}) gc {b['gc_s']} in {b['input_s']} img "
                 f"{b['images_sent']}/{b['images_processed']}/{b['images_encoded']} prefill {b['prefill_tokens']} "
-                f"in {b['prefill_steps']}/{b['steps']} steps cached {b['cached_prompt_tokens']}/{b['prompt_tokens']}")
+                f"in {b['prefill_steps']}/{b['steps']} steps (slowest {b.get('slowest_steps_s')}) cached "
+                f"{b['cached_prompt_tokens']}/{b['prompt_tokens']}")
     head = (f"ratio {result['ratio']} single {result['single_turn_tokens_per_s']} multi "
             f"{result['multi_turn_tokens_per_s']} tok/s crops {result.get('crops')} keys {result.get('mm_uuids')} "
             f"tool_message_s {result['tool_message_s']}")

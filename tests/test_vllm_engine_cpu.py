@@ -404,7 +404,6 @@ def test_bench_turns_summary_line_reads_a_result(tmp_path):
     assert main(["--summarize", str(path)]) == result
 
 
-
 def test_each_generate_seeds_numpys_generator_and_restores_it():
     """vLLM 0.26's V2 runner draws an unseeded request's seed from numpy's global generator: inside a
     generate call it is seeded from the call's seed (the ranks of a tensor-parallel group draw alike, a run

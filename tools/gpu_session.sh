@@ -253,12 +253,13 @@ video)
 turns)
   [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
     --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
-  # TURNS_RUNS: NAME:ARGS ('+' for spaces) per bench_turns.py process, up to TURNS_S=170 s each (~100 s on a
-  # warm machine: the engine's build is most of it); each prints its summary line (per turn: vLLM's request
-  # adding vs engine steps, images sent/processed/encoded, prefill tokens) and leaves turns_NAME.json
-  for run in ${TURNS_RUNS:-zoom:--crops+same zoom_distinct:--crops+distinct zoom_nokeys:--mm-uuids+0 text:--text-tools}; do
+  # TURNS_RUNS: space-separated NAME:ARGS, '@' for a space inside ARGS (gpu_batch.sh turns '+' into the spaces
+  # between runs), one bench_turns.py process each, up to TURNS_S=170 s each (~100 s on a warm machine: the
+  # engine's build is most of it); each prints its summary line (per turn: vLLM's request adding vs engine
+  # steps, images sent/processed/encoded, prefill tokens) and leaves turns_NAME.json
+  for run in ${TURNS_RUNS:-zoom:--crops@same zoom_distinct:--crops@distinct zoom_nokeys:--mm-uuids@0 text:--text-tools}; do
     name=${run%%:*}; args=${run#*:}
-    timeout ${TURNS_S:-170} $PY tools/bench_turns.py --model $M ${args//+/ } --json-out "$OUT/turns_$name.json" \
+    timeout ${TURNS_S:-170} $PY tools/bench_turns.py --model $M ${args//@/ } --json-out "$OUT/turns_$name.json" \
       > "$OUT/turns_$name.log" 2>&1
     echo "turns $name rc=$? $($PY tools/bench_turns.py --summarize "$OUT/turns_$name.json" 2>/dev/null)"
   done

@@ -137,8 +137,9 @@ class RolloutConfig:
     processor_cache_gb: float = 4.0
     # vLLM: name each image by a content key computed once per image (rollout/vllm_engine.py `ImageKeys`)
     # instead of vLLM hashing every image of every request, so a later turn does not re-hash an episode's
-    # earlier images; false: vLLM's own per-request hashing
-    mm_uuids: bool = True
+    # earlier images; false: vLLM's own per-request hashing. Off until measured on a GPU (tools/bench_turns.py
+    # --mm-uuids 1 against 0)
+    mm_uuids: bool = False
     # Multi-turn episodes with tools (docs/agents.md). No tools: single-turn, one model turn per episode.
     tools: list[str] = field(default_factory=list)  # names from the tool registry (rollout/tools.py)
     tools_module: str = ""  # a module that registers user tools; importing it runs the user's code

@@ -35,7 +35,7 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   image content, so an episode's earlier images are not processed again each turn; they do not
   depend on the weights; the turns of one step share it. It, the encoder cache and the prefix cache
   are emptied at every wake, so no vision features or KV blocks of old weights are reused.
-- Image keys (`rollout.mm_uuids`, on by default): each request names its images by a content key
+- Image keys (`rollout.mm_uuids`, off by default until measured on a GPU): each request names its images by a content key
   (`multi_modal_uuids`), computed once per image object (`ImageKeys`), so vLLM does not hash every
   earlier image of an episode again on every turn; vLLM uses the key wherever it would use its own
   hash (processor cache, encoder cache, prefix-cache block keys). Prompts get no joined pixel rows
@@ -635,7 +635,7 @@ class VLLMEngine(Engine):
 
     max_videos_per_prompt: int = 0  # vLLM's video limit per prompt (the datasets' most videos in a row)
     reads_pixel_values = False  # vLLM processes the images itself: prompts need no processor outputs
-    mm_uuids = True  # name images by content key (`image_key`); False: vLLM hashes each image per request
+    mm_uuids = False  # name images by content key (`image_key`); False: vLLM hashes each image per request
 
     def __init__(
         self,
@@ -657,7 +657,7 @@ class VLLMEngine(Engine):
         max_num_seqs: int | None = None,
         sleep_level: int = 1,
         processor_cache_gb: float = 4.0,
-        mm_uuids: bool = True,
+        mm_uuids: bool = False,
         return_routed_experts: bool = False,
         exact=None,
         attention_backend: str = "auto",

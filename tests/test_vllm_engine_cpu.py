@@ -265,7 +265,7 @@ def test_vllm_requests_name_their_images_by_content_key(tiny_model):
     from rollout.base import PromptInput
     from rollout.vllm_engine import image_key
 
-    engine, processor = _request_engine(tiny_model)
+    engine, processor = _request_engine(tiny_model, mm_uuids=True)  # rollout.mm_uuids=true
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]}]
     images = processor.prepare_images([Image.new("RGB", (56, 56), "red"), Image.new("RGB", (56, 56), "blue")])
     ids = processor(processor.apply_chat_template(messages), images)["input_ids"].tolist()
@@ -293,9 +293,9 @@ def test_factory_passes_mm_uuids(monkeypatch, tiny_model):
     policy = types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen2_5_vl")),
                                    dtype=torch.bfloat16, adapter=adapter)
     factory.build_engine(load_config(None, [f"model.path={tiny_model}"]), policy)
+    assert built["mm_uuids"] is False  # off until measured on a GPU
+    factory.build_engine(load_config(None, [f"model.path={tiny_model}", "rollout.mm_uuids=true"]), policy)
     assert built["mm_uuids"] is True
-    factory.build_engine(load_config(None, [f"model.path={tiny_model}", "rollout.mm_uuids=false"]), policy)
-    assert built["mm_uuids"] is False
 
 
 def test_bench_turns_probe_reads_the_engine_s_vllm_objects(tiny_model):

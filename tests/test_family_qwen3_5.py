@@ -684,6 +684,13 @@ def test_fla_guard_refusal_says_what_why_and_what_to_do():
         assert part in text, (part, text)
 
 
+def _guarded_chunk_bwd_dqkwg(q, k, g=None, scale=2.0):
+    """fla's guard as `_stub_fla`'s module runs it: the flags are that module's globals, not this file's."""
+    if g is not None and IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:  # noqa: F821
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs (see #640)")
+    return q * k * scale
+
+
 def _stub_fla(monkeypatch, **flags):
     """A stand-in for fla.ops.common.chunk_o (and triton) in sys.modules with the guard's flags and a
     `chunk_bwd_dqkwg` behind a dispatch-like wrapper that raises as fla's does."""
@@ -694,11 +701,9 @@ def _stub_fla(monkeypatch, **flags):
     chunk_o = types.ModuleType("fla.ops.common.chunk_o")
     chunk_o.IS_NVIDIA_HOPPER, chunk_o.TRITON_ABOVE_3_4_0 = flags["hopper"], flags["triton_3_4_0"]
     chunk_o.TRITON_ABOVE_3_7_1 = flags["triton_3_7_1"]
-    exec("def chunk_bwd_dqkwg(q, k, g=None, scale=2.0):\n"
-         "    if g is not None and IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:\n"
-         "        raise RuntimeError('Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs (see #640)')\n"
-         "    return q * k * scale\n", chunk_o.__dict__)
-    raw = chunk_o.chunk_bwd_dqkwg
+    # fla's function reads the flags as its module's globals: the stand-in's code runs on the stub's dict
+    raw = types.FunctionType(_guarded_chunk_bwd_dqkwg.__code__, chunk_o.__dict__, "chunk_bwd_dqkwg",
+                             _guarded_chunk_bwd_dqkwg.__defaults__)
     chunk_o.chunk_bwd_dqkwg = functools.wraps(raw)(lambda *a, **kw: raw(*a, **kw))
     common = types.ModuleType("fla.ops.common")
     common.chunk_o = chunk_o

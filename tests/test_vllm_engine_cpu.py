@@ -204,7 +204,8 @@ def test_engine_env_adds_the_startup_plan_only_when_asked():
     assert engine_env({}, False) == {}
 
 
-def test_factory_passes_the_start_up_switches(monkeypatch, tiny_model):
+def _factory_kwargs(monkeypatch, tiny_model, *overrides: str) -> tuple[dict, object]:
+    """What rollout.factory.build_engine hands VLLMEngine for a config with these overrides, and the adapter."""
     from grpo.config import load_config
     from models.family import build_adapter
     from rollout import factory, vllm_engine
@@ -216,10 +217,15 @@ def test_factory_passes_the_start_up_switches(monkeypatch, tiny_model):
     adapter = build_adapter(AutoConfig.from_pretrained(str(tiny_model)))
     policy = types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen2_5_vl")),
                                    dtype=torch.bfloat16, adapter=adapter)
-    factory.build_engine(load_config(None, [f"model.path={tiny_model}"]), policy)
+    factory.build_engine(load_config(None, [f"model.path={tiny_model}", *overrides]), policy)
+    return built, adapter
+
+
+def test_factory_passes_the_start_up_switches(monkeypatch, tiny_model):
+    built, _ = _factory_kwargs(monkeypatch, tiny_model)
     assert built["engine_warmup"] == "full" and built["startup_plan"] is False  # vLLM's own start-up by default
-    factory.build_engine(load_config(None, [f"model.path={tiny_model}", "rollout.engine_warmup=lean",
-                                            "rollout.engine_startup_plan=true", "rollout.temperature=0.6"]), policy)
+    built, adapter = _factory_kwargs(monkeypatch, tiny_model, "rollout.engine_warmup=lean",
+                                     "rollout.engine_startup_plan=true", "rollout.temperature=0.6")
     assert built["engine_warmup"] == "lean" and built["startup_plan"] is True
     warm = built["warmup_sampling"]
     assert warm.temperature == 0.6 and warm.banned_token_ids == list(adapter.banned_token_ids)
@@ -281,21 +287,8 @@ def test_vllm_requests_name_their_images_by_content_key(tiny_model):
 
 
 def test_factory_passes_mm_uuids(monkeypatch, tiny_model):
-    from grpo.config import load_config
-    from models.family import build_adapter
-    from rollout import factory, vllm_engine
-    from transformers import AutoConfig
-
-    built = {}
-    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: built.update(kw))
-    monkeypatch.setattr(factory, "resolve_engine_name", lambda name, family=None: "vllm")
-    adapter = build_adapter(AutoConfig.from_pretrained(str(tiny_model)))
-    policy = types.SimpleNamespace(model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen2_5_vl")),
-                                   dtype=torch.bfloat16, adapter=adapter)
-    factory.build_engine(load_config(None, [f"model.path={tiny_model}"]), policy)
-    assert built["mm_uuids"] is False  # off until measured on a GPU
-    factory.build_engine(load_config(None, [f"model.path={tiny_model}", "rollout.mm_uuids=true"]), policy)
-    assert built["mm_uuids"] is True
+    assert _factory_kwargs(monkeypatch, tiny_model)[0]["mm_uuids"] is False  # off until measured on a GPU
+    assert _factory_kwargs(monkeypatch, tiny_model, "rollout.mm_uuids=true")[0]["mm_uuids"] is True
 
 
 def test_bench_turns_probe_reads_the_engine_s_vllm_objects(tiny_model):

@@ -145,6 +145,8 @@ class Trainer:
         self._startup["perf/init_s"] = time.monotonic() - started
         if self.dims.is_main:
             print("start-up: " + _seconds(self._startup), flush=True)
+            print(f"shared prompts: {'on' if self.policy.shared_prompts else 'off'} "
+                  f"(model.shared_prompts={cfg.model.shared_prompts})", flush=True)
 
     # --- construction ------------------------------------------------------------------------
     def _feeder(self, path: str, shuffle: bool | None = None) -> PromptFeeder:

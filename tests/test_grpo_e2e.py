@@ -35,6 +35,7 @@ def test_grpo_two_ranks_smoke_and_resume(tiny_model, clevr_parquet, tmp_path):
         assert row["rollout/response_len_mean"] > 0 and row["perf/refit_s"] >= 0
         assert "loss/kl" in row and "reward/std" in row and "loss/entropy" in row
     assert "eval/accuracy" in r[1] and "final" in proc.stdout
+    assert "shared prompts: off (model.shared_prompts=auto)" in proc.stdout  # auto shares on CUDA only
     for row in r:  # a random model never answers: equal rewards give zero advantages, so nothing to learn
         assert row["loss/entropy"] > 0
         if row["reward/std"] == 0:

@@ -393,3 +393,29 @@ def test_sft_step_on_a_video_dataset(tiny_model, video_parquet, tmp_path, monkey
         "data.prompts_per_step=4", "data.shuffle=false", *COMMON], monkeypatch)
     assert grids and all(t == 2 for t, _, _ in grids)
     assert row["loss/grad_norm"] > 0 and row["loss/total"] > 0 and row["loss/skipped_nonfinite"] == 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_shared_prompt_rows_with_videos_equal_unshared_rows(family, tiny_model, qwen3_vl):
+    """model.shared_prompts (on by default on CUDA for these families) with video prompts: a prompt's video
+    (and its image) once per row, its responses after it; the same logprobs as unshared rows, fp32."""
+    from grpo.config import ModelConfig
+    from models.packing import prompt_groups
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+
+    path = tiny_model if family == "qwen2_5_vl" else qwen3_vl
+    init_distributed()
+    policy = build_policy(ModelConfig(path=str(path), shared_prompts="on"), build_parallel_dims())
+    processor = load_processor(str(path))
+    prompts = _rows(processor, policy.adapter, processor.images.factor)
+    owners = [0, 0, 0, 1, 1, 2, 2, 3, 3]
+    batch = _batch(policy.adapter, prompts, owners)
+    indices = list(range(len(owners)))
+    groups = prompt_groups(batch)
+    assert sorted(len(members) for members, prefix in groups if prefix > 0) == [2, 2, 2, 3]
+    with torch.no_grad():
+        shared, _ = policy.logprobs(pack(batch, indices, share_prompts=True))
+        plain, _ = policy.logprobs(pack(batch, indices))
+    assert pack(batch, indices, share_prompts=True).num_tokens < pack(batch, indices).num_tokens
+    assert torch.allclose(shared, plain, atol=1e-5), (shared - plain).abs().max()

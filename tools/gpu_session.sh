@@ -51,6 +51,12 @@ PY=${PY:-python3}
 W=/tmp/vlrl_bench
 M=$W/model_3b
 
+# The random-weight Qwen2.5-VL at the 3b size in $M (bfloat16, on the GPU), unless a stage built it already.
+build_3b() {
+  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
+    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+}
+
 # train.py with configs/clevr_qwen2_5_vl_3b.yaml as shipped apart from paths, at the benchmark's shape
 # (16 prompts x 8 responses x 256 new tokens, 448x448 images) on one GPU: recipe_loop MODEL NAME LABEL STEPS.
 # No eval and no checkpoint at the end (together 2.5 min of a 6-min call on the 3B shape).
@@ -106,8 +112,7 @@ full)
   echo "bench rc=$?"
   ;;
 fidelity)
-  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
-    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+  build_3b
   $PY tools/make_dataset.py --kind clevr --n 64 --seed 3 --out $W/fid.parquet --size 448x448 > /dev/null
   for s in ${SHARPEN:-1}; do  # one value per call fits: a fresh process compiles vLLM first (~1 min)
     timeout 280 $PY tools/logprob_check.py --model $M --data $W/fid.parquet --engine vllm --num-prompts 16 --n 4 \
@@ -117,8 +122,7 @@ fidelity)
   ;;
 scale)
   # GRPO steps of the 3B-shaped model on 1 GPU, then with the policy sharded over 2 (one engine each)
-  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
-    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+  build_3b
   $PY tools/make_dataset.py --kind clevr --n 64 --seed 3 --out $W/fid.parquet --size 448x448 > /dev/null
   for np in ${NPROCS:-1 2}; do
     timeout ${SCALE_S:-240} $PY -m torch.distributed.run --standalone --nproc-per-node $np train.py \
@@ -133,8 +137,7 @@ scale)
 loop)
   # The user's path: train.py with configs/clevr_qwen2_5_vl_3b.yaml as shipped apart from paths, at the
   # benchmark's shape (16 prompts x 8 responses x 256 new tokens, 448x448 images), STEPS steps on one GPU.
-  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
-    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+  build_3b
   recipe_loop $M loop "3B" ${STEPS:-8}
   ;;
 profile)
@@ -251,8 +254,7 @@ video)
   done
   ;;
 turns)
-  [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
-    --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+  build_3b
   # TURNS_RUNS: space-separated NAME:ARGS, '@' for a space inside ARGS (gpu_batch.sh turns '+' into the spaces
   # between runs), one bench_turns.py process each, up to TURNS_S=170 s each (~100 s on a warm machine: the
   # engine's build is most of it); each prints its summary line (per turn: vLLM's request adding vs engine
@@ -287,8 +289,7 @@ op_diff)
     # the 3B shape at 448x448 (1024 patches, 16 vision windows), exact mode unless OPDIFF_EXACT=0: the first module
     # that is not bitwise, vision tower included (each sequence runs alone through the engine: one image per
     # encoder call, one prefill); ~1 min to draw the model on a fresh machine, then ~3 min
-    [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
-      --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+    build_3b
     $PY tools/make_dataset.py --kind clevr --n 32 --seed 3 --out $W/opd3b.parquet --size 448x448 > /dev/null
     timeout ${OPDIFF_S:-400} $PY tools/op_diff.py --model $M --data $W/opd3b.parquet --task clevr --engine vllm \
       --dtype bfloat16 --min-pixels 200704 --max-pixels 200704 --num-prompts ${OPDIFF_PROMPTS:-2} --n 2 \
@@ -308,8 +309,7 @@ op_diff)
   ;;
 exact)
   if [ "${EXACT_3B:-0}" = 1 ]; then
-    [ -f $M/config.json ] || $PY tools/make_tiny_model.py --family qwen2_5_vl --size 3b --out $M --device cuda \
-      --dtype bfloat16 --overwrite > "$OUT/build_3b.log" 2>&1
+    build_3b
     $PY tools/make_dataset.py --kind clevr --n 64 --seed 3 --out $W/exact3b.parquet --size 448x448 > /dev/null
     EXACT_MODEL=$M EXACT_DATA=$W/exact3b.parquet EXACT_MIN_PIXELS=200704 EXACT_MAX_PIXELS=200704 \
       EXACT_ARGS="${EXACT_ARGS:---set model.activation_checkpointing=true}" \

@@ -425,13 +425,12 @@ def apply_exact_modules(model, adapter) -> int:
     for m in model.modules():
         routed["fused_qkv"] += _fuse(m, ("q_proj", "k_proj", "v_proj"))
         routed["fused_gate_up"] += _fuse(m, ("gate_proj", "up_proj"))
-    for m in model.modules():  # every other linear layer (o_proj, down_proj, the vision tower's, lm_head)
-        if isinstance(m, torch.nn.Linear) and "forward" not in m.__dict__:
+    for m in model.modules():  # after the fusing: the fused members have their forward already
+        kind = type(m).__name__
+        if isinstance(m, torch.nn.Linear) and "forward" not in m.__dict__:  # o_proj, down_proj, vision, lm_head
             m.forward = _policy_linear(m)
             routed["linear"] += 1
-    for m in model.modules():
-        kind = type(m).__name__
-        if kind.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
+        elif kind.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
             m.forward = _policy_rms_norm(m)
             routed["rms_norm"] += 1
         elif kind.endswith("RotaryEmbedding") and "Vision" not in kind and hasattr(m, "inv_freq"):

@@ -832,12 +832,15 @@ def _shared_prompt_blockers(cfg: Config) -> Iterator[str]:
 
 
 def _shared_prompt_errors(cfg: Config) -> Iterator[str]:
-    """model.shared_prompts=on with something that rules it out is an error; `auto` settles to off there
-    (the family and the device decide the rest when the policy is built: models.policy.shares_prompts)."""
-    blockers = list(_shared_prompt_blockers(cfg))
+    """model.shared_prompts=on with something that rules it out is an error (`auto` settles instead)."""
     if cfg.model.shared_prompts == "on":
-        yield from blockers
-    elif cfg.model.shared_prompts == "auto" and blockers:
+        yield from _shared_prompt_blockers(cfg)
+
+
+def _settle_auto_keys(cfg: Config) -> None:
+    """`auto` keys the config alone decides: model.shared_prompts is off where the config rules it out
+    (the family and the device decide the rest when the policy is built: models.policy.shares_prompts)."""
+    if cfg.model.shared_prompts == "auto" and any(_shared_prompt_blockers(cfg)):
         cfg.model.shared_prompts = "off"
 
 
@@ -862,9 +865,11 @@ def _lora_errors(cfg: Config) -> Iterator[str]:
 
 
 def validate(cfg: Config) -> None:
-    """Range and cross-field checks that a type annotation cannot express; the first failure raises."""
+    """Range and cross-field checks that a type annotation cannot express (the first failure raises), then
+    the `auto` keys the config alone decides are settled."""
     for message in (*_range_errors(cfg), *_cross_errors(cfg)):
         raise ConfigError(message)
+    _settle_auto_keys(cfg)
 
 
 # --- saving --------------------------------------------------------------------------------------

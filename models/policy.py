@@ -215,7 +215,8 @@ def compute_dtype(name: str, device_type: str) -> torch.dtype:
 class Policy:
     """A sharded VLM plus its family adapter; runs packed micro-batches and yields full weights."""
 
-    def __init__(self, model: nn.Module, adapter: FamilyAdapter, dims: ParallelDims, path: str, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, adapter: FamilyAdapter, dims: ParallelDims, path: str, dtype: torch.dtype,
+                 shared_prompts: bool = False):
         self.model = model
         self.adapter = adapter
         self.dims = dims
@@ -234,7 +235,7 @@ class Policy:
         # exact mode: (model-dtype logits, targets, temperature) -> the engine's values for them, or None
         self.exact_engine_logprobs = None
         # model.shared_prompts as settled for this family and device (models.policy.shares_prompts)
-        self.shared_prompts = False
+        self.shared_prompts = shared_prompts
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -606,8 +607,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         raise RuntimeError(f"{len(left)} tensors still on the meta device after loading, e.g. {left[:3]}")
     if not trainable:
         model.requires_grad_(False)
-    policy = Policy(model, adapter, dims, cfg_model.path, dtype)
-    policy.shared_prompts = shared
+    policy = Policy(model, adapter, dims, cfg_model.path, dtype, shared_prompts=shared)
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)

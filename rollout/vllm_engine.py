@@ -900,10 +900,7 @@ class VLLMEngine(Engine):
         if images:
             request["multi_modal_data"] = {"image": images}
             if self.mm_uuids:
-                keys = getattr(self, "_image_keys", None)
-                if keys is None:  # an engine object built without __init__ (tests)
-                    keys = self._image_keys = ImageKeys()
-                request["multi_modal_uuids"] = {"image": [keys(image) for image in images]}
+                request["multi_modal_uuids"] = {"image": [self._image_keys(image) for image in images]}
         if videos:
             items, kwargs = self.adapter.vllm_video_items(videos)
             request.setdefault("multi_modal_data", {})["video"] = items

@@ -269,9 +269,9 @@ def test_vllm_requests_name_their_images_by_content_key(tiny_model):
     from PIL import Image
 
     from rollout.base import PromptInput
-    from rollout.vllm_engine import image_key
+    from rollout.vllm_engine import ImageKeys, image_key
 
-    engine, processor = _request_engine(tiny_model, mm_uuids=True)  # rollout.mm_uuids=true
+    engine, processor = _request_engine(tiny_model, mm_uuids=True, _image_keys=ImageKeys())  # rollout.mm_uuids=true
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]}]
     images = processor.prepare_images([Image.new("RGB", (56, 56), "red"), Image.new("RGB", (56, 56), "blue")])
     ids = processor(processor.apply_chat_template(messages), images)["input_ids"].tolist()

@@ -42,6 +42,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,7 @@ def restarting_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return out if bias is None else out + bias[:, None]
 
 
+@cache  # looked up on every Gated DeltaNet call; whether fla is installed does not change in a process
 def _fla_rule():
     """flash-linear-attention's varlen chunked gated delta rule, where the package is installed."""
     if importlib.util.find_spec("fla") is None:

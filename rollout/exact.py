@@ -520,16 +520,15 @@ def patch_vllm(report: dict) -> None:
         return
     for name, attr, impl in (("Qwen2_5_VisionPatchEmbed", "forward", _engine_patch_embed),
                              ("apply_rotary_pos_emb_vision", None, _engine_vision_rope)):
-        if not hasattr(qwen2_5_vl, name) and attr is None:  # vLLM 0.26: the rotation is an ApplyRotaryEmb op
-            report[name] = "absent (the vision rotation is ApplyRotaryEmb, routed by align_engine)"
-        elif not hasattr(qwen2_5_vl, name):
-            report[name] = "not found in vllm.model_executor.models.qwen2_5_vl"
-        elif attr is None:
+        if not hasattr(qwen2_5_vl, name):  # vLLM 0.26: the vision rotation is an ApplyRotaryEmb op
+            report[name] = ("absent (the vision rotation is ApplyRotaryEmb, routed by align_engine)" if attr is None
+                            else "not found in vllm.model_executor.models.qwen2_5_vl")
+            continue
+        if attr is None:
             setattr(qwen2_5_vl, name, impl)
-            report[name] = "routed to torch code"
         else:
             setattr(getattr(qwen2_5_vl, name), attr, impl)
-            report[name] = "routed to torch code"
+        report[name] = "routed to torch code"
 
 
 def _engine_linear_path() -> str:

@@ -94,13 +94,9 @@ class TurnProbe:
     is reported as null rather than failing the run."""
 
     def __init__(self, engine):
-        self.counts = dict.fromkeys(COUNTS, 0)
-        self.times = dict.fromkeys(TIMES, 0.0)
-        self.stages: dict[str, float] = {}
+        self.reset()
         self.missing: set[str] = set()
         self._gc_start = None
-        self._last_step = None
-        self._gaps: list[float] = []
         llm = engine._llm
         core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
         self._scheduler = getattr(core, "scheduler", None)
@@ -108,23 +104,33 @@ class TurnProbe:
         gc.callbacks.append(self._gc)
 
     # --- wrappers ------------------------------------------------------------------------------
-    def _timer(self, key: str):
+    def _timer(self, key: str, synced: bool = False):
+        """A wrapper adding each call's seconds to times[key]; `synced` waits for the GPU around the call so
+        its asynchronous kernels count too."""
         def around(original):
             def timed(*args, **kwargs):
+                if synced:
+                    import torch
+
+                    torch.cuda.synchronize()
                 start = time.perf_counter()
                 try:
                     return original(*args, **kwargs)
                 finally:
+                    if synced:
+                        torch.cuda.synchronize()
                     self.times[key] += time.perf_counter() - start
             return timed
         return around
 
     def _install(self, engine, llm, core) -> None:
         def prep(original):
-            def timed(index, prompt):
+            timed = self._timer("prep_s")(original)
+
+            def counted(index, prompt):
                 self.counts["images_sent"] += len(prompt.images)
-                return self._timer("prep_s")(original)(index, prompt)
-            return timed
+                return timed(index, prompt)
+            return counted
 
         ok = {"prep_s": _wrap(engine, "_vllm_prompt", prep),
               "add_s": _wrap(llm, "_add_completion_requests", self._timer("add_s")),
@@ -137,27 +143,12 @@ class TurnProbe:
         runner = getattr(getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None),
                                  "worker", None), "model_runner", None)
         encoder = getattr(getattr(runner, "model_state", None), "encoder_runner", None)  # V2 model runner
-        ok["encoder_s"] = (_wrap(encoder, "execute_mm_encoder", self._synced("encoder_s"))
-                           or _wrap(runner, "_execute_mm_encoder", self._synced("encoder_s")))  # V1
+        ok["encoder_s"] = (_wrap(encoder, "execute_mm_encoder", self._timer("encoder_s", synced=True))
+                           or _wrap(runner, "_execute_mm_encoder", self._timer("encoder_s", synced=True)))  # V1
         self.missing = {k for k, v in ok.items() if not v}
         if "steps" in self.missing:
             self.missing |= {"images_encoded", "encoder_embeds", "prefill_steps", "scheduled_tokens",
                              "prefill_tokens", "preempted"}
-
-    def _synced(self, key: str):
-        def around(original):
-            def timed(*args, **kwargs):
-                import torch
-
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    torch.cuda.synchronize()
-                    self.times[key] += time.perf_counter() - start
-            return timed
-        return around
 
     def _stage_timing(self, original):
         from vllm.multimodal.processing.context import TimingContext
@@ -221,6 +212,7 @@ class TurnProbe:
 
     # --- reading ---------------------------------------------------------------------------------
     def reset(self) -> None:
+        """Zero the counts, times and step intervals for the next call."""
         self.counts = dict.fromkeys(COUNTS, 0)
         self.times = dict.fromkeys(TIMES, 0.0)
         self.stages = {}

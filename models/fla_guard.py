@@ -200,13 +200,13 @@ def install_backend() -> None:
 
     chunk_o = _chunk_o()
     lifted = unguarded(chunk_o.chunk_bwd_dqkwg)
+    flags = read_flags()  # fla sets them once at import; the verifier runs on every backward call
 
     class LiftedHopperGuard(BaseBackend):
         backend_type = "vlrl_lifted_hopper_guard"
         priority = 8  # after tilelang (5): where that kernel is usable it is the better fix
 
         def chunk_bwd_dqkwg_verifier(self, q, k, *args, g=None, **kwargs):
-            flags = read_flags()
             return accepts_call(flags, g is not None, k.device.index, k.shape[-1],
                                 k.is_cuda and _hopper_tiling(k.device.index))
 

@@ -46,9 +46,10 @@ def _pixel_limits() -> tuple[str, str]:
 
 
 def _run(model: Path, data: Path, out: Path, exact: bool) -> dict:
+    low, high = _pixel_limits()
     cmd = [sys.executable, str(ROOT / "tools" / "logprob_check.py"), "--model", str(model), "--data", str(data),
            "--engine", "vllm", "--num-prompts", str(PROMPTS), "--n", str(RESPONSES), "--max-new-tokens",
-           str(NEW_TOKENS), "--min-pixels", _pixel_limits()[0], "--max-pixels", _pixel_limits()[1], "--out", str(out)]
+           str(NEW_TOKENS), "--min-pixels", low, "--max-pixels", high, "--out", str(out)]
     if not ONLY_EXACT:  # the cost needs both runs; a bisecting run wants the logprobs alone
         cmd.append("--time-train")
     if exact:

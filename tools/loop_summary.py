@@ -39,13 +39,9 @@ SETTINGS = {
     "shared_prompts": ("model", "shared_prompts"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
 }
-# start-up seconds the trainer logs once (summary key -> metric)
-STARTUP = {
-    "policy_build_s": "perf/policy_build_s", "reference_build_s": "perf/reference_build_s",
-    "data_build_s": "perf/data_build_s", "init_s": "perf/init_s", "engine_build_s": "perf/engine_build_s",
-    "engine_import_s": "perf/engine_import_s", "engine_llm_s": "perf/engine_llm_s",
-    "engine_warmup_s": "perf/engine_warmup_s",
-}
+# start-up seconds the trainer logs once, as perf/<name>
+STARTUP = ("policy_build_s", "reference_build_s", "data_build_s", "init_s", "engine_build_s", "engine_import_s",
+           "engine_llm_s", "engine_warmup_s")
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -105,7 +101,8 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
 def startup(rows: list[dict]) -> dict:
     """The STARTUP seconds, each from the first row that logged it; those no row holds are left out."""
     out = {}
-    for name, key in STARTUP.items():
+    for name in STARTUP:
+        key = f"perf/{name}"
         value = next((r[key] for r in rows if key in r), None)
         if value is not None:
             out[name] = value

@@ -43,6 +43,7 @@ their own sequences; rank 0 prints its own.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -622,26 +623,23 @@ def attention_probe(heads: int, kv_heads: int, dim: int, lengths=ATTENTION_LENGT
     Returns, per way, whether every token is bitwise and the first differing position of each sequence."""
     from models.attention import _vllm_flash_kernel, paged_flash, paged_kv
 
-    # the policy's call, with vLLM's kernel and FlashAttention version where `kernel` is None
-    policy_kernel, extra = kernel, {}
-    if kernel is None:
+    if kernel is None:  # vLLM's kernel at its FlashAttention version, for the policy's calls and the engine's
         kernel, version = _vllm_flash_kernel()
-        extra = {"fa_version": version} if version is not None else {}
+        kernel = functools.partial(kernel, fa_version=version) if version is not None else kernel
     g = torch.Generator(device=device).manual_seed(seed)
     total = sum(lengths)
     q = torch.randn(total, heads, dim, generator=g, device=device).to(dtype)
     k, v = (torch.randn(total, kv_heads, dim, generator=g, device=device).to(dtype) for _ in range(2))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     longest, scale = max(lengths), dim ** -0.5
-    prefill = paged_flash(q, k, v, cu, longest, scale, kernel=policy_kernel)
+    prefill = paged_flash(q, k, v, cu, longest, scale, kernel=kernel)
     k_cache, v_cache, table, seq_lengths = paged_kv(k, v, cu)
     seq, pos = decode_layout(cu)
     i32 = {"dtype": torch.int32, "device": device}
 
     def call(rows_q, cu_q, max_q, used, blocks):
         return kernel(q=rows_q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
-                      max_seqlen_k=longest, softmax_scale=scale, causal=True, block_table=blocks, num_splits=1,
-                      **extra)
+                      max_seqlen_k=longest, softmax_scale=scale, causal=True, block_table=blocks, num_splits=1)
 
     decode = call(q, torch.arange(total + 1, **i32), 1, (pos + 1).to(torch.int32), table[seq])
     # a mixed step: sequence 0 prefilled, every token of the others decoded, in one call
@@ -655,7 +653,7 @@ def attention_probe(heads: int, kv_heads: int, dim: int, lengths=ATTENTION_LENGT
     cuts = [max(1, 3 * n // 4) for n in lengths]
     kept = torch.cat([torch.arange(int(cu[i]), int(cu[i]) + c, device=device) for i, c in enumerate(cuts)])
     cu_cut = torch.tensor([0, *torch.tensor(cuts).cumsum(0).tolist()], **i32)
-    prompt = paged_flash(q[kept], k[kept], v[kept], cu_cut, max(cuts), scale, kernel=policy_kernel)
+    prompt = paged_flash(q[kept], k[kept], v[kept], cu_cut, max(cuts), scale, kernel=kernel)
 
     def verdict(out, rows=None):
         rows = torch.arange(total, device=device) if rows is None else rows

@@ -24,64 +24,52 @@ from models.families.qwen3_5 import _torch_rule, fla_delta_rule_packed, torch_de
 SHAPE_4B = fla_guard.RuleShape(k_heads=16, v_heads=32, k_dim=128, v_dim=128, dtype=torch.bfloat16)
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 @pytest.fixture(scope="module", autouse=True)
 def plan():
     """This device's route for fla's gated backward (the self-check runs here where the guard is lifted)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    chosen = fla_guard.prepare_backward(device, SHAPE_4B, fla_delta_rule_packed, torch_delta_rule_packed)
+    chosen = fla_guard.prepare_backward(_device(), SHAPE_4B, fla_delta_rule_packed, torch_delta_rule_packed)
     print(f"\n{torch.cuda.get_device_name()}: {fla_guard.read_flags()}; route {chosen.route}; "
           f"self-check errors {chosen.errors}", flush=True)
     return chosen
 
 
-def _inputs(lengths, shape, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(lengths)
-    make = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
-    q, k = make(1, total, shape.k_heads, shape.k_dim), make(1, total, shape.k_heads, shape.k_dim)
-    v = make(1, total, shape.v_heads, shape.v_dim)
-    gate = torch.nn.functional.logsigmoid(make(1, total, shape.v_heads))  # log decay < 0, fp32 as the layer has it
-    beta = torch.rand(1, total, shape.v_heads, generator=g, device="cuda")
-    q, k, v, beta = (t.to(shape.dtype) for t in (q, k, v, beta))
-    return [q, k, v, gate, beta]
+def _per_sequence_rule(q, k, v, g, beta, cu):
+    """transformers' rule on each sequence of the packed row alone, the outputs joined again."""
+    outs = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        out, _ = _torch_rule()(*(t[:, start:end] for t in (q, k, v)), g=g[:, start:end], beta=beta[:, start:end],
+                               use_qk_l2norm_in_kernel=True)
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+def _assert_within_tolerance(errors, dtype, label):
+    print(f"\n{label}, {dtype}, relative errors {errors}", flush=True)
+    for name, error in errors.items():
+        assert error <= fla_guard.tolerance(name, dtype), (name, errors)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fla_varlen_equals_torch_rule_per_sequence(dtype):
     """fla on a packed row against transformers' rule on each sequence alone (fp32): output and every
     input's gradient, within the self-check's tolerances."""
-    lengths = [37, 5, 190, 64, 1]
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
-    shape = dataclasses.replace(SHAPE_4B, dtype=dtype)
-    values = _inputs(lengths, shape)
-    grad_out = torch.randn(1, sum(lengths), shape.v_heads, shape.v_dim, device="cuda")
-    leaves = [t.clone().requires_grad_() for t in values]
-    packed = fla_delta_rule_packed(*leaves, cu)
-    got = [packed, *torch.autograd.grad(packed, leaves, grad_out.to(packed.dtype))]
-    exact = [t.float().requires_grad_() for t in values]
-    outs = []
-    for i, n in enumerate(lengths):
-        sl = slice(int(cu[i]), int(cu[i]) + n)
-        out, _ = _torch_rule()(*(t[:, sl] for t in exact[:3]), g=exact[3][:, sl], beta=exact[4][:, sl],
-                               use_qk_l2norm_in_kernel=True)
-        outs.append(out)
-    reference = torch.cat(outs, dim=1)
-    want = [reference, *torch.autograd.grad(reference, exact, grad_out)]
-    errors = {name: fla_guard.relative_error(a, b) for name, a, b in zip(("out", *fla_guard.GRADIENTS), got, want)}
-    print(f"\nper-sequence reference, {dtype}, relative errors {errors}", flush=True)
-    for name, error in errors.items():
-        assert error <= fla_guard.tolerance(name, dtype), (name, errors)
+    errors = fla_guard.gradient_errors(fla_delta_rule_packed, _per_sequence_rule,
+                                       dataclasses.replace(SHAPE_4B, dtype=dtype), _device(),
+                                       lengths=(37, 5, 190, 64, 1))
+    _assert_within_tolerance(errors, dtype, "per-sequence reference")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_self_check_on_other_lengths(plan, dtype):
     """The self-check's comparison on a second packed row (a long sequence first, short ones after)."""
     errors = fla_guard.gradient_errors(fla_delta_rule_packed, torch_delta_rule_packed,
-                                       dataclasses.replace(SHAPE_4B, dtype=dtype),
-                                       torch.device("cuda", torch.cuda.current_device()), lengths=(300, 7, 128, 65))
-    print(f"\nroute {plan.route}, {dtype}, relative errors {errors}", flush=True)
-    for name, error in errors.items():
-        assert error <= fla_guard.tolerance(name, dtype), (name, errors)
+                                       dataclasses.replace(SHAPE_4B, dtype=dtype), _device(),
+                                       lengths=(300, 7, 128, 65))
+    _assert_within_tolerance(errors, dtype, f"route {plan.route}")
 
 
 def test_block_64_is_refused_where_fla_guards(plan):

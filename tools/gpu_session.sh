@@ -328,14 +328,14 @@ tiny_hd128_gqa8 tiny_hd128_mlp tiny_hd128_vocab tiny_hd128_deep"
       echo "kernel probes rc=$?"
       grep "^kernel probes\|^  attention\|NOT bitwise\|vs cuBLAS\|Error" "$OUT/exact_kernels.log" | head -44
     fi
+    per=${EXACT_VARIANT_S:-150}
     for v in ${EXACT_VARIANTS:-}; do
       size=${v%@*}; side=448; [ "$size" != "$v" ] && side=${v#*@}
-      if [ $(( ${EXACT_BUDGET_S:-560} - SECONDS )) -lt ${EXACT_VARIANT_S:-150} ]; then
-        echo "exact $size@$side: skipped, $(( ${EXACT_BUDGET_S:-560} - SECONDS )) s left"; continue
-      fi
+      left=$(( ${EXACT_BUDGET_S:-560} - SECONDS ))
+      if [ $left -lt $per ]; then echo "exact $size@$side: skipped, $left s left"; continue; fi
       f="$OUT/exact_${size}_$side"
-      EXACT_SIZE=$size EXACT_PX=$side EXACT_ONLY=${EXACT_ONLY:-1} EXACT_OUT="$f.json" EXACT_S=${EXACT_VARIANT_S:-150} \
-        timeout $(( ${EXACT_VARIANT_S:-150} + 20 )) $PY -m pytest -q -s tests/gpu/test_exact.py -k reports_its_cost \
+      EXACT_SIZE=$size EXACT_PX=$side EXACT_ONLY=${EXACT_ONLY:-1} EXACT_OUT="$f.json" EXACT_S=$per \
+        timeout $(( per + 20 )) $PY -m pytest -q -s tests/gpu/test_exact.py -k reports_its_cost \
         > "$f.log" 2>&1
       rc=$?
       $PY - "$f.json" "$size@$side" $rc <<'PYEOF'

@@ -395,26 +395,20 @@ class Trainer:
     def grpo_step(self, per_rank: int) -> dict:
         """rollout → score → experience (pack once, logprobs, advantages) → update → refit."""
         timings = {}
-        t = time.monotonic()
-        _, episodes, rewards_info = self.rollouts.collect(self.feeder, per_rank, self.sampling_params())
-        timings["perf/gen_s"] = time.monotonic() - t
+        with timed(timings, "perf/gen_s"):
+            _, episodes, rewards_info = self.rollouts.collect(self.feeder, per_rank, self.sampling_params())
         gen_detail = dict(self.colocation.timings)
 
         reuse = self._old_logprobs_from_update()
         with self.colocation.peak.training():
-            t = time.monotonic()
-            step = self._experience(episodes, old_logprobs=not reuse)
-            timings["perf/logprob_s"] = time.monotonic() - t
-
-            t = time.monotonic()
-            rewards = self._advantages(step, episodes, rewards_info)
-            if not reuse:  # the mismatch mask needs the old logprobs before the update
-                fidelity = self._fidelity(step)
-            timings["perf/score_s"] = time.monotonic() - t
-
-            t = time.monotonic()
-            train = self._ppo_update(step, old_from_update=reuse)
-            timings["perf/train_s"] = time.monotonic() - t
+            with timed(timings, "perf/logprob_s"):
+                step = self._experience(episodes, old_logprobs=not reuse)
+            with timed(timings, "perf/score_s"):
+                rewards = self._advantages(step, episodes, rewards_info)
+                if not reuse:  # the mismatch mask needs the old logprobs before the update
+                    fidelity = self._fidelity(step)
+            with timed(timings, "perf/train_s"):
+                train = self._ppo_update(step, old_from_update=reuse)
             if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now
                 fidelity = self._fidelity(step)
 

@@ -160,22 +160,23 @@ SIZES["tiny_hd128"] = dataclasses.replace(SIZES["tiny"], text_hidden=256, text_h
 # tiny_hd128 with one feature of the 3b size each, for bisecting an exact-mode mismatch seen at 3b but not on
 # tiny_hd128 (tests/gpu/test_exact.py with EXACT_SIZE; tools/gpu_session.sh exact with EXACT_VARIANTS).
 # The windows, the ~300-token prompts and several 1024-patch images per encoder call come from 448x448 images.
-_HD128 = SIZES["tiny_hd128"]
+_HD128, _3B = SIZES["tiny_hd128"], SIZES["3b"]
 SIZES.update({
     # the 3b vision block: 80-wide heads, the 3420-wide MLP (a GEMM K that is not a multiple of 8), 112-pixel
     # windows (16 per 448x448 image) and full-attention blocks between them
-    "tiny_hd128_vit3b": dataclasses.replace(_HD128, vision_hidden=160, vision_heads=2, vision_intermediate=3420,
-                                            vision_depth=4, window_size=112, fullatt_blocks=(1, 3)),
+    "tiny_hd128_vit3b": dataclasses.replace(_HD128, vision_hidden=2 * _3B.vision_hidden // _3B.vision_heads,
+                                            vision_heads=2, vision_intermediate=_3B.vision_intermediate,
+                                            vision_depth=4, window_size=_3B.window_size, fullatt_blocks=(1, 3)),
     # 8 query heads per key/value head, as the 3b's 16/2
-    "tiny_hd128_gqa8": dataclasses.replace(_HD128, text_hidden=1024, text_heads=8, text_kv_heads=1,
-                                           text_intermediate=1024),
+    "tiny_hd128_gqa8": dataclasses.replace(_HD128, text_hidden=1024, text_heads=_3B.text_heads // _3B.text_kv_heads,
+                                           text_kv_heads=1, text_intermediate=1024),
     # the 3b's MLP width: down_proj's GEMM sums over K = 11008
-    "tiny_hd128_mlp": dataclasses.replace(_HD128, text_intermediate=11008),
+    "tiny_hd128_mlp": dataclasses.replace(_HD128, text_intermediate=_3B.text_intermediate),
     # the 3b's 151,936-row embedding and lm_head (the sampler's log-softmax over 149 blocks of 1024)
-    "tiny_hd128_vocab": dataclasses.replace(_HD128, vocab_size=151936),
+    "tiny_hd128_vocab": dataclasses.replace(_HD128, vocab_size=_3B.vocab_size),
     # the 3b's depths: 36 decoder layers, 32 vision blocks with its window and full-attention blocks
-    "tiny_hd128_deep": dataclasses.replace(_HD128, text_layers=36, vision_depth=32, window_size=112,
-                                           fullatt_blocks=(7, 15, 23, 31)),
+    "tiny_hd128_deep": dataclasses.replace(_HD128, text_layers=_3B.text_layers, vision_depth=_3B.vision_depth,
+                                           window_size=_3B.window_size, fullatt_blocks=_3B.fullatt_blocks),
 })
 
 

@@ -329,11 +329,9 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         batch = inputs if t == 0 else [e.engine_input(pixels_in) for e in episodes]
         input_s = time.perf_counter() - start
-        if t == 0:
-            gens, s = _timed(engine, batch, turn)
-        else:
-            gens, s = _timed(engine, batch,
-                             SamplingParams(n=1, max_new_tokens=args.turn_tokens, banned_token_ids=banned, seed=1 + t))
+        params = turn if t == 0 else SamplingParams(n=1, max_new_tokens=args.turn_tokens, banned_token_ids=banned,
+                                                    seed=1 + t)
+        gens, s = _timed(engine, batch, params)
         del batch
         multi_s += s
         turn_s.append(round(s, 3))

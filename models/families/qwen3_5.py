@@ -310,7 +310,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
         decoder = self.language_model(model)
         apply_packed_linear_attention(decoder)
-        if embeds.is_cuda and torch.is_grad_enabled():  # a backward may follow: can fla's run on this GPU?
+        if torch.is_grad_enabled():  # a backward may follow: can fla's run on this GPU? (a no-op off CUDA)
             prepare_delta_rule_backward(decoder, embeds.device, embeds.dtype)
         out = decoder(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
         return out.last_hidden_state

@@ -89,8 +89,8 @@ import logging
 import os
 import random
 import socket
-import weakref
 import time
+import weakref
 from pathlib import Path
 from typing import Iterable
 
@@ -636,6 +636,7 @@ class VLLMEngine(Engine):
     max_videos_per_prompt: int = 0  # vLLM's video limit per prompt (the datasets' most videos in a row)
     reads_pixel_values = False  # vLLM processes the images itself: prompts need no processor outputs
     mm_uuids = False  # name images by content key (`image_key`); False: vLLM hashes each image per request
+    _engine_warmup = "full"  # rollout.engine_warmup (WARMUP_MODES)
 
     def __init__(
         self,
@@ -764,9 +765,8 @@ class VLLMEngine(Engine):
                    min_pixels, max_pixels):
         from vllm import LLM
 
-        mode = getattr(self, "_engine_warmup", "full")
-        lean = self._vllm_sampling(self._warmup_sampling, 1) if mode == "lean" else None
-        with kernel_warmup(mode, lean, getattr(self, "build_times", {})):
+        lean = self._vllm_sampling(self._warmup_sampling, 1) if self._engine_warmup == "lean" else None
+        with kernel_warmup(self._engine_warmup, lean, getattr(self, "build_times", {})):
             return LLM(**self._llm_kwargs(path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed,
                                           dtype, min_pixels, max_pixels))
 

@@ -695,6 +695,8 @@ def kernel_probes(device="cuda") -> dict:
 
 
 def format_probes(report: dict) -> str:
+    """`kernel_probes`' report as text: one line per GEMM shape and kernel, per engine-vs-cuBLAS pair, per
+    attention shape and way, naming the row counts or positions that are not bitwise."""
     lines = [f"kernel probes ({report['device']}, torch {report['torch']}): all bitwise {report['all_bitwise']}"]
     for kind, label in (("gemm", "cuBLAS"), ("gemm_engine", "vLLM")):
         for name, r in report[kind].items():

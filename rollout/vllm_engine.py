@@ -408,15 +408,16 @@ def _expert_tensor(module, attr: str, data: torch.Tensor, shard: ExpertShard | N
     tp = parallel.tp_size
     hidden = module.moe_config.hidden_dim_unpadded
     inter = module.moe_config.intermediate_size_per_partition_unpadded
+    # one expert's projection is sliced before gathering: a hub file's per-expert names would otherwise
+    # gather the whole layer once per expert
     if attr == "w2_weight":
-        down = _gather(data[:, :hidden, :inter], 2, tp)
-        return down if shard is None else down[shard.expert]
+        down = data[:, :hidden, :inter]
+        return _gather(down, 2, tp) if shard is None else _gather(down[shard.expert], 1, tp)
     half = data.shape[1] // 2  # w1 rows, then w3 rows (FusedMoE's gated layout)
-    gate = _gather(data[:, :inter, :hidden], 1, tp)
-    up = _gather(data[:, half : half + inter, :hidden], 1, tp)
+    gate, up = data[:, :inter, :hidden], data[:, half : half + inter, :hidden]
     if shard is None:
-        return torch.cat([gate, up], 1)
-    return (gate if shard.part == "w1" else up)[shard.expert]
+        return torch.cat([_gather(gate, 1, tp), _gather(up, 1, tp)], 1)
+    return _gather((gate if shard.part == "w1" else up)[shard.expert], 0, tp)
 
 
 def _full_tensor(module, attr: str, data: torch.Tensor, shard) -> torch.Tensor:

@@ -123,7 +123,7 @@ def test_kernel_probes_at_3b_shapes(tmp_path):
     print(done.stdout[-6000:], flush=True)
     assert done.returncode == 0, f"op_diff --kernels failed:\n{done.stderr[-4000:]}"
     report = json.loads(out.read_text())
-    broken = [name for name, r in report["gemm"].items() if not r["bitwise"]] + [
+    broken = [name for name, r in report["gemm_engine"].items() if not r["bitwise"]] + [  # what all_bitwise reads
         f"attention {name} {way}" for name, r in report["attention"].items() for way in ATTENTION_WAYS
         if not r[way]["bitwise"]]
     assert report["all_bitwise"], f"not bitwise at the 3b shapes: {', '.join(broken)}"

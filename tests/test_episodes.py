@@ -486,8 +486,12 @@ class PixelBlindEngine(ScriptedEngine):
 
     reads_pixel_values = False
 
+    def __init__(self, tokenizer, script: list[list[str]]):
+        super().__init__(tokenizer, script)
+        self.seen = []
+
     def generate(self, prompts, params):
-        self.seen = getattr(self, "seen", []) + [[(p.pixel_values, p.image_grid_thw, len(p.images)) for p in prompts]]
+        self.seen.append([(p.pixel_values, p.image_grid_thw, len(p.images)) for p in prompts])
         return super().generate(prompts, params)
 
 

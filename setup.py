@@ -31,6 +31,8 @@ setup(
         "vllm": ["vllm>=0.26.0"],
         # Qwen3.5's Gated DeltaNet in training on CUDA: flash-linear-attention's varlen Triton kernels
         "fla": ["fla-core>=0.6.0"],
+        # model.liger_kernel: fused RMSNorm, rotary and SwiGLU (Triton) for the Qwen-VL families on CUDA
+        "liger": ["liger-kernel>=0.8"],
         "dev": ["pytest>=8"],
         # experiment trackers for logging.backends (grpo/trackers.py); not needed by the tests
         "wandb": ["wandb>=0.17"],

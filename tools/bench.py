@@ -248,7 +248,7 @@ def _profile(step, out: Path) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync()
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True, with_stack=cuda) as prof:
         step()
         _sync()
     wall = time.perf_counter() - t0
@@ -265,6 +265,21 @@ def _profile(step, out: Path) -> None:
               events.table(sort_by=key, row_limit=45)]
     if cuda:  # a step the GPU waits through is bound by the host: show where the host spends it
         tables += ["--- by self CPU time ---", events.table(sort_by="self_cpu_time_total", row_limit=25)]
+        # the memory-bound ops (casts, copies, element-wise) by input shapes and by the Python line that ran
+        # them: which tensor each cast reads, and whose code asked for it
+        small = ("aten::copy_", "aten::mul", "aten::add_", "aten::add", "aten::_to_copy", "aten::cat", "aten::pow",
+                 "aten::mean", "aten::rsqrt", "aten::silu", "aten::neg", "aten::sum")
+        for title, grouped in (("input shapes", prof.key_averages(group_by_input_shape=True)),
+                               ("call site", prof.key_averages(group_by_stack_n=4))):
+            rows = sorted((e for e in grouped if e.key in small), key=lambda e: -e.self_device_time_total)[:30]
+            if title == "call site" and not any(e.stack for e in rows):
+                continue  # this torch build recorded no Python stacks
+            tables.append(f"--- casts, copies and element-wise ops by {title} (top {len(rows)}) ---")
+            for e in rows:
+                where = e.input_shapes if title == "input shapes" else " <- ".join(
+                    f.split(" ", 1)[0].rsplit("/", 1)[-1] + f" {f.split(' ', 1)[1]}" if " " in f else f
+                    for f in (e.stack or [])[:4])
+                tables.append(f"{e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key:16s} {where}")
     out.write_text("\n".join(tables) + "\n", encoding="utf-8")
     print(f"bench: profile of one training step written to {out}", flush=True)
 

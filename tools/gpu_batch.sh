@@ -25,14 +25,14 @@ BUDGET_S=${BUDGET_S:-570}
 case "${1:-}" in
 wheels)
   # pure-Python packages setup.py needs that the GPU image (KINDS.md's list) lacks, vLLM's GLM-4.1V and
-  # Qwen3.5 modules' compressed-tensors (which imports loguru), and fla-core (Triton; einops) for Qwen3.5's
-  # packed Gated DeltaNet in training; omegaconf 2.4 vendors its antlr4 runtime
+  # Qwen3.5 modules' compressed-tensors (which imports loguru), fla-core (Triton; einops) for Qwen3.5's
+  # packed Gated DeltaNet in training, and liger-kernel (Triton) for model.liger_kernel; omegaconf 2.4 vendors its antlr4 runtime
   set -e
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
   P=""; for n in 28 27 17; do P="$P --platform manylinux_2_${n}_x86_64"; done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
     --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0 mathruler==0.1.0 pylatexenc==2.11 \
-    compressed-tensors==0.20.0 loguru==0.7.3 fla-core==0.6.0 einops==0.8.2
+    compressed-tensors==0.20.0 loguru==0.7.3 fla-core==0.6.0 einops==0.8.2 liger-kernel==0.8.5
   # PyAV for video decoding (36 MB, an abi3 wheel): carry .whl in a call of its own if the tree is large
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
     --platform manylinux2014_x86_64 -d .whl av==18.1.0

@@ -159,8 +159,10 @@ class RolloutConfig:
     # vLLM's attention backend for the language model (auto: vLLM's choice, FlashAttention on an H200)
     attention_backend: Literal["auto", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION"] = "auto"
     # vLLM's kernel warm-up at engine start (V2 model runner; rollout/vllm_engine.py `kernel_warmup`): full
-    # (vLLM's: every sampler feature), lean (the kernels a rollout's sampling runs), off (each compiles on first use)
-    engine_warmup: Literal["full", "lean", "off"] = "full"
+    # (vLLM's: every sampler feature), lean (the kernels a rollout's sampling runs), off (each compiles on first
+    # use). The same sampled tokens and logprobs each way (tests/gpu/test_engine_warmup.py). The 3B recipe's
+    # first step on one H200 beyond a steady one: 33.8 s lean, 24.6 s off, ~36 s full (docs/benchmarks.md)
+    engine_warmup: Literal["full", "lean", "off"] = "off"
     # let vLLM keep its memory profile's KV-cache size (VLLM_ENABLE_STARTUP_PLAN) and skip profiling next time
     engine_startup_plan: bool = False
 

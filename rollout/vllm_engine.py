@@ -637,7 +637,7 @@ class VLLMEngine(Engine):
     max_videos_per_prompt: int = 0  # vLLM's video limit per prompt (the datasets' most videos in a row)
     reads_pixel_values = False  # vLLM processes the images itself: prompts need no processor outputs
     mm_uuids = False  # name images by content key (`image_key`); False: vLLM hashes each image per request
-    _engine_warmup = "full"  # rollout.engine_warmup (WARMUP_MODES)
+    _engine_warmup = "off"  # rollout.engine_warmup (WARMUP_MODES)
 
     def __init__(
         self,
@@ -663,7 +663,7 @@ class VLLMEngine(Engine):
         return_routed_experts: bool = False,
         exact=None,
         attention_backend: str = "auto",
-        engine_warmup: str = "full",
+        engine_warmup: str = "off",
         warmup_sampling: SamplingParams | None = None,
         startup_plan: bool = False,
     ):

@@ -177,7 +177,7 @@ def test_prompts_collapse_to_what_vllm_expands(folder):
     assert adapter.vllm_expand(collapsed, runs, vocab) == prompt.input_ids
     assert adapter.vllm_processor_kwargs(3136, 12544) == {
         "size": {"shortest_edge": 3136, "longest_edge": 12544}, "do_resize": False}
-    assert "qwen3_5" not in VLLM_UNVERIFIED and "qwen3_5_moe" in VLLM_UNVERIFIED
+    assert "qwen3_5" not in VLLM_UNVERIFIED and "qwen3_5_moe" not in VLLM_UNVERIFIED  # both measured on an H200
     assert not adapter.batch_with_padding and adapter.tool_format is FAMILIES["qwen3_5"].tool_format is not None
     assert adapter.vllm_engine_kwargs() == {"additional_config": {"gdn_prefill_backend": "triton"}}
 

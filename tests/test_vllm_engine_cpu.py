@@ -195,6 +195,11 @@ def test_the_build_runs_the_configured_warmup_inside_the_llm_constructor(monkeyp
     calls.clear()
     engine._build_llm(str(tmp_path), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
     assert calls == [{"runner": "runner", "params": "every feature", "sampled": "grammar bitmask"}]
+    engine._engine_warmup = "off"  # the default: no warm-up runs, its (near-zero) time is still reported
+    calls.clear()
+    engine.build_times.clear()
+    engine._build_llm(str(tmp_path), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
+    assert calls == [] and engine.build_times["warmup_s"] < 1.0
 
 
 def test_engine_env_adds_the_startup_plan_only_when_asked():
@@ -223,7 +228,8 @@ def _factory_kwargs(monkeypatch, tiny_model, *overrides: str) -> tuple[dict, obj
 
 def test_factory_passes_the_start_up_switches(monkeypatch, tiny_model):
     built, _ = _factory_kwargs(monkeypatch, tiny_model)
-    assert built["engine_warmup"] == "full" and built["startup_plan"] is False  # vLLM's own start-up by default
+    # by default no kernel warm-up (each kernel compiles on first use) and vLLM's own memory profiling
+    assert built["engine_warmup"] == "off" and built["startup_plan"] is False
     built, adapter = _factory_kwargs(monkeypatch, tiny_model, "rollout.engine_warmup=lean",
                                      "rollout.engine_startup_plan=true", "rollout.temperature=0.6")
     assert built["engine_warmup"] == "lean" and built["startup_plan"] is True

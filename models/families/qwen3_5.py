@@ -505,7 +505,6 @@ _EXPERTS = (
      _ROUTED + "w13_weight"),
     (r"^model\.(?:language_model\.)?(layers\.\d+\.mlp\.experts\.)\d+\.down_proj\.weight$", _ROUTED + "w2_weight"),
 )
-_UNVERIFIED = "vLLM path written from vLLM's qwen3_5.py ({}); not yet run on a GPU"
 
 register(Family(
     model_type="qwen3_5",
@@ -523,8 +522,8 @@ register(Family(
     adapter=_qwen3_5_moe_adapter,
     image_rules={"Qwen3VLProcessor": Qwen3Images},
     tool_format=QWEN3_5_TOOLS,
-    vllm=VLLMNames(prefixes=_EXPERTS + _PREFIXES, stacking_scopes=DECODER,
-                   unverified=_UNVERIFIED.format("Qwen3_5MoeForConditionalGeneration")),
+    # measured on an H200 (tiny model, vLLM 0.26): token_mult_prob_error 1.0026 mean, 1.0030 max
+    vllm=VLLMNames(prefixes=_EXPERTS + _PREFIXES, stacking_scopes=DECODER),
     tiny=TinySpec(model_class="Qwen3_5MoeForConditionalGeneration", processor_class="Qwen3VLProcessor",
                   config=_tiny_moe_config, image_processor=_tiny_image_processor("qwen3_vl"),
                   extra_tokens=QWEN3_5_EXTRA_TOKENS),

@@ -10,6 +10,12 @@ Where the kernel cannot run (CPU, a torch without it, no positions given — the
 windows — or a mask the family built itself) the call falls back to transformers' sdpa path, with
 the mask transformers builds for sdpa, so results are the same everywhere, only slower. On CUDA
 with the kernel present no mask is built for it (it would be an L×L tensor nobody reads).
+
+Within a packed row or a vision tower's forward nothing here reads a tensor back from the device per layer:
+a read (`.tolist()`, `int()`) waits until the device has run everything queued before it, and the device then
+idles while the host queues the next kernels. The kernels take the longest sequence as a Python int, from the
+boundaries' values on the host (`host_bounds`): the packer's (`packed_row`) and those the vision tower's family
+computes from the host's copy of the image grid (`image_grid`), else read back once per boundary tensor.
 """
 
 from __future__ import annotations
@@ -20,11 +26,16 @@ import functools
 import inspect
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from models.moe import current_routes, routes_as
 
 NAME = "varlen"
 _ROW: contextvars.ContextVar = contextvars.ContextVar("vlrl_packed_row", default=None)
+_GRID: contextvars.ContextVar = contextvars.ContextVar("vlrl_image_grid", default=None)
+# boundary tensor → its values as Python ints, for as long as the tensor lives (boundaries are never changed
+# in place); keyed by identity, so a tensor's values are read back from the device at most once
+_BOUNDS = WeakIdKeyDictionary()
 VISION_NAME = "flash_varlen_vision"  # "flash" in the name: transformers passes cu_seqlens to it
 
 
@@ -41,8 +52,34 @@ def kernel_available() -> bool:
     return _kernel()[0] is not None
 
 
+def kernel_runs(device: torch.device | str) -> bool:
+    """Whether attention on this device runs the varlen kernel (CUDA with torch's kernel) rather than SDPA."""
+    return _kernel()[0] is not None and torch.device(device).type == "cuda"
+
+
+def remember_bounds(cu: torch.Tensor, values) -> None:
+    """Record the values (ints) of a tensor of sequence boundaries, known on the host where it was made, so
+    that no later reader (`host_bounds`) reads them back from the device."""
+    _BOUNDS[cu] = tuple(int(v) for v in values)
+
+
+def host_bounds(cu: torch.Tensor) -> tuple[int, ...]:
+    """The values of a tensor of sequence boundaries as Python ints: those recorded with `remember_bounds`,
+    else read back once (a device sync) and kept for the tensor's lifetime. Every layer of a row, and every
+    block of a vision tower (its two tensors: windows and whole images), asks for the same tensor."""
+    known = _BOUNDS.get(cu)
+    if known is None:
+        known = _BOUNDS[cu] = tuple(cu.tolist())
+    return known
+
+
+def longest_of(bounds) -> int:
+    """The longest sequence between consecutive boundaries (ints), 0 for none."""
+    return max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=0)
+
+
 def _longest(cu: torch.Tensor) -> int:
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return longest_of(host_bounds(cu))
 
 
 def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -59,15 +96,21 @@ def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @contextlib.contextmanager
 def packed_row(cu_seqlens: torch.Tensor, length: int, kv_index: torch.Tensor | None = None,
-               cu_seqlens_k: torch.Tensor | None = None):
+               cu_seqlens_k: torch.Tensor | None = None, bounds=None, bounds_k=None):
     """Within this block, varlen attention over a row of `length` tokens uses these sequence
     boundaries (the packer's own) rather than deriving them from positions in every layer. With
     `kv_index` (a row with shared prompts, `models.packing.pack_shared`) the boundaries are query
-    segments and segment s attends to the row positions kv_index[cu_seqlens_k[s]:cu_seqlens_k[s + 1]]."""
+    segments and segment s attends to the row positions kv_index[cu_seqlens_k[s]:cu_seqlens_k[s + 1]].
+    `bounds` / `bounds_k`: the values of cu_seqlens / cu_seqlens_k as ints, where the caller has them on
+    the host (then nothing is read back from the device)."""
     cu = cu_seqlens.to(torch.int32)
+    if bounds is not None:
+        remember_bounds(cu, bounds)
     keys = None
     if kv_index is not None:
         cu_k = cu_seqlens_k.to(device=cu.device, dtype=torch.int32)
+        if bounds_k is not None:
+            remember_bounds(cu_k, bounds_k)
         keys = (kv_index.to(cu.device), cu_k, _longest(cu_k))
     with _row_as((cu, _longest(cu), int(length), keys)):
         yield
@@ -80,6 +123,24 @@ def _row_as(row):
         yield
     finally:
         _ROW.reset(token)
+
+
+@contextlib.contextmanager
+def image_grid(rows):
+    """Within this block, a vision tower's forward over images with these patch grids (one list of ints per
+    `image_grid_thw` row, the host's copy) can take its attention windows from them (`given_grid`) rather
+    than from the grid on the device."""
+    token = _GRID.set([list(r) for r in rows])
+    try:
+        yield
+    finally:
+        _GRID.reset(token)
+
+
+def given_grid(count: int) -> list[list[int]] | None:
+    """The patch grid rows `image_grid` gave for a forward over `count` images, else None."""
+    rows = _GRID.get()
+    return rows if rows is not None and len(rows) == count else None
 
 
 def checkpoint_context():
@@ -116,7 +177,7 @@ def shared_prompt_attention(query, key, value, cu: torch.Tensor, longest: int, k
     aligned to the last keys (a response's first token sees its whole prompt). On CUDA with the kernel: one
     varlen call over the gathered keys; elsewhere SDPA per segment (`reference_attention`)."""
     kv_index, cu_k, longest_k = keys
-    if _kernel()[0] is not None and query.device.type == "cuda":
+    if kernel_runs(query.device):
         # FlashAttention aligns a causal mask to the last key where keys outnumber queries; checked once
         _check_end_alignment(query.device)
         return _run_kernel(query, key, value, cu, longest, scaling, True, (kv_index, cu_k, longest_k))
@@ -156,7 +217,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     if keys is not None:  # a row with shared prompts: the segments' own keys, whatever mask was built
         cu, longest = given_row(query.shape[2])
         return shared_prompt_attention(query, key, value, cu, longest, keys, scaling), None
-    if (_kernel()[0] is None or query.device.type != "cuda" or position_ids is None or query.shape[0] != 1
+    if (not kernel_runs(query.device) or position_ids is None or query.shape[0] != 1
             or not causal or dropout or attention_mask is not None):  # a family's own mask wins
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -197,14 +258,24 @@ def varlen_vision_attention(module, query, key, value, attention_mask=None, drop
     if cu_seq_lens_q is None:  # a caller without windows: the whole row is one window
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=False)
-    if _kernel()[0] is None or query.device.type != "cuda" or dropout or query.shape[0] != 1:
-        lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    if not kernel_runs(query.device) or dropout or query.shape[0] != 1:
+        bounds = host_bounds(cu_seq_lens_q)
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         parts = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=False)[0]
                  for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))]
         return torch.cat(parts, dim=1), None
     cu = cu_seq_lens_q.to(torch.int32)
-    longest = int(max_length_q) if max_length_q is not None else _longest(cu)
-    return _run_kernel(query, key, value, cu, longest, scaling, causal=False), None
+    return _run_kernel(query, key, value, cu, vision_longest(cu_seq_lens_q, max_length_q), scaling,
+                       causal=False), None
+
+
+def vision_longest(cu_seq_lens_q: torch.Tensor, max_length_q) -> int:
+    """The longest window of a vision block's call. transformers 5.17 and later pass it as an int, computed once
+    per tower forward; earlier versions as a fresh device tensor in every block, which is not read: the
+    windows' boundaries are the same tensor in every block (`host_bounds` reads it at most once)."""
+    if max_length_q is None or isinstance(max_length_q, torch.Tensor):
+        return _longest(cu_seq_lens_q)
+    return int(max_length_q)
 
 
 def _mask(*args, **kwargs):
@@ -212,9 +283,20 @@ def _mask(*args, **kwargs):
     from transformers.masking_utils import sdpa_mask
 
     device = kwargs.get("device")
-    if device is not None and torch.device(device).type == "cuda" and _kernel()[0] is not None:
+    if device is not None and kernel_runs(device):
         return None
     return sdpa_mask(*args, **kwargs)
+
+
+def prebuilt_masks(config, device) -> dict | None:
+    """The `attention_mask` to hand a transformers decoder whose attention is "varlen" where the kernel runs:
+    no mask for each of its layer types (what `_mask` would build for each), given as already built, so
+    transformers skips building them and the packed-row check it makes first (a read back from the device).
+    None elsewhere: transformers builds the masks the fallback needs."""
+    types = getattr(config, "layer_types", None)
+    if getattr(config, "_attn_implementation", None) != NAME or not types or not kernel_runs(device):
+        return None
+    return dict.fromkeys(types)
 
 
 def register() -> str:
@@ -243,7 +325,9 @@ def paged_kv(k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, block: int = KV
     table[i, j // block] at offset j % block; blocks past a sequence's end are zero."""
     lengths = (cu[1:] - cu[:-1]).to(torch.int64)
     per_seq = (lengths + block - 1) // block
-    width, total = (int(x) for x in torch.stack([per_seq.max(), per_seq.sum()]).tolist())
+    bounds = host_bounds(cu)  # the table's shape, without reading the device's lengths back in every layer
+    blocks = [(b - a + block - 1) // block for a, b in zip(bounds[:-1], bounds[1:])]
+    width, total = max(blocks), sum(blocks)
     first = torch.cumsum(per_seq, 0) - per_seq  # each sequence's first block
     columns = torch.arange(width, device=k.device)
     table = torch.where(columns < per_seq[:, None], first[:, None] + columns, 0).to(torch.int32)
@@ -291,8 +375,8 @@ def reference_attention(q, k, v, cu, scale: float | None, keys=None) -> torch.Te
     With `keys` (kv_index, cu_seqlens_k, _) segment s attends to the rows kv_index[cu_k[s]:cu_k[s + 1]], the
     causal mask aligned to the last key (a shared prompt's row)."""
     out = []
-    bounds = cu.tolist()
-    kbounds = keys[1].tolist() if keys is not None else bounds
+    bounds = host_bounds(cu)
+    kbounds = host_bounds(keys[1]) if keys is not None else bounds
     for s in range(len(bounds) - 1):
         qs = q[bounds[s]:bounds[s + 1]].transpose(0, 1).unsqueeze(0)
         rows = slice(kbounds[s], kbounds[s + 1]) if keys is None else keys[0][kbounds[s]:kbounds[s + 1]]

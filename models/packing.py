@@ -15,6 +15,28 @@ import torch
 from data.batch import Batch
 
 
+@dataclass(frozen=True)
+class HostLayout:
+    """A packed row's boundaries and patch grids as Python ints, taken while its tensors are on the host.
+
+    A forward on the device reads these rather than the tensors: reading a device tensor back waits for
+    everything queued on the device, which then idles while the host queues the next kernels.
+    """
+
+    cu_seqlens: tuple[int, ...]
+    cu_seqlens_k: tuple[int, ...] | None = None
+    image_grid: tuple[tuple[int, ...], ...] | None = None  # image_grid_thw's rows
+    video_grid: tuple[tuple[int, ...], ...] | None = None  # video_grid_thw's rows
+
+
+def _host_values(t: torch.Tensor | None):
+    """A host tensor's values as (nested) tuples of ints; None for none."""
+    if t is None:
+        return None
+    values = t.tolist()
+    return tuple(tuple(v) for v in values) if t.dim() == 2 else tuple(values)
+
+
 @dataclass
 class PackedMicrobatch:
     """One packed row and where its scored tokens sit.
@@ -56,6 +78,8 @@ class PackedMicrobatch:
     # (a response: its prompt's, then its own), causally aligned at the end. None: segments are sequences.
     kv_index: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
+    # The same boundaries and grids as Python ints (`host_layout`), carried through `to`.
+    host: HostLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,12 +92,37 @@ class PackedMicrobatch:
     def attention_pairs(self) -> int:
         """Query-key pairs the row's attention covers, a segment of q queries over k keys counting q·k (an
         unshared sequence of s tokens: s², the FLOP count's convention)."""
+        host = self.host_layout()
+        if host is not None:
+            q = [b - a for a, b in zip(host.cu_seqlens[:-1], host.cu_seqlens[1:])]
+            k = q if host.cu_seqlens_k is None else [b - a for a, b in zip(host.cu_seqlens_k[:-1],
+                                                                            host.cu_seqlens_k[1:])]
+            return sum(x * y for x, y in zip(q, k))
         q = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
         k = q if self.cu_seqlens_k is None else (self.cu_seqlens_k[1:] - self.cu_seqlens_k[:-1]).long()
         return int((q * k).sum())
 
+    def host_layout(self) -> HostLayout | None:
+        """The row's boundaries and patch grids as Python ints: those kept from when the micro-batch was on
+        the host, or read now from tensors still there; None for a micro-batch made on the device."""
+        if self.host is not None:
+            return self.host
+        tensors = (self.cu_seqlens, self.cu_seqlens_k, self.image_grid_thw, self.video_grid_thw)
+        if any(t is not None and t.device.type != "cpu" for t in tensors):
+            return None
+        return HostLayout(*(_host_values(t) for t in tensors))
+
     def to(self, device) -> "PackedMicrobatch":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        """The micro-batch on `device`, its host layout kept. Copies from the host to a GPU are queued
+        without waiting for the GPU (a blocking copy waits for its queue to drain first); the packer's tensors
+        are ordinary (pageable) host memory, which CUDA has copied out by the time the call returns."""
+        device = torch.device(device)
+
+        def move(t):
+            if t is None:
+                return None
+            return t.to(device, non_blocking=t.device.type == "cpu" and device.type == "cuda")
+
         return PackedMicrobatch(
             move(self.input_ids), move(self.position_ids), move(self.pixel_values), move(self.image_grid_thw),
             move(self.cu_seqlens), move(self.target_positions), move(self.target_ids), move(self.target_seq),
@@ -81,7 +130,7 @@ class PackedMicrobatch:
             pixel_values_videos=move(self.pixel_values_videos), video_grid_thw=move(self.video_grid_thw),
             video_group=self.video_group, videos_per_group=self.videos_per_group,
             routed_experts=move(self.routed_experts), kv_index=move(self.kv_index),
-            cu_seqlens_k=move(self.cu_seqlens_k),
+            cu_seqlens_k=move(self.cu_seqlens_k), host=self.host_layout(),
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from models.attention import packed_row
+from models.attention import image_grid, packed_row
 from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
 from models.lora import (
     adapters_detached, apply_lora, init_lora_weights, is_adapter_name, lora_module_names, lora_modules, merged_weight,
@@ -245,8 +245,11 @@ class Policy:
         holding only text-only samples would hang the others.
         """
         if self._dummy_vision is None:
-            self._dummy_vision = self.adapter.dummy_vision_inputs(self.device)
-        streams = self.adapter.image_features(self.model, *self._dummy_vision)
+            pixels, grid = self.adapter.dummy_vision_inputs(self.device)
+            self._dummy_vision = (pixels, grid, grid.tolist())  # the grid read back once, not every micro-batch
+        pixels, grid, rows = self._dummy_vision
+        with image_grid(rows):
+            streams = self.adapter.image_features(self.model, pixels, grid)
         return sum(s.float().sum() for s in streams) * 0.0
 
     def hidden_states(self, mb: PackedMicrobatch) -> torch.Tensor:
@@ -258,6 +261,9 @@ class Policy:
         forward does, and the language model runs on the packed embeddings. A family that
         cannot pack (`adapter.packable` false) runs the language model once per sequence of the
         row, on that sequence's slice: the same logprobs as one sequence per micro-batch.
+
+        The row's boundaries and image grids come from the micro-batch's host layout: with images the
+        forward reads the device back once (the placeholder counts), without none, however deep the model.
         """
         a = self.adapter
         embeds = a.embed_tokens(self.model)(mb.input_ids)
@@ -266,41 +272,53 @@ class Policy:
         if mb.pixel_values is None and mb.pixel_values_videos is None:
             keepalive = self._vision_keepalive().to(embeds.dtype)
         else:
-            images, videos = self._vision_streams(mb)
-            video_mask = mb.input_ids == a.video_token_id if videos else torch.zeros_like(image_mask)
-            for mask, found, kind in ((image_mask, images, "image"), (video_mask, videos, "video")):
-                have = found[0].shape[0] if found else 0
-                if int(mask.sum()) != have:
-                    raise ValueError(f"{int(mask.sum())} {kind} placeholders but {have} {kind} features")
-                if found:
-                    embeds = embeds.masked_scatter(mask.unsqueeze(-1).expand_as(embeds), found[0].to(embeds.dtype))
-            # Further streams (DeepStack) run over every vision token in row order, images and videos mixed.
-            visual = image_mask | video_mask
-            in_image = image_mask[visual]
-            for k in range(1, max(len(images), len(videos))):
-                if not videos or not images:
-                    extra.append((images or videos)[k].to(embeds.dtype))
-                    continue
-                joint = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])
-                joint[in_image] = images[k].to(embeds.dtype)
-                joint[~in_image] = videos[k].to(embeds.dtype)
-                extra.append(joint)
-            image_mask = visual
+            embeds, image_mask, extra = self._with_vision_features(mb, embeds, image_mask)
             keepalive = None
         if mb.routed_experts is not None:  # MoE routing replay: the engine's experts per token
             apply_routing_replay(a.routers(self.model))
+        host = mb.host_layout()
         if a.packable or mb.cu_seqlens.numel() <= 2:
+            bounds = {} if host is None else {"bounds": host.cu_seqlens, "bounds_k": host.cu_seqlens_k}
             with packed_row(mb.cu_seqlens.to(embeds.device), mb.input_ids.shape[1], mb.kv_index,
-                            mb.cu_seqlens_k), routes_as(mb.routed_experts):
+                            mb.cu_seqlens_k, **bounds), routes_as(mb.routed_experts):
                 hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, extra)[0]
         else:
             hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, extra))
         return hidden if keepalive is None else hidden + keepalive
 
+    def _with_vision_features(self, mb: PackedMicrobatch, embeds, image_mask):
+        """(embeddings with the vision features in place of the placeholders, the mask of every vision
+        token, the further feature streams over those tokens)."""
+        a = self.adapter
+        images, videos = self._vision_streams(mb)
+        video_mask = mb.input_ids == a.video_token_id if videos else torch.zeros_like(image_mask)
+        counts = torch.stack([image_mask.sum(), video_mask.sum()]).tolist()  # one read back for both checks
+        for mask, found, kind, count in ((image_mask, images, "image", counts[0]),
+                                         (video_mask, videos, "video", counts[1])):
+            have = found[0].shape[0] if found else 0
+            if count != have:
+                raise ValueError(f"{count} {kind} placeholders but {have} {kind} features")
+            if found:
+                embeds = embeds.masked_scatter(mask.unsqueeze(-1).expand_as(embeds), found[0].to(embeds.dtype))
+        # Further streams (DeepStack) run over every vision token in row order, images and videos mixed.
+        visual = image_mask | video_mask
+        extra = []
+        for k in range(1, max(len(images), len(videos))):
+            if not videos or not images:
+                extra.append((images or videos)[k].to(embeds.dtype))
+                continue
+            in_image = image_mask[visual]
+            joint = embeds.new_zeros(sum(counts), embeds.shape[-1])
+            joint[in_image] = images[k].to(embeds.dtype)
+            joint[~in_image] = videos[k].to(embeds.dtype)
+            extra.append(joint)
+        return embeds, visual, extra
+
     def _per_sequence(self, mb: PackedMicrobatch, embeds, image_mask, extra) -> list[torch.Tensor]:
         """Hidden states of each sequence of the row, run on its own (families that cannot pack)."""
         out, used = [], 0
-        bounds = mb.cu_seqlens.tolist()
+        host = mb.host_layout()
+        bounds = host.cu_seqlens if host is not None else mb.cu_seqlens.tolist()
         for start, end in zip(bounds[:-1], bounds[1:]):
             mask = image_mask[:, start:end]
             n = int(mask.sum())
@@ -324,9 +342,14 @@ class Policy:
         present = [(p, g) for p, g in parts if p is not None]
         pixels = torch.cat([p for p, _ in present]) if len(present) > 1 else present[0][0]
         grid = torch.cat([g for _, g in present]) if len(present) > 1 else present[0][1]
-        streams = a.image_features(self.model, pixels, grid)
+        host = mb.host_layout()
+        rows = None if host is None else [*(host.image_grid or ()), *(host.video_grid or ())]
+        with image_grid(rows) if rows is not None else nullcontext():
+            streams = a.image_features(self.model, pixels, grid)
         n_images = 0 if mb.image_grid_thw is None else mb.image_grid_thw.shape[0]
-        tokens = [a.image_token_count(g) for g in grid[:n_images]] + [a.video_token_count(g) for g in grid[n_images:]]
+        counted = grid if rows is None else torch.tensor(rows)  # the host's copy: no read back per image
+        tokens = ([a.image_token_count(g) for g in counted[:n_images]]
+                  + [a.video_token_count(g) for g in counted[n_images:]])
         per_item = [list(torch.split(s, tokens)) for s in streams]
         images = self._in_row_order([p[:n_images] for p in per_item], mb.images_per_group, mb.image_group)
         videos = self._in_row_order([p[n_images:] for p in per_item], mb.videos_per_group or [], mb.video_group or [])

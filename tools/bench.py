@@ -220,8 +220,7 @@ def bench_train(trainer, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times = [_timed(step)[0] for _ in range(args.train_steps)]
     seconds = statistics.median(times)
-    if args.profile:
-        _profile(step, Path(args.profile))
+    syncs = _profile(step, Path(args.profile)) if args.profile else None
     rows = [mb for mb in packed().microbatches if mb.sample_indices]
     bins = [mb.sample_indices for mb in rows]
     slots = sum(max(sum(seqlens[i] for i in b), 2) for b in bins)
@@ -237,11 +236,13 @@ def bench_train(trainer, args) -> dict:
         "llm_tflops_per_step": f_llm / 1e12, "vision_tflops_per_step": f_vis / 1e12,
         "achieved_tflops_llm": f_llm / seconds / 1e12, "achieved_tflops_total": (f_llm + f_vis) / seconds / 1e12,
         "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
+        **({"host_syncs": syncs} if syncs is not None else {}),
     }
 
 
-def _profile(step, out: Path) -> None:
-    """One step under torch.profiler: the ops by device time (by CPU time without CUDA)."""
+def _profile(step, out: Path) -> int | None:
+    """One step under torch.profiler: the ops by device time (by CPU time without CUDA). Returns the step's
+    `cudaStreamSynchronize` calls (each a wait of the host for the GPU's queue; None without CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -258,8 +259,12 @@ def _profile(step, out: Path) -> None:
     # kernels and copies only: an op row also carries its kernels' time, a user range overlaps them
     busy = sum(e.self_device_time_total for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False)) / 1e6 if cuda else 0.0
+    # the host waiting for the GPU's queue to drain (a read back, a blocking copy): the GPU idles after each
+    waits = [e for e in events if e.key == "cudaStreamSynchronize"]
+    syncs, sync_s = sum(e.count for e in waits), sum(e.cpu_time_total for e in waits) / 1e6
     head = (f"profiled step: {wall:.2f} s wall (profiler overhead included), device kernels busy {busy:.2f} s"
-            f" ({busy / wall:.0%} of wall)\n" if cuda else f"profiled step: {wall:.2f} s wall\n")
+            f" ({busy / wall:.0%} of wall), {syncs} cudaStreamSynchronize ({sync_s * 1e3:.0f} ms of host time)\n"
+            if cuda else f"profiled step: {wall:.2f} s wall\n")
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     tables = [head, f"--- by self device time ---" if cuda else "--- by self CPU time ---",
               events.table(sort_by=key, row_limit=45)]
@@ -282,6 +287,7 @@ def _profile(step, out: Path) -> None:
                 tables.append(f"{e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key:16s} {where}")
     out.write_text("\n".join(tables) + "\n", encoding="utf-8")
     print(f"bench: profile of one training step written to {out}", flush=True)
+    return syncs if cuda else None
 
 
 def _peak_gb() -> float:

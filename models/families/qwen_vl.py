@@ -10,6 +10,7 @@ stacks the decoder's q/k/v and gate/up (and Qwen2.5-VL's gated vision MLP).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from data.images import canonicalize_image, to_rgb
 from data.processing import ImageRule, group_timestamps, size_field, video_metadata
+from models.attention import given_grid, longest_of, prebuilt_masks, remember_bounds
 from models.families.tiny import (
     IMAGE_MEAN, IMAGE_STD, MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, SizeSpec, TinySpec, text_config, token_ids,
 )
@@ -173,6 +175,11 @@ QWEN3_TOOLS = ToolFormat(call_start="<tool_call>", call_end="</tool_call>", resu
                          tools_intro=QWEN_TOOLS_INTRO, tools_outro=QWEN_TOOLS_OUTRO)
 
 
+# Families whose transformers classes are given the vision tower's grid-derived inputs and the decoder's masks
+# precomputed (Glm4vAdapter, a subclass, runs other classes)
+_TAKE_PRECOMPUTED = ("qwen2_vl", "qwen2_5_vl")
+
+
 @dataclass
 class QwenVLAdapter(FamilyAdapter):
     """Qwen2-VL / Qwen2.5-VL: m-rope positions, vision tower `model.visual`, decoder in `model.language_model`.
@@ -219,11 +226,41 @@ class QwenVLAdapter(FamilyAdapter):
         return pixels.to(device), grid.to(device)
 
     def image_features(self, model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
-        out = self.vision_tower(model)(pixels, grid_thw=grid)
+        tower = self.vision_tower(model)
+        out = tower(pixels, grid_thw=grid, **self._vision_layout(tower, grid))
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
         if isinstance(feats, (tuple, list)):
             feats = torch.cat(list(feats))
         return [feats]
+
+    def _vision_layout(self, tower: nn.Module, grid: torch.Tensor) -> dict:
+        """What Qwen2-VL's and Qwen2.5-VL's towers compute from the patch grid before their blocks (rotary
+        positions, the images' and the windows' boundaries and longest spans, the window order), computed by
+        transformers' own functions from the host's copy of the grid (`models.attention.given_grid`), as the
+        keyword arguments the tower takes them precomputed by. From the device's grid the tower reads the grid
+        back several times per forward. Empty without the host's grid, for other towers, or with a
+        transformers whose tower takes none."""
+        from transformers import vision_utils
+
+        rows = given_grid(grid.shape[0])
+        takes = _precomputed_inputs(tower)
+        if rows is None or self.name not in _TAKE_PRECOMPUTED or "cu_seqlens" not in takes:
+            return {}
+        host = torch.tensor(rows, dtype=grid.dtype)
+        parts = {"position_ids": vision_utils.get_vision_position_ids(host, tower.spatial_merge_size),
+                 "cu_seqlens": vision_utils.get_vision_cu_seqlens(host)}
+        if "cu_window_seqlens" in takes:
+            parts["window_index"], parts["cu_window_seqlens"] = vision_utils.get_vision_window_index(
+                host, spatial_merge_size=tower.spatial_merge_size, window_size=tower.window_size,
+                patch_size=tower.patch_size)
+        longest = {"cu_seqlens": "max_seqlen", "cu_window_seqlens": "max_window_seqlen"}
+        bounds = {name: parts[name].tolist() for name in longest if name in parts}
+        # from ordinary host memory: the copies do not wait for the device's queue
+        layout = {name: t.to(grid.device, non_blocking=True) for name, t in parts.items()}
+        for name, values in bounds.items():
+            remember_bounds(layout[name], values)  # where the vision attention reads them
+            layout[longest[name]] = longest_of(values)
+        return layout
 
     def video_segments(self, video_grid_thw: torch.Tensor | None, second_per_grid_ts: torch.Tensor | None) -> list:
         """(t, h, w, temporal step) of each placeholder run the videos take, in order.
@@ -307,7 +344,11 @@ class QwenVLAdapter(FamilyAdapter):
         return 3
 
     def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
-        out = self.language_model(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+        lm = self.language_model(model)
+        # Qwen2/2.5-VL's decoder takes its masks prebuilt, one per layer type: where the varlen kernel runs it
+        # reads none, and building them would first read the positions back from the device
+        masks = prebuilt_masks(lm.config, embeds.device) if self.name in _TAKE_PRECOMPUTED else None
+        out = lm(inputs_embeds=embeds, position_ids=position_ids, attention_mask=masks, use_cache=False)
         return out.last_hidden_state
 
     def engine_inputs(self, input_ids, positions, attention_mask, pixels, grid):
@@ -446,6 +487,21 @@ class Qwen3VLAdapter(QwenVLAdapter):
             kwargs = dict(visual_pos_masks=image_mask, deepstack_visual_embeds=list(extra_streams))
         out = self.language_model(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **kwargs)
         return out.last_hidden_state
+
+
+def _precomputed_inputs(tower: nn.Module) -> set[str]:
+    """The grid-derived inputs this vision tower takes precomputed: those of the `transformers.vision_utils`
+    functions its transformers module calls (each takes its value from the forward's keyword arguments)."""
+    for cls in type(tower).__mro__:
+        if cls.__module__.startswith("transformers.models."):
+            module = sys.modules.get(cls.__module__)
+            takes = set()
+            if hasattr(module, "get_vision_attention_seqlens") and hasattr(module, "get_vision_position_ids"):
+                takes |= {"position_ids", "cu_seqlens", "max_seqlen"}
+            if hasattr(module, "get_vision_window_index") and hasattr(module, "get_max_seqlen"):
+                takes |= {"window_index", "cu_window_seqlens", "max_window_seqlen"}
+            return takes
+    return set()
 
 
 def _qwen_adapter(config, name: str, arch: str, cls=QwenVLAdapter) -> QwenVLAdapter:

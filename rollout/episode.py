@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data.batch import Batch, PackedGenericDataItem
-from data.images import canonicalize_image
+from data.images import BadSample, canonicalize_image
 from models.family import FamilyAdapter, ToolFormat
 from rollout.base import Generation, PromptInput
 
@@ -178,16 +178,57 @@ class ToolResultEncoder:
 
     def encode(self, results: list[tuple[str, list]]) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None, list]:
         """(ids, pixel_values, image_grid_thw, images) of the messages for `results` ((text, images) each)."""
+        return self.encode_many([results])[0]
+
+    def encode_many(self, batch: list[list[tuple[str, list]]]) -> list[tuple]:
+        """`encode` of each episode's results in `batch`: a turn's episodes together.
+
+        Episodes whose messages carry the same images (by content: a group's episodes are often sent
+        the same crop) share one processor call and its tensors; the same messages' text is rendered
+        and tokenized once. Each episode's outputs are bit for bit what `encode` gives it alone; its id
+        list and its images are its own, only the processor's tensors are shared.
+        """
+        deltas: dict[tuple, str] = {}  # (text, image count) of each message -> the template's delta
+        encoded: dict[tuple, tuple] = {}  # the images' content key -> (images, pixel_values, image_grid_thw)
+        tokens: dict[str, list[int]] = {}  # expanded delta -> ids
+        out = []
+        for results in batch:
+            shape = tuple((text, len(images)) for text, images in results)
+            if shape not in deltas:
+                deltas[shape] = self._delta(results)
+            images = self.processor.prepare_images([
+                canonicalize_image(img, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+                for _, imgs in results for img in imgs])
+            key = tuple((img.mode, img.size, hash(img.tobytes())) for img in images)
+            entry = encoded.get(key)
+            # a key match is checked against the pixels (a hash can collide); the bytes are not kept,
+            # so a turn of distinct crops holds no copy of them
+            if entry is None or not all(a.tobytes() == b.tobytes() for a, b in zip(entry[0], images)):
+                entry = encoded[key] = (images, *self.processor.images.encode(images)) if images else ((), None, None)
+            _, pixels, grid = entry
+            text = self._expand(deltas[shape], grid)
+            if text not in tokens:
+                tokens[text] = self.processor.tokenizer.encode(text, add_special_tokens=False)
+            out.append((list(tokens[text]), pixels, grid, images))
+        return out
+
+    def _delta(self, results: list[tuple[str, list]]) -> str:
+        """The template's text for the results' messages and the next assistant header (placeholders unexpanded)."""
         messages = [self.format.result_message(text, len(images)) for text, images in results]
         full = self.processor.apply_chat_template(self.base + messages, add_generation_prompt=True)
         if not full.startswith(self.prefix):
             raise ValueError("the chat template renders the conversation before a tool message differently once "
                              "the message is added; the tool message's tokens cannot be appended")
-        images = [canonicalize_image(img, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-                  for _, imgs in results for img in imgs]
-        images = self.processor.prepare_images(images)
-        out = self.processor(full[len(self.prefix):], images)
-        return out["input_ids"].tolist(), out["pixel_values"], out["image_grid_thw"], images
+        return full[len(self.prefix):]
+
+    def _expand(self, text: str, grid: torch.Tensor | None) -> str:
+        """`text` with each image placeholder expanded by the family's image rule, as the processor does."""
+        if grid is None:
+            return text
+        parts = text.split(self.processor.image_pad)
+        if len(parts) - 1 != len(grid):
+            raise BadSample("image_count_mismatch", f"{len(parts) - 1} image parts for {len(grid)} images")
+        return parts[0] + "".join(self.processor.images.expansion(g) + rest for g, rest in zip(grid, parts[1:]))
 
 
 def episode_batch(episodes: list[Episode], adapter: FamilyAdapter) -> Batch:

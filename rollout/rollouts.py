@@ -215,7 +215,8 @@ class Rollouts:
         return calls
 
     def _run_tools(self, prompts, calls: list[tuple[Episode, str]]) -> None:
-        """Run every call of the turn in the pool; append each episode's results as one delta."""
+        """Run every call of the turn in the pool; append each episode's results as one delta, the turn's
+        episodes encoded together."""
         d = self.cfg.data
         contexts = {}
         for e, _ in calls:
@@ -236,22 +237,26 @@ class Rollouts:
                 results[id(e)].append((out.error, []))
             else:
                 results[id(e)].append((out.result.text, list(out.result.images)))
-        for e in order:
-            self._append_results(e, results[id(e)])
+        self._append_results(order, [results[id(e)] for e in order])
 
-    def _append_results(self, e: Episode, results: list) -> None:
+    def _append_results(self, episodes: list[Episode], results: list[list]) -> None:
+        """Append each episode's results as one tool delta, or finish it at the limit they would pass.
+        The turn's messages are encoded together (`ToolResultEncoder.encode_many`)."""
         r = self.cfg.rollout
-        if r.max_tool_errors and e.errors >= r.max_tool_errors:
-            e.finish_reason = "tool_error_limit"
-            return
-        if e.tool_images + sum(len(images) for _, images in results) > r.max_tool_images:
-            e.finish_reason = "max_tool_images"
-            return
-        ids, pixels, grid, images = self.encoder.encode(results)
-        if len(e.token_ids) + len(ids) + 1 > self.context:
-            e.finish_reason = "max_tokens"
-            return
-        e.add_tool_tokens(ids, pixels, grid, images)
+        appending = []
+        for e, res in zip(episodes, results):
+            if r.max_tool_errors and e.errors >= r.max_tool_errors:
+                e.finish_reason = "tool_error_limit"
+            elif e.tool_images + sum(len(images) for _, images in res) > r.max_tool_images:
+                e.finish_reason = "max_tool_images"
+            else:
+                appending.append((e, res))
+        encoded = self.encoder.encode_many([res for _, res in appending])
+        for (e, _), (ids, pixels, grid, images) in zip(appending, encoded):
+            if len(e.token_ids) + len(ids) + 1 > self.context:
+                e.finish_reason = "max_tokens"
+            else:
+                e.add_tool_tokens(ids, pixels, grid, images)
 
     # --- metrics -----------------------------------------------------------------------------
     def metrics(self, episodes: list[Episode], device) -> dict:

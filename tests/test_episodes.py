@@ -157,6 +157,9 @@ def test_token_in_token_out_turn_by_turn(tiny_model):
     assert all(r.accuracy == 1.0 for r in infos)  # the final answer is scored
     # the prompt's episodes share its pixel tensor (the tower encodes it once per group)
     assert episodes[0].prompt_pixels is episodes[1].prompt_pixels is prompts[0].pixel_values
+    # the turn's tool messages were encoded together: a prompt's two episodes got the same crop, processed once
+    assert episodes[0].tool_pixels[0] is episodes[1].tool_pixels[0]
+    assert episodes[1].tool_pixels[0] is not episodes[2].tool_pixels[0]
 
 
 def rollouts_params(n=2, max_new_tokens=200, seed=0):
@@ -478,6 +481,59 @@ def test_qwen3_vl_tool_results_use_its_tool_role(tmp_path):
     assert text.endswith("zoomed<|im_end|>\n<|im_start|>tool\nerror: x<|im_end|>\n<|im_start|>assistant\n")
     assert images[0].width % 32 == 0 and images[0].height % 32 == 0 and grid.shape == (1, 3)
     assert ids.count(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == int(grid.prod()) // 4
+
+
+def _encode_alone(encoder, results):
+    """One episode's tool results encoded the plain way: the whole conversation rendered, cut after the
+    model's turn, and the processor over the rest with the results' images."""
+    from data.images import canonicalize_image
+
+    processor = encoder.processor
+    messages = [encoder.format.result_message(text, len(images)) for text, images in results]
+    full = processor.apply_chat_template(encoder.base + messages, add_generation_prompt=True)
+    images = processor.prepare_images([canonicalize_image(img, min_pixels=encoder.min_pixels,
+                                                          max_pixels=encoder.max_pixels)
+                                       for _, imgs in results for img in imgs])
+    out = processor(full[len(encoder.prefix):], images)
+    return out["input_ids"].tolist(), out["pixel_values"], out["image_grid_thw"], images
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_a_turns_tool_results_encoded_together_match_each_alone_bit_for_bit(family, request, tmp_path):
+    """encode_many gives every episode what encoding it alone gives (ids, pixels, grid, images), for
+    text only, one image, two, the same image twice and errors as text; episodes sent the same image
+    content share one processor call and its tensors."""
+    from data.processing import VLProcessor
+    from rollout.episode import ToolResultEncoder
+    from tools.bench_turns import bitwise_equal
+    from tools.make_tiny_model import make_tiny_model
+
+    path = (request.getfixturevalue("tiny_model") if family == "qwen2_5_vl"
+            else make_tiny_model(tmp_path / family, family=family, size="tiny", seed=0))
+    processor = VLProcessor(str(path))
+    encoder = ToolResultEncoder(processor, FAMILIES[family].tool_format, "<|im_end|>", 3136, 3136)
+    red = Image.new("RGB", (56, 56), (200, 30, 30))
+    tall = Image.new("RGB", (40, 90), (20, 60, 200))  # resized by the image rule
+    tall.putpixel((3, 5), (255, 255, 0))
+    batch = [[("zoomed", [red])], [("zoomed", [red.copy()])], [("error: bbox out of range", [])],
+             [("both", [red, tall])], [("twice", [tall, tall])], [("zoomed", [red]), ("error: timeout", [])],
+             [("zoomed", [tall])], [("error: bbox out of range", [])], [("zoomed", [red.copy()])]]
+    calls = []
+    encode_images = processor.images.encode
+    processor.images.encode = lambda images: calls.append(len(images)) or encode_images(images)
+    together = encoder.encode_many(batch)
+    alone = [encoder.encode(results) for results in batch]
+    processor.images.encode = encode_images
+    want = [_encode_alone(encoder, results) for results in batch]
+    for i, (t, a, w) in enumerate(zip(together, alone, want)):
+        assert bitwise_equal(t, w) and bitwise_equal(a, w), i
+    # distinct image contents in the batch: [red], [red, tall], [tall, tall], [tall]
+    assert calls[:4] == [1, 2, 2, 1] and len(calls) == 4 + sum(1 for results in batch if results[0][1])
+    assert together[0][1] is together[1][1] is together[5][1] is together[8][1]
+    assert together[6][1] is not together[0][1] and together[2][1] is None
+    assert together[0][3][0] is not together[1][3][0]  # each episode keeps its own image objects
+    together[0][0].append(-1)
+    assert together[1][0] == want[1][0]  # and its own ids
 
 
 class PixelBlindEngine(ScriptedEngine):

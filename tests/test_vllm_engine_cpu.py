@@ -403,6 +403,17 @@ def test_bench_turns_summary_line_reads_a_result(tmp_path):
     assert main(["--summarize", str(path)]) == result
 
 
+def test_bench_turns_encode_only_times_a_turn_alone_and_together(tiny_model):
+    """tools/bench_turns.py --encode-only: one turn's tool messages encoded without an engine, each episode
+    alone and the turn together, with the check that both give the same outputs."""
+    from tools.bench_turns import main
+
+    result = main(["--encode-only", "--model", str(tiny_model), "--prompts", "2", "--n", "2", "--side", "56",
+                   "--crops", "distinct", "--repeats", "1"])
+    assert result["episodes"] == 4 and result["tool_images"] and result["identical"] is True
+    assert result["encode_s"] > 0 and result["encode_many_s"] > 0
+
+
 def test_each_generate_seeds_numpys_generator_and_restores_it():
     """vLLM 0.26's V2 runner draws an unseeded request's seed from numpy's global generator: inside a
     generate call it is seeded from the call's seed (the ranks of a tensor-parallel group draw alike, a run

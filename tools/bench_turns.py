@@ -3,6 +3,7 @@
     python tools/bench_turns.py --model DIR [--prompts 16 --n 8 --turns 3 --turn-tokens 128] [--json-out F]
         [--crops same|distinct] [--mm-uuids 1|0] [--text-tools] [--processor-cache-gb 4]
     python tools/bench_turns.py --summarize F     # one line of a result: ratio, per turn where the time went
+    python tools/bench_turns.py --encode-only --model DIR [--crops same|distinct] [--text-tools] [--repeats 5]
 
 Single-turn: each prompt, n samples, `turns × turn_tokens` new tokens. Multi-turn: the same prompts
 and samples, `turn_tokens` per turn; between turns every episode gets a tool message holding a
@@ -12,6 +13,12 @@ appends it), and the next turn sends each whole episode to the engine in one cal
 full length (no stop tokens) so both sides generate the same number of tokens. Tokens/s count
 generated tokens over the engine's generate calls only. Weights are vLLM's dummy ones: throughput
 does not depend on their values.
+
+Tool messages: a turn's are encoded together, as `Rollouts` encodes them (`ToolResultEncoder.encode_many`);
+`tool_message_s` is that encoding over all turns, `crop_s` the making of the crops before it.
+`--encode-only` runs no engine (no GPU): it times one turn's encoding on the CPU, each episode
+alone (`encode_s`) against the turn's episodes together (`encode_many_s`), best of `--repeats`,
+and checks both give every episode the same ids, pixels, grid and images bit for bit (`identical`).
 
 Crops: `same` (the default, the benchmark as first measured) zooms every episode into the same
 corner of its prompt's image each turn, so the 8 episodes of a prompt, and its turns, send the same
@@ -77,6 +84,60 @@ def zoom_crop(image, side: int, episode: int, turn: int, distinct: bool):
             on = ((episode << 8 | turn) >> bit) & 1
             crop.putpixel((bit, 0), (255, 255, 255) if on else (0, 0, 0))
     return crop
+
+
+def tool_results(images: list, args, turn: int) -> list[list[tuple[str, list]]]:
+    """Each episode's tool results for one turn, from its prompt image: one message, "zoomed", with
+    the episode's crop (`zoom_crop`), or no image with --text-tools."""
+    distinct = args.crops == "distinct"
+    return [[("zoomed", [] if args.text_tools else [zoom_crop(image, args.side, k, turn, distinct)])]
+            for k, image in enumerate(images)]
+
+
+def bitwise_equal(a, b) -> bool:
+    """Whether two encoder outputs (ids, pixel_values, image_grid_thw, images) are the same bit for bit."""
+    import torch
+
+    def same(x, y) -> bool:
+        if x is None or y is None:
+            return x is y
+        return (x.dtype == y.dtype and x.shape == y.shape
+                and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)))
+
+    return (a[0] == b[0] and same(a[1], b[1]) and same(a[2], b[2]) and len(a[3]) == len(b[3])
+            and all(x.size == y.size and x.tobytes() == y.tobytes() for x, y in zip(a[3], b[3])))
+
+
+def encode_only(args) -> dict:
+    """One turn's tool messages encoded on the CPU, no engine: `encode` of each episode alone against
+    `encode_many` of the turn's episodes together (the best of --repeats timings each: other work on
+    shared cores only adds time), and whether both give every episode the same outputs bit for bit."""
+    from data.processing import load_processor
+    from models.family import build_adapter
+    from models.policy import load_model_config
+    from rollout.episode import ToolResultEncoder
+
+    adapter = build_adapter(load_model_config(args.model))
+    processor = load_processor(args.model)
+    encoder = ToolResultEncoder(processor, adapter.tool_format, adapter.end_of_turn, 784, args.side * args.side)
+    prompts = _prompts(processor, args.prompts, args.side)
+    start = time.perf_counter()
+    results = tool_results([p.images[0] for p in prompts for _ in range(args.n)], args, 0)
+    crop_s = time.perf_counter() - start
+    timings = {"encode_s": [], "encode_many_s": []}
+    for _ in range(args.repeats):
+        for key, run in (("encode_s", lambda: [encoder.encode(r) for r in results]),
+                         ("encode_many_s", lambda: encoder.encode_many(results))):
+            start = time.perf_counter()
+            run()  # outputs dropped at once: each timing allocates its own, as a turn does
+            timings[key].append(time.perf_counter() - start)
+    alone, together = [encoder.encode(r) for r in results], encoder.encode_many(results)
+    return {"encode_only": True, "model": Path(args.model).name,
+            "image_processor": type(processor.image_processor).__name__, "episodes": len(results),
+            "image_side": args.side, "tool_images": not args.text_tools, "crops": args.crops,
+            "repeats": args.repeats, "crop_s": round(crop_s, 3),
+            **{key: round(min(times), 3) for key, times in timings.items()},
+            "identical": all(bitwise_equal(a, b) for a, b in zip(alone, together))}
 
 
 def _wrap(obj, name: str, around) -> bool:
@@ -281,6 +342,9 @@ def main(argv=None) -> dict:
     p.add_argument("--processor-cache-gb", type=float, default=4.0, help="vLLM's processed-image cache; 0: off")
     p.add_argument("--mm-uuids", type=int, choices=(0, 1), default=1,
                    help="1: images named by content keys computed once (rollout.mm_uuids); 0: vLLM hashes them")
+    p.add_argument("--encode-only", action="store_true",
+                   help="time only the encoding of one turn's tool messages, on the CPU, without an engine")
+    p.add_argument("--repeats", type=int, default=5, help="--encode-only: timings of each path (the best is reported)")
     p.add_argument("--json-out", default="")
     p.add_argument("--summarize", default="", help="print the summary line of this result file and exit")
     args = p.parse_args(argv)
@@ -291,6 +355,12 @@ def main(argv=None) -> dict:
 
     if not args.model:
         p.error("--model is required")
+    if args.encode_only:
+        result = encode_only(args)
+        print(json.dumps(result))
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(result) + "\n")
+        return result
     from data.processing import load_processor
     from models.family import build_adapter
     from models.policy import load_model_config
@@ -323,7 +393,7 @@ def main(argv=None) -> dict:
     single_breakdown = probe.report(engine.last_stats)
 
     episodes = [Episode.start(i, p) for i, p in enumerate(prompts) for _ in range(args.n)]
-    multi_s, multi_tokens, tool_s, turn_s, turns = 0.0, 0, 0.0, [], []
+    multi_s, multi_tokens, tool_s, crop_s, turn_s, turns = 0.0, 0, 0.0, 0.0, [], []
     end_id = processor.tokenizer.convert_tokens_to_ids(adapter.end_of_turn)
     for t in range(args.turns):
         start = time.perf_counter()
@@ -341,12 +411,13 @@ def main(argv=None) -> dict:
             e.add_model_turn(g)
         if t < args.turns - 1:
             start = time.perf_counter()
-            for k, e in enumerate(episodes):
-                crop = zoom_crop(e.images[0], args.side, k, t, args.crops == "distinct")
+            results = tool_results([e.images[0] for e in episodes], args, t)
+            crop_s += time.perf_counter() - start
+            start = time.perf_counter()
+            for e, (ids, pix, grid, images) in zip(episodes, encoder.encode_many(results)):
                 # generation was forced to full length: the turn's last token stands in for the
                 # end-of-turn token a stopping model writes before a tool message
                 e.token_ids[-1] = end_id
-                ids, pix, grid, images = encoder.encode([("zoomed", [] if args.text_tools else [crop])])
                 e.add_tool_tokens(ids, pix, grid, images)
             tool_s += time.perf_counter() - start
     probe.close()
@@ -360,7 +431,8 @@ def main(argv=None) -> dict:
         "multi_turn_tokens": multi_tokens, "multi_turn_s": round(multi_s, 3),
         "multi_turn_tokens_per_s": round(multi_tokens / multi_s, 1),
         "ratio": round((multi_tokens / multi_s) / (single_tokens / single_s), 3),
-        "turn_s": turn_s, "tool_images": not args.text_tools, "tool_message_s": round(tool_s, 3), "last_turn_prefix_cache_hit": round(hit, 3),
+        "turn_s": turn_s, "tool_images": not args.text_tools, "tool_message_s": round(tool_s, 3),
+        "crop_s": round(crop_s, 3), "last_turn_prefix_cache_hit": round(hit, 3),
         "episode_tokens_max": max(len(e.token_ids) for e in episodes),
         "crops": args.crops, "mm_uuids": bool(args.mm_uuids),
         "single_turn_breakdown": single_breakdown, "turn_breakdown": turns,

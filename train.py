@@ -32,7 +32,7 @@ from grpo.checkpoint import CheckpointError
 from grpo.config import ConfigError, load_config
 from grpo.run_folder import RunFolderError
 from grpo.trainer import NonFiniteStop, Trainer
-from models.parallel import init_distributed, shutdown_distributed
+from models.parallel import allocator_settings, init_distributed, shutdown_distributed
 
 PR_SET_PDEATHSIG = 1
 ORPHAN_GRACE_S = 600.0  # one step plus one checkpoint write, after the launcher is gone
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    allocator_settings(cfg.parallel.expandable_segments)
     init_distributed(cfg.parallel.backend)
     clean = False
     try:

@@ -263,6 +263,12 @@ class ParallelConfig:
     # auto: on GPU, only when the policy with its AdamW state and the engine would not fit together
     offload_during_generate: Literal["auto", "on", "off"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # torch's CUDA allocator grows segments in place (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set at
+    # start unless the variable already names the setting) instead of caching fixed blocks: on the 3B recipe the
+    # blocks of the update's differently sized micro-batches fill the device, and the allocator frees its whole
+    # cache and retries once a step (memory/alloc_retries; each retry waits for the device). vLLM 0.26's sleep
+    # mode turns it off around its own pool. Off until measured on a GPU
+    expandable_segments: bool = False
 
 
 @dataclass

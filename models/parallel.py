@@ -30,6 +30,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def allocator_settings(expandable_segments: bool) -> None:
+    """Before CUDA starts (`parallel.expandable_segments`): add expandable_segments:True to torch's allocator
+    settings, in the environment, where vLLM reads it too (its sleep-mode pool turns the setting off around
+    itself). A setting the environment already names wins."""
+    conf = os.environ.get(ALLOC_CONF, "")
+    if not expandable_segments or "expandable_segments" in conf:
+        return
+    os.environ[ALLOC_CONF] = ",".join(part for part in (conf, "expandable_segments:True") if part)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # too late for the environment alone
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 def init_distributed(backend: str = "auto") -> None:
     """Join torchrun's process group, or make a one-process group when run without torchrun."""
     if dist.is_initialized():

@@ -1,5 +1,7 @@
 """The colocation memory plan's arithmetic and the Colocation object's engine life cycle."""
 
+import os
+
 import pytest
 import torch
 
@@ -213,3 +215,22 @@ def test_kv_bytes_read_zero_padded_per_layer_keys():
             "head_dim": 32, "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 3,
             "per_layer_config": {f"{i:02d}": {"head_dim": 64, "num_key_value_heads": 2} for i in (3, 7, 11)}}
     assert kv_bytes_per_token({"text_config": text}, 2) == 2 * (9 * 32 + 3 * 2 * 64) * 2
+
+
+def test_expandable_segments_join_the_allocator_settings_unless_named(monkeypatch):
+    from grpo.config import load_config
+    from models.parallel import ALLOC_CONF, allocator_settings
+
+    assert load_config(None, []).parallel.expandable_segments is False
+    assert load_config(None, ["parallel.expandable_segments=true"]).parallel.expandable_segments is True
+    monkeypatch.delenv(ALLOC_CONF, raising=False)
+    allocator_settings(False)
+    assert ALLOC_CONF not in os.environ
+    allocator_settings(True)
+    assert os.environ[ALLOC_CONF] == "expandable_segments:True"
+    monkeypatch.setenv(ALLOC_CONF, "max_split_size_mb:512")
+    allocator_settings(True)
+    assert os.environ[ALLOC_CONF] == "max_split_size_mb:512,expandable_segments:True"
+    monkeypatch.setenv(ALLOC_CONF, "expandable_segments:False")  # the user's own setting wins
+    allocator_settings(True)
+    assert os.environ[ALLOC_CONF] == "expandable_segments:False"

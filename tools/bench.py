@@ -218,7 +218,9 @@ def bench_train(trainer, args) -> dict:
     step()  # warm-up: optimizer state, allocator, kernels
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    retries = _alloc_retries()
     times = [_timed(step)[0] for _ in range(args.train_steps)]
+    retries = (_alloc_retries() - retries) / max(args.train_steps, 1)
     seconds = statistics.median(times)
     syncs = _profile(step, Path(args.profile)) if args.profile else None
     rows = [mb for mb in packed().microbatches if mb.sample_indices]
@@ -236,6 +238,7 @@ def bench_train(trainer, args) -> dict:
         "llm_tflops_per_step": f_llm / 1e12, "vision_tflops_per_step": f_vis / 1e12,
         "achieved_tflops_llm": f_llm / seconds / 1e12, "achieved_tflops_total": (f_llm + f_vis) / seconds / 1e12,
         "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
+        "alloc_retries_per_step": retries,
         **({"host_syncs": syncs} if syncs is not None else {}),
     }
 
@@ -288,6 +291,11 @@ def _profile(step, out: Path) -> int | None:
     out.write_text("\n".join(tables) + "\n", encoding="utf-8")
     print(f"bench: profile of one training step written to {out}", flush=True)
     return syncs if cuda else None
+
+
+def _alloc_retries() -> int:
+    """How often torch's allocator has freed its cache to retry an allocation (each retry waits for the device)."""
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if torch.cuda.is_available() else 0
 
 
 def _peak_gb() -> float:
@@ -356,7 +364,7 @@ def _checkpoint(result: dict, args) -> None:
 
 def run(args) -> dict:
     from grpo.trainer import Trainer
-    from models.parallel import init_distributed
+    from models.parallel import allocator_settings, init_distributed
 
     model, data = _prepare(args)
     cuda = torch.cuda.is_available()
@@ -374,8 +382,10 @@ def run(args) -> dict:
     if engine == "vllm" and "engine" in phases and not args.no_standalone:
         result.update(_run_standalone(args))
         _checkpoint(result, args)
+    cfg = _config(args, model, data)
+    allocator_settings(cfg.parallel.expandable_segments)
     init_distributed()
-    trainer = Trainer(_config(args, model, data))
+    trainer = Trainer(cfg)
     result["params_b"] = sum(p.numel() for p in trainer.policy.model.parameters()) / 1e9
     result["attn_implementation"] = trainer.policy.model.config._attn_implementation
     result["activation_checkpointing"] = args.activation_checkpointing

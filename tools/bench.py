@@ -252,7 +252,7 @@ def _profile(step, out: Path) -> int | None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync()
     t0 = time.perf_counter()
-    with profile(activities=activities, record_shapes=True, with_stack=cuda) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         step()
         _sync()
     wall = time.perf_counter() - t0
@@ -265,29 +265,26 @@ def _profile(step, out: Path) -> int | None:
     # the host waiting for the GPU's queue to drain (a read back, a blocking copy): the GPU idles after each
     waits = [e for e in events if e.key == "cudaStreamSynchronize"]
     syncs, sync_s = sum(e.count for e in waits), sum(e.cpu_time_total for e in waits) / 1e6
+    # the caching allocator going to the driver: a cudaFree waits for the device too (an allocation retry
+    # frees the whole cache; an empty_cache between phases makes the next pass allocate again)
+    driver = {name: sum(e.count for e in events if e.key == name) for name in ("cudaMalloc", "cudaFree")}
     head = (f"profiled step: {wall:.2f} s wall (profiler overhead included), device kernels busy {busy:.2f} s"
-            f" ({busy / wall:.0%} of wall), {syncs} cudaStreamSynchronize ({sync_s * 1e3:.0f} ms of host time)\n"
+            f" ({busy / wall:.0%} of wall), {syncs} cudaStreamSynchronize ({sync_s * 1e3:.0f} ms of host time),"
+            f" {driver['cudaMalloc']} cudaMalloc, {driver['cudaFree']} cudaFree\n"
             if cuda else f"profiled step: {wall:.2f} s wall\n")
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     tables = [head, f"--- by self device time ---" if cuda else "--- by self CPU time ---",
               events.table(sort_by=key, row_limit=45)]
     if cuda:  # a step the GPU waits through is bound by the host: show where the host spends it
         tables += ["--- by self CPU time ---", events.table(sort_by="self_cpu_time_total", row_limit=25)]
-        # the memory-bound ops (casts, copies, element-wise) by input shapes and by the Python line that ran
-        # them: which tensor each cast reads, and whose code asked for it
+        # the memory-bound ops (casts, copies, element-wise) by input shapes: which tensor each one reads
         small = ("aten::copy_", "aten::mul", "aten::add_", "aten::add", "aten::_to_copy", "aten::cat", "aten::pow",
                  "aten::mean", "aten::rsqrt", "aten::silu", "aten::neg", "aten::sum")
-        for title, grouped in (("input shapes", prof.key_averages(group_by_input_shape=True)),
-                               ("call site", prof.key_averages(group_by_stack_n=4))):
-            rows = sorted((e for e in grouped if e.key in small), key=lambda e: -e.self_device_time_total)[:30]
-            if title == "call site" and not any(e.stack for e in rows):
-                continue  # this torch build recorded no Python stacks
-            tables.append(f"--- casts, copies and element-wise ops by {title} (top {len(rows)}) ---")
-            for e in rows:
-                where = e.input_shapes if title == "input shapes" else " <- ".join(
-                    f.split(" ", 1)[0].rsplit("/", 1)[-1] + f" {f.split(' ', 1)[1]}" if " " in f else f
-                    for f in (e.stack or [])[:4])
-                tables.append(f"{e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key:16s} {where}")
+        grouped = prof.key_averages(group_by_input_shape=True)
+        rows = sorted((e for e in grouped if e.key in small), key=lambda e: -e.self_device_time_total)[:30]
+        tables.append(f"--- casts, copies and element-wise ops by input shapes (top {len(rows)}) ---")
+        tables += [f"{e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key:16s} {e.input_shapes}"
+                   for e in rows]
     out.write_text("\n".join(tables) + "\n", encoding="utf-8")
     print(f"bench: profile of one training step written to {out}", flush=True)
     return syncs if cuda else None

@@ -227,12 +227,16 @@ class VLProcessor:
                                       for g, v, rest in zip(out["video_grid_thw"], videos, parts[1:]))
         if images:
             out["pixel_values"], out["image_grid_thw"] = self.images.encode(images)
-            parts = text.split(self.image_pad)
-            if len(parts) - 1 != len(images):
-                raise BadSample("image_count_mismatch", f"{len(parts) - 1} image parts for {len(images)} images")
-            text = parts[0] + "".join(self.images.expansion(g) + rest for g, rest in zip(out["image_grid_thw"], parts[1:]))
+            text = self.expand_images(text, out["image_grid_thw"])
         out["input_ids"] = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
         return out
+
+    def expand_images(self, text: str, grid: torch.Tensor) -> str:
+        """`text` with its image placeholders expanded by the image rule, one per row of `grid`."""
+        parts = text.split(self.image_pad)
+        if len(parts) - 1 != len(grid):
+            raise BadSample("image_count_mismatch", f"{len(parts) - 1} image parts for {len(grid)} images")
+        return parts[0] + "".join(self.images.expansion(g) + rest for g, rest in zip(grid, parts[1:]))
 
 
 def load_processor(model_path: str, trust_remote_code: bool = False) -> VLProcessor:

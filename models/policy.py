@@ -303,11 +303,11 @@ class Policy:
         # Further streams (DeepStack) run over every vision token in row order, images and videos mixed.
         visual = image_mask | video_mask
         extra = []
+        in_image = image_mask[visual] if images and videos and max(len(images), len(videos)) > 1 else None
         for k in range(1, max(len(images), len(videos))):
-            if not videos or not images:
+            if in_image is None:
                 extra.append((images or videos)[k].to(embeds.dtype))
                 continue
-            in_image = image_mask[visual]
             joint = embeds.new_zeros(sum(counts), embeds.shape[-1])
             joint[in_image] = images[k].to(embeds.dtype)
             joint[~in_image] = videos[k].to(embeds.dtype)

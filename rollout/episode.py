@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data.batch import Batch, PackedGenericDataItem
-from data.images import BadSample, canonicalize_image
+from data.images import canonicalize_image
 from models.family import FamilyAdapter, ToolFormat
 from rollout.base import Generation, PromptInput
 
@@ -206,7 +206,7 @@ class ToolResultEncoder:
             if entry is None or not all(a.tobytes() == b.tobytes() for a, b in zip(entry[0], images)):
                 entry = encoded[key] = (images, *self.processor.images.encode(images)) if images else ((), None, None)
             _, pixels, grid = entry
-            text = self._expand(deltas[shape], grid)
+            text = deltas[shape] if grid is None else self.processor.expand_images(deltas[shape], grid)
             if text not in tokens:
                 tokens[text] = self.processor.tokenizer.encode(text, add_special_tokens=False)
             out.append((list(tokens[text]), pixels, grid, images))
@@ -220,15 +220,6 @@ class ToolResultEncoder:
             raise ValueError("the chat template renders the conversation before a tool message differently once "
                              "the message is added; the tool message's tokens cannot be appended")
         return full[len(self.prefix):]
-
-    def _expand(self, text: str, grid: torch.Tensor | None) -> str:
-        """`text` with each image placeholder expanded by the family's image rule, as the processor does."""
-        if grid is None:
-            return text
-        parts = text.split(self.processor.image_pad)
-        if len(parts) - 1 != len(grid):
-            raise BadSample("image_count_mismatch", f"{len(parts) - 1} image parts for {len(grid)} images")
-        return parts[0] + "".join(self.processor.images.expansion(g) + rest for g, rest in zip(grid, parts[1:]))
 
 
 def episode_batch(episodes: list[Episode], adapter: FamilyAdapter) -> Batch:

@@ -108,10 +108,8 @@ def bitwise_equal(a, b) -> bool:
             and all(x.size == y.size and x.tobytes() == y.tobytes() for x, y in zip(a[3], b[3])))
 
 
-def encode_only(args) -> dict:
-    """One turn's tool messages encoded on the CPU, no engine: `encode` of each episode alone against
-    `encode_many` of the turn's episodes together (the best of --repeats timings each: other work on
-    shared cores only adds time), and whether both give every episode the same outputs bit for bit."""
+def _setup(args):
+    """(adapter, processor, the benchmark's prompts, the tool-message encoder) of --model."""
     from data.processing import load_processor
     from models.family import build_adapter
     from models.policy import load_model_config
@@ -119,8 +117,16 @@ def encode_only(args) -> dict:
 
     adapter = build_adapter(load_model_config(args.model))
     processor = load_processor(args.model)
-    encoder = ToolResultEncoder(processor, adapter.tool_format, adapter.end_of_turn, 784, args.side * args.side)
     prompts = _prompts(processor, args.prompts, args.side)
+    encoder = ToolResultEncoder(processor, adapter.tool_format, adapter.end_of_turn, 784, args.side * args.side)
+    return adapter, processor, prompts, encoder
+
+
+def encode_only(args) -> dict:
+    """One turn's tool messages encoded on the CPU, no engine: `encode` of each episode alone against
+    `encode_many` of the turn's episodes together (the best of --repeats timings each: other work on
+    shared cores only adds time), and whether both give every episode the same outputs bit for bit."""
+    adapter, processor, prompts, encoder = _setup(args)
     start = time.perf_counter()
     results = tool_results([p.images[0] for p in prompts for _ in range(args.n)], args, 0)
     crop_s = time.perf_counter() - start
@@ -361,25 +367,18 @@ def main(argv=None) -> dict:
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(result) + "\n")
         return result
-    from data.processing import load_processor
-    from models.family import build_adapter
-    from models.policy import load_model_config
     from rollout.base import SamplingParams
-    from rollout.episode import Episode, ToolResultEncoder
+    from rollout.episode import Episode
     from rollout.vllm_engine import VLLMEngine
 
-    config = load_model_config(args.model)
-    adapter = build_adapter(config)
-    processor = load_processor(args.model)
+    adapter, processor, prompts, encoder = _setup(args)
     pixels = args.side * args.side
-    prompts = _prompts(processor, args.prompts, args.side)
     longest = max(p.input_ids.numel() for p in prompts)
     context = longest + args.turns * (args.turn_tokens + 64 + pixels // 784)
     engine = VLLMEngine(args.model, gpu_memory_utilization=0.5, max_model_len=context, seed=0, dtype="bfloat16",
                         min_pixels=784, max_pixels=pixels, image_pad_id=adapter.image_token_id,
                         adapter=adapter, max_images_per_prompt=args.turns, max_num_seqs=args.prompts * args.n,
                         processor_cache_gb=args.processor_cache_gb, mm_uuids=bool(args.mm_uuids))
-    encoder = ToolResultEncoder(processor, adapter.tool_format, adapter.end_of_turn, 784, pixels)
     banned = adapter.banned_token_ids
     whole = SamplingParams(n=args.n, max_new_tokens=args.turns * args.turn_tokens, banned_token_ids=banned, seed=1)
     turn = SamplingParams(n=args.n, max_new_tokens=args.turn_tokens, banned_token_ids=banned, seed=1)

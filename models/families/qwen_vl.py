@@ -10,6 +10,7 @@ stacks the decoder's q/k/v and gate/up (and Qwen2.5-VL's gated vision MLP).
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -243,7 +244,7 @@ class QwenVLAdapter(FamilyAdapter):
         from transformers import vision_utils
 
         rows = given_grid(grid.shape[0])
-        takes = _precomputed_inputs(tower)
+        takes = _precomputed_inputs(type(tower))
         if rows is None or self.name not in _TAKE_PRECOMPUTED or "cu_seqlens" not in takes:
             return {}
         host = torch.tensor(rows, dtype=grid.dtype)
@@ -489,10 +490,12 @@ class Qwen3VLAdapter(QwenVLAdapter):
         return out.last_hidden_state
 
 
-def _precomputed_inputs(tower: nn.Module) -> set[str]:
-    """The grid-derived inputs this vision tower takes precomputed: those of the `transformers.vision_utils`
-    functions its transformers module calls (each takes its value from the forward's keyword arguments)."""
-    for cls in type(tower).__mro__:
+@functools.cache
+def _precomputed_inputs(tower_class: type) -> frozenset[str]:
+    """The grid-derived inputs a vision tower of this class takes precomputed: those of the
+    `transformers.vision_utils` functions its transformers module calls (each takes its value from the
+    forward's keyword arguments). Looked up once per class."""
+    for cls in tower_class.__mro__:
         if cls.__module__.startswith("transformers.models."):
             module = sys.modules.get(cls.__module__)
             takes = set()
@@ -500,8 +503,8 @@ def _precomputed_inputs(tower: nn.Module) -> set[str]:
                 takes |= {"position_ids", "cu_seqlens", "max_seqlen"}
             if hasattr(module, "get_vision_window_index") and hasattr(module, "get_max_seqlen"):
                 takes |= {"window_index", "cu_window_seqlens", "max_window_seqlen"}
-            return takes
-    return set()
+            return frozenset(takes)
+    return frozenset()
 
 
 def _qwen_adapter(config, name: str, arch: str, cls=QwenVLAdapter) -> QwenVLAdapter:

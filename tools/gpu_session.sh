@@ -211,6 +211,8 @@ moe)
   # Qwen3.5-MoE on vLLM (needs the bundle built with WITH_MOE=1): the tiny model's logprob check, then
   # GRPO steps through train.py with algorithm.routing_replay off and on (RRS), fidelity metrics per step.
   # MOE_CHECK=0 skips the logprob check (~4.5 min on a fresh machine, most of it Triton compiling kernels).
+  # The train.py runs take MOE_ARGS (default rollout.enforce_eager=true: no vLLM compile or CUDA graphs, whose
+  # start-up left a 155 s budget without a first step on a fresh machine).
   [ "${MOE_CHECK:-1}" = 1 ] && FAMS=qwen3_5_moe bash tools/gpu_session.sh families "$OUT"
   $PY tools/make_tiny_model.py --family qwen3_5_moe --size tiny --out $W/moe --overwrite > "$OUT/moe_build.log" 2>&1
   $PY tools/make_dataset.py --kind clevr --n 128 --seed 0 --out $W/moe.parquet --size 56x56 > /dev/null
@@ -220,7 +222,7 @@ moe)
     timeout ${STEP_S:-300} $PY -m torch.distributed.run --standalone --nproc-per-node 1 train.py --config configs/demo.yaml \
       model.path=$W/moe data.train_path=$W/moe.parquet data.eval_path= trainer.run_dir=$W/moe_run_$rr \
       trainer.max_steps=${STEPS:-4} trainer.eval_every=0 rollout.engine=vllm algorithm.routing_replay=$rr \
-      trainer.progress=false rollout.max_new_tokens=32 > "$OUT/moe_run_$rr.log" 2>&1
+      trainer.progress=false rollout.max_new_tokens=32 ${MOE_ARGS:-rollout.enforce_eager=true} > "$OUT/moe_run_$rr.log" 2>&1
     echo "routing_replay=$rr rc=$?"
     cp $W/moe_run_$rr/metrics.jsonl "$OUT/moe_metrics_$rr.jsonl" 2>/dev/null
     grep -ho '"fidelity/token_mult_prob_error": [0-9.]*' "$OUT/moe_metrics_$rr.jsonl" 2>/dev/null | tr '\n' ' '; echo

@@ -62,6 +62,9 @@ def _parse(argv):
     p.add_argument("--time-train", action="store_true",
                    help="also time one forward and backward of the policy over the batch (train_s), and the "
                         "generation and scoring once more with everything warm (gen_warm_s, score_warm_s)")
+    p.add_argument("--profile-train", default=None, metavar="FILE",
+                   help="with --time-train: one more forward and backward over the batch under torch.profiler, its "
+                        "op table written to FILE (where exact mode's training time goes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a further config override, e.g. rollout.enforce_eager=true (repeatable)")
     p.add_argument("--png", default=None, help="write a PNG of per-token |dlogprob| for the worst sequences")
@@ -147,6 +150,10 @@ def check(args) -> dict:
         report["score_warm_s"] = _synced(t0, trainer.policy.device)
         try:
             report["train_s"] = _train_pass_s(trainer, batch, max_tokens, args.temperature)
+            if args.profile_train:
+                from tools.bench import _profile
+
+                _profile(lambda: _train_pass_s(trainer, batch, max_tokens, args.temperature), Path(args.profile_train))
         except torch.OutOfMemoryError as err:  # the timing is extra: keep the fidelity report
             trainer.optimizer.zero_grad(set_to_none=True)
             report["train_s"], report["train_error"] = None, f"out of memory: {str(err).splitlines()[0]}"
@@ -227,6 +234,8 @@ def _report(trainer, gens, policy_lp, batch, args, gen_s) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.profile_train and not args.time_train:
+        raise SystemExit("logprob_check: --profile-train profiles the pass --time-train times; give both")
     from models.parallel import init_distributed, shutdown_distributed
 
     init_distributed()

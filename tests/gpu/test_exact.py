@@ -6,7 +6,8 @@ of the tiny Qwen2.5-VL with 128-wide heads (tiny_hd128: the mode refuses narrowe
 model in EXACT_MODEL (with EXACT_DATA, e.g. the 3B shape). The exact run must
 give max |Δlogprob| == 0 over every sampled token; the test prints, and writes to EXACT_OUT when set, both
 reports and the cost of the mode in generation, scoring and one training pass (%, exact against not).
-EXACT_ARGS adds arguments to both runs.
+EXACT_ARGS adds arguments to both runs. EXACT_PROFILE=1 also writes each run's training pass under torch.profiler
+(`tools/logprob_check.py --profile-train`), as NAME_exact_profile.txt and NAME_plain_profile.txt beside EXACT_OUT.
 If the exact run is not bitwise, `tools/op_diff.py --exact` names the first module that still differs
 (tools/gpu_session.sh's exact stage runs it next). Skipped without CUDA or vLLM.
 
@@ -52,6 +53,9 @@ def _run(model: Path, data: Path, out: Path, exact: bool) -> dict:
            str(NEW_TOKENS), "--min-pixels", low, "--max-pixels", high, "--out", str(out)]
     if not ONLY_EXACT:  # the cost needs both runs; a bisecting run wants the logprobs alone
         cmd.append("--time-train")
+        if os.environ.get("EXACT_PROFILE") == "1":  # the training pass's op table, beside EXACT_OUT when set
+            keep = Path(os.environ["EXACT_OUT"]) if os.environ.get("EXACT_OUT") else out
+            cmd += ["--profile-train", str(keep.with_name(f"{keep.stem}_{'exact' if exact else 'plain'}_profile.txt"))]
     if exact:
         cmd.append("--exact")
     cmd += os.environ.get("EXACT_ARGS", "").split()  # e.g. --set model.activation_checkpointing=true

@@ -392,12 +392,13 @@ def reference_attention(q, k, v, cu, scale: float | None, keys=None) -> torch.Te
 
 
 class _EngineKernelAttention(torch.autograd.Function):
-    """Forward: the engine's kernel (bitwise the engine's). Backward: recomputed through torch's attention."""
+    """Forward: the engine's kernel (bitwise the engine's). Backward: recomputed through torch's attention, the
+    varlen kernel over the whole row where it runs (one call per layer), else SDPA per sequence."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu, longest, scale):
         ctx.save_for_backward(q, k, v, cu)
-        ctx.scale = scale
+        ctx.scale, ctx.longest = scale, longest
         return paged_flash(q, k, v, cu, longest, scale)
 
     @staticmethod
@@ -405,7 +406,11 @@ class _EngineKernelAttention(torch.autograd.Function):
         q, k, v, cu = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = reference_attention(*leaves, cu, ctx.scale)
+            if kernel_runs(q.device):
+                out = _run_kernel(*(t.transpose(0, 1).unsqueeze(0) for t in leaves), cu, ctx.longest, ctx.scale,
+                                  causal=True)[0]
+            else:
+                out = reference_attention(*leaves, cu, ctx.scale)
         dq, dk, dv = torch.autograd.grad(out, leaves, grad)
         return dq, dk, dv, None, None, None
 

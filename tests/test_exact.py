@@ -127,6 +127,27 @@ def test_engine_kernel_attention_backward_is_torchs(monkeypatch):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
 
 
+def test_engine_kernel_attention_backward_takes_the_varlen_kernel_where_it_runs(monkeypatch):
+    """On CUDA the backward recomputes the row in one varlen call (not SDPA per sequence); same gradients."""
+    q, k, v, cu = _row(2)
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, longest_q, longest_k, scale=None, is_causal=False, enable_gqa=False):
+        calls.append((longest_q, is_causal, enable_gqa))
+        return attention.reference_attention(q, k, v, cu_q, scale)
+
+    monkeypatch.setattr(attention, "_vllm_flash_kernel", lambda: (_paged_reference_kernel([]), None))
+    monkeypatch.setattr(attention, "_kernel", lambda: (varlen, {"is_causal", "enable_gqa"}))
+    monkeypatch.setattr(attention, "kernel_runs", lambda device: True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attention._EngineKernelAttention.apply(*leaves, cu, 33, 0.3).square().sum().backward()
+    assert calls == [(33, True, True)]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attention.reference_attention(*ref_leaves, cu, 0.3).square().sum().backward()
+    for a, b in zip(leaves, ref_leaves):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)
+
+
 # --- the shared numerics --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_swiglu_are_transformers_bitwise(dtype):

@@ -31,7 +31,7 @@ setup(
         "vllm": ["vllm>=0.26.0"],
         # Qwen3.5's Gated DeltaNet in training on CUDA: flash-linear-attention's varlen Triton kernels
         "fla": ["fla-core>=0.6.0"],
-        # model.liger_kernel: fused RMSNorm, rotary and SwiGLU (Triton) for the Qwen-VL families on CUDA
+        # model.liger_kernel (auto: on for Qwen2.5-VL on CUDA when installed): fused RMSNorm, rotary and SwiGLU (Triton)
         "liger": ["liger-kernel>=0.8"],
         "dev": ["pytest>=8"],
         # experiment trackers for logging.backends (grpo/trackers.py); not needed by the tests

@@ -100,6 +100,9 @@ class Trainer:
             self.policy: Policy = build_policy(cfg.model, self.dims)
             if cfg.rollout.exact:
                 build_exact(self.policy)
+        liger_asked = cfg.model.liger_kernel
+        # what ran, not `auto`: config.yaml, the trackers and the reference built below see the settled value
+        cfg.model.liger_kernel = "true" if self.policy.liger_kernel else "false"
         self.adapter = self.policy.adapter
         self.optimizer = build_optimizer(self.policy, cfg.optim)
         with timed(self._startup, "perf/data_build_s"):  # processor, tokenizer, datasets
@@ -147,6 +150,8 @@ class Trainer:
             print("start-up: " + _seconds(self._startup), flush=True)
             print(f"shared prompts: {'on' if self.policy.shared_prompts else 'off'} "
                   f"(model.shared_prompts={cfg.model.shared_prompts})", flush=True)
+            print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={liger_asked})",
+                  flush=True)
 
     # --- construction ------------------------------------------------------------------------
     def _feeder(self, path: str, shuffle: bool | None = None) -> PromptFeeder:

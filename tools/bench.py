@@ -386,6 +386,7 @@ def run(args) -> dict:
     result["params_b"] = sum(p.numel() for p in trainer.policy.model.parameters()) / 1e9
     result["attn_implementation"] = trainer.policy.model.config._attn_implementation
     result["activation_checkpointing"] = args.activation_checkpointing
+    result["liger_kernel"] = trainer.policy.liger_kernel  # model.liger_kernel as settled (auto: family and device)
     if "train" in phases:
         result.update(bench_train(trainer, args))
         peak = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else 0.0)

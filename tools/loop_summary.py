@@ -15,7 +15,9 @@ which `first_gen_extra_s` in generation (`first_update_extra_s`: the first refer
 beyond steady ones, always reported). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
-`prompts_per_step`, `n` and `max_new_tokens`.
+`prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
+`model.liger_kernel` settled (`auto` resolved for the family and device) as the words true/false, which
+read back as booleans, like the booleans that runs before `auto` wrote.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ SETTINGS = {
     "shared_prompts": ("model", "shared_prompts"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
 }
+# settings config.yaml holds as the words true/false (an auto key the trainer settled): read as booleans
+WORD_BOOLEANS = ("liger_kernel",)
 # start-up seconds the trainer logs once, as perf/<name>
 STARTUP = ("policy_build_s", "reference_build_s", "data_build_s", "init_s", "engine_build_s", "engine_import_s",
            "engine_llm_s", "engine_warmup_s")
@@ -122,6 +126,8 @@ def read_settings(path: Path) -> dict:
         value = cfg
         for k in keys:
             value = value.get(k) if isinstance(value, dict) else None
+        if name in WORD_BOOLEANS and value in ("true", "false"):
+            value = value == "true"
         if value is not None:
             out[name] = value
     return out

@@ -130,6 +130,9 @@ class FamilyAdapter:
     # True: on CUDA, `model.attn_implementation: auto` runs packed rows through the varlen kernel
     # (models/attention.py); set only for families whose varlen path was checked on a GPU.
     varlen_attention: bool = False
+    # True: the vision tower takes its images' (and windows') boundaries as `cu_seqlens`; where the decoder's
+    # attention is varlen, the tower's runs them in one call too (models.attention.VISION_NAME)
+    varlen_vision: bool = False
     # model.shared_prompts: causal attention with no mask of the family's own, so a row of a shared
     # prompt's segments (models.packing.pack_shared) computes what one sequence at a time does
     shares_prompts: bool = False

@@ -175,7 +175,7 @@ def cuda_path(monkeypatch, counter: HostSyncs, tensor_max_length: bool = False):
         attention.register()
 
 
-def _tiny_policy(tmp_path_factory, layers: int, blocks: int, **model):
+def _tiny_policy(tmp_path_factory, layers: int, blocks: int, family: str = "qwen2_5_vl", **model):
     from grpo.config import ModelConfig
     from models.parallel import build_parallel_dims, init_distributed
     from models.policy import build_policy
@@ -183,7 +183,7 @@ def _tiny_policy(tmp_path_factory, layers: int, blocks: int, **model):
 
     init_distributed()
     size = dataclasses.replace(SIZES["tiny"], text_layers=layers, vision_depth=blocks)
-    path = make_tiny_model(tmp_path_factory.mktemp("models") / f"qwen2_5_vl_{layers}x{blocks}", size=size)
+    path = make_tiny_model(tmp_path_factory.mktemp("models") / f"{family}_{layers}x{blocks}", family=family, size=size)
     torch.manual_seed(0)
     return build_policy(ModelConfig(path=str(path), activation_checkpointing=True, **model), build_parallel_dims())
 
@@ -303,9 +303,84 @@ def test_the_tower_takes_its_grid_inputs_from_the_host(policies):
     assert layout["max_seqlen"] == 24 and torch.equal(given, own)
 
 
+# The syncs of a forward+backward on the kernel's path, with images and without, for the families beyond Qwen2.5-VL:
+# the placeholder counts with images, and the decoder's look for packed sequences in the positions where it builds
+# its masks whatever it is given (Qwen3-VL's, GLM-4.1V's; Qwen3.5's take them prebuilt, as Qwen2.5-VL's).
+FAMILY_SYNCS = {"qwen3_vl": (2, 1), "qwen3_5": (1, 0), "qwen3_5_moe": (1, 0), "glm4v": (2, 1)}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_SYNCS))
+def family_policies(request, tmp_path_factory):
+    """(family, its tiny model at two depths, varlen): Qwen3-VL (DeepStack levels at a quarter, half and three
+    quarters of the tower), Qwen3.5 dense and MoE (Gated DeltaNet layers), GLM-4.1V."""
+    family = request.param
+    return family, {depth: _tiny_policy(tmp_path_factory, *depth, family, attn_implementation="varlen")
+                    for depth in ((2, 2), (5, 4))}
+
+
+def test_other_families_syncs_do_not_grow_with_depth(family_policies, monkeypatch):
+    """Qwen3-VL, Qwen3.5 and GLM-4.1V read the device back as often at 5 decoder layers x 4 vision blocks as at
+    2 x 2, and no more than `FAMILY_SYNCS` says: the towers' grid inputs (positions, boundaries, the position
+    table's interpolation) come from the host's grid, their windows run in one call, Qwen3-VL's DeepStack levels
+    add at indices rather than under a mask, Qwen3.5's Gated DeltaNet layers take the row's boundaries from the
+    host. With images (and, where the family shares prompts, a row with shared prompts) and text only."""
+    family, policies = family_policies
+    counts = {}
+    for depth, policy in policies.items():
+        batch = mixed_batch(policy.adapter)
+        kinds = [("images", range(len(batch)), False), ("text", [1], False)]
+        if policy.adapter.shares_prompts:
+            kinds.append(("shared", range(len(batch)), True))
+        for kind, rows, share in kinds:
+            mb = pack(batch, list(rows), share_prompts=share).to(policy.device)
+            counter = HostSyncs()
+            with cuda_path(monkeypatch, counter):
+                counts[depth, kind] = forward_backward_syncs(policy, mb, counter).calls
+    for depth, kind in counts:
+        assert counts[depth, kind] == counts[(5, 4), kind], (kind, counts[depth, kind], counts[(5, 4), kind])
+    images, text = FAMILY_SYNCS[family]
+    assert len(counts[(5, 4), "images"]) == images and len(counts[(5, 4), "text"]) == text, counts
+    if ((5, 4), "shared") in counts:
+        assert len(counts[(5, 4), "shared"]) == images, counts
+
+
+def _logprobs_and_grads(policy, mb) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's logprobs and the gradients of a weighted sum of them."""
+    policy.model.zero_grad(set_to_none=True)
+    lp, _ = policy.logprobs(mb)
+    (lp * torch.linspace(-1.0, 1.0, lp.numel())).sum().backward()
+    grads = {n: p.grad.full_tensor().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    policy.model.zero_grad(set_to_none=True)
+    return lp.detach(), grads
+
+
+def test_other_families_compute_bitwise_what_transformers_computes(family_policies, monkeypatch):
+    """What the policy hands Qwen3-VL, Qwen3.5 and GLM-4.1V (the towers' inputs from the host's grid, the windows
+    in one call, DeepStack at indices, the row's boundaries from the host) changes no logprob and no gradient, bit
+    for bit, from what transformers computes from the device's tensors itself."""
+    from models.families import qwen_vl
+    from models.packing import PackedMicrobatch
+
+    _, policies = family_policies
+    policy = policies[(5, 4)]
+    batch = mixed_batch(policy.adapter)
+    mb = pack(batch, list(range(len(batch))))
+    tower = policy.adapter.vision_tower(policy.model)
+    assert tower.config._attn_implementation == attention.VISION_NAME
+    given = _logprobs_and_grads(policy, mb)
+    monkeypatch.setattr(PackedMicrobatch, "host_layout", lambda self: None)  # no grid or boundaries from the host
+    monkeypatch.setattr(qwen_vl, "apply_indexed_deepstack", lambda decoder: False)  # DeepStack under the mask
+    monkeypatch.setattr(tower.config, "_attn_implementation", "sdpa")  # transformers' own loop over the images
+    own = _logprobs_and_grads(policy, mb)
+    assert torch.equal(given[0], own[0])
+    assert given[1].keys() == own[1].keys() and any(".visual." in n for n in given[1])
+    assert all(torch.equal(given[1][n], own[1][n]) for n in given[1]), [n for n in given[1]
+                                                                         if not torch.equal(given[1][n], own[1][n])]
+
+
 def main(argv: list[str]) -> None:
     """Print the syncs of one forward+backward per path, depth (LAYERSxBLOCKS arguments) and micro-batch kind:
-    python -m tests.test_host_syncs 2x2 5x4 [-v: where each is]."""
+    python -m tests.test_host_syncs 2x2 5x4 [--family=qwen3_vl] [-v: where each is]."""
     import collections
     import tempfile
     from pathlib import Path
@@ -316,8 +391,9 @@ def main(argv: list[str]) -> None:
             return Path(tempfile.mkdtemp(prefix=name))
 
     patch = pytest.MonkeyPatch()
+    family = next((a.split("=", 1)[1] for a in argv if a.startswith("--family=")), "qwen2_5_vl")
     for depth in [tuple(int(x) for x in a.split("x")) for a in argv if not a.startswith("-")]:
-        policy = _tiny_policy(Folders, *depth, attn_implementation="varlen")
+        policy = _tiny_policy(Folders, *depth, family, attn_implementation="varlen")
         batch = mixed_batch(policy.adapter)
         for path in ("kernel", "kernel, longest window as a tensor", "no kernel"):
             for kind, rows in (("4 sequences, 4 images", list(range(len(batch)))), ("text only", [1])):

@@ -34,7 +34,8 @@ def _sample(adapter, g, grids, n_text, n_resp, vocab=200):
     ids = torch.tensor(ids)
     mask = torch.zeros_like(ids)
     mask[-n_resp:] = 1
-    pix = torch.randn(sum(t * h * w for t, h, w in grids), 1176, generator=g) if grids else None
+    width = 3 * adapter.temporal_patch_size * adapter.patch_size**2  # a patch row: 1176 for 14-pixel patches
+    pix = torch.randn(sum(t * h * w for t, h, w in grids), width, generator=g) if grids else None
     return ids, mask, pix, (torch.tensor(grids) if grids else None)
 
 

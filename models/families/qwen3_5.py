@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from models.attention import given_row
+from models.attention import given_row, host_bounds, prebuilt_masks
 from models.families.qwen_vl import (
     _PREFIXES, QWEN2_5_EXTRA_TOKENS, QWEN3_PATCH_SIZE, Qwen3Images, Qwen3VLAdapter, _qwen_adapter,
     _tiny_image_processor,
@@ -123,7 +123,8 @@ def fla_delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
 def torch_delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
     """`delta_rule_packed` through transformers' torch rule on the row's sequences as one right-padded
     batch (exact: the rule is causal, so padding after a sequence never reaches it)."""
-    lengths = (cu[1:] - cu[:-1]).tolist()
+    bounds = host_bounds(cu)  # the packer's, on the host: not read back from the device in every layer
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if len(lengths) == 1:
         out, _ = _torch_rule()(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
         return out
@@ -298,10 +299,6 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     shares_prompts: bool = False  # Gated DeltaNet layers carry a state through the row
     tool_format: ToolFormat | None = QWEN3_5_TOOLS  # XML calls; results as the template's tool role
 
-    def image_features(self, model, pixels, grid):
-        out = self.vision_tower(model)(pixels, grid_thw=grid)
-        return [out.pooler_output]
-
     def vllm_engine_kwargs(self) -> dict:
         # vLLM picks FlashInfer's Gated DeltaNet prefill on SM90 by default; its Triton kernels need no
         # extra package (engine start-up JIT-compiles them: about two minutes on an H200)
@@ -312,7 +309,10 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
         apply_packed_linear_attention(decoder)
         if torch.is_grad_enabled():  # a backward may follow: can fla's run on this GPU? (a no-op off CUDA)
             prepare_delta_rule_backward(decoder, embeds.device, embeds.dtype)
-        out = decoder(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+        # masks prebuilt where the varlen kernel runs (none: it reads the row's boundaries), so the decoder does not
+        # read the positions back to look for packed sequences
+        masks = prebuilt_masks(decoder.config, embeds.device)
+        out = decoder(inputs_embeds=embeds, position_ids=position_ids, attention_mask=masks, use_cache=False)
         return out.last_hidden_state
 
     def tp_plan(self) -> dict[str, str]:

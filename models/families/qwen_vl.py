@@ -176,9 +176,9 @@ QWEN3_TOOLS = ToolFormat(call_start="<tool_call>", call_end="</tool_call>", resu
                          tools_intro=QWEN_TOOLS_INTRO, tools_outro=QWEN_TOOLS_OUTRO)
 
 
-# Families whose transformers classes are given the vision tower's grid-derived inputs and the decoder's masks
-# precomputed (Glm4vAdapter, a subclass, runs other classes)
-_TAKE_PRECOMPUTED = ("qwen2_vl", "qwen2_5_vl")
+# Families whose transformers decoders take their masks prebuilt, one per layer type (Qwen3-VL's and GLM-4.1V's
+# build theirs whatever they are given; Qwen3.5's adapter hands its own)
+_TAKE_PREBUILT_MASKS = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass
@@ -193,6 +193,7 @@ class QwenVLAdapter(FamilyAdapter):
         (r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
     )
     varlen_attention: bool = True  # tests/gpu/test_varlen_attention.py on the H200 (Qwen2.5-VL)
+    varlen_vision: bool = True  # every Qwen-VL tower (and GLM-4.1V's) takes its boundaries as cu_seqlens
     shares_prompts: bool = True  # tests/test_shared_prompts.py
     end_of_turn: str = "<|im_end|>"  # ChatML
     tool_format: ToolFormat | None = QWEN_TOOLS
@@ -227,25 +228,29 @@ class QwenVLAdapter(FamilyAdapter):
         return pixels.to(device), grid.to(device)
 
     def image_features(self, model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
-        tower = self.vision_tower(model)
-        out = tower(pixels, grid_thw=grid, **self._vision_layout(tower, grid))
+        out = self._run_tower(model, pixels, grid)
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
         if isinstance(feats, (tuple, list)):
             feats = torch.cat(list(feats))
         return [feats]
 
+    def _run_tower(self, model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor):
+        """The vision tower's output, its grid-derived inputs precomputed where it takes them (`_vision_layout`)."""
+        tower = self.vision_tower(model)
+        return tower(pixels, grid_thw=grid, **self._vision_layout(tower, grid))
+
     def _vision_layout(self, tower: nn.Module, grid: torch.Tensor) -> dict:
-        """What Qwen2-VL's and Qwen2.5-VL's towers compute from the patch grid before their blocks (rotary
-        positions, the images' and the windows' boundaries and longest spans, the window order), computed by
-        transformers' own functions from the host's copy of the grid (`models.attention.given_grid`), as the
-        keyword arguments the tower takes them precomputed by. From the device's grid the tower reads the grid
-        back several times per forward. Empty without the host's grid, for other towers, or with a
-        transformers whose tower takes none."""
+        """What the Qwen-VL towers (Qwen2/2.5/3-VL, Qwen3.5, GLM-4.1V) compute from the patch grid before their
+        blocks (rotary positions, the images' and the windows' boundaries and longest spans, the window order, the
+        learned position table's interpolation), computed by transformers' own functions from the host's copy of
+        the grid (`models.attention.given_grid`), as the keyword arguments the tower takes them precomputed by.
+        From the device's grid the tower reads the grid back several times per forward. Empty without the host's
+        grid, or with a transformers whose tower takes none."""
         from transformers import vision_utils
 
         rows = given_grid(grid.shape[0])
         takes = _precomputed_inputs(type(tower))
-        if rows is None or self.name not in _TAKE_PRECOMPUTED or "cu_seqlens" not in takes:
+        if rows is None or "cu_seqlens" not in takes:
             return {}
         host = torch.tensor(rows, dtype=grid.dtype)
         parts = {"position_ids": vision_utils.get_vision_position_ids(host, tower.spatial_merge_size),
@@ -254,6 +259,11 @@ class QwenVLAdapter(FamilyAdapter):
             parts["window_index"], parts["cu_window_seqlens"] = vision_utils.get_vision_window_index(
                 host, spatial_merge_size=tower.spatial_merge_size, window_size=tower.window_size,
                 patch_size=tower.patch_size)
+        if "interp_indices" in takes:  # Qwen3-VL, Qwen3.5: the position table resampled to each image's grid
+            interpolation = vision_utils.get_vision_interpolation_indices_and_weights(
+                host, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+                align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
+            parts["interp_indices"], parts["interp_weights"] = interpolation
         longest = {"cu_seqlens": "max_seqlen", "cu_window_seqlens": "max_window_seqlen"}
         bounds = {name: parts[name].tolist() for name in longest if name in parts}
         # from ordinary host memory: the copies do not wait for the device's queue
@@ -348,7 +358,7 @@ class QwenVLAdapter(FamilyAdapter):
         lm = self.language_model(model)
         # Qwen2/2.5-VL's decoder takes its masks prebuilt, one per layer type: where the varlen kernel runs it
         # reads none, and building them would first read the positions back from the device
-        masks = prebuilt_masks(lm.config, embeds.device) if self.name in _TAKE_PRECOMPUTED else None
+        masks = prebuilt_masks(lm.config, embeds.device) if self.name in _TAKE_PREBUILT_MASKS else None
         out = lm(inputs_embeds=embeds, position_ids=position_ids, attention_mask=masks, use_cache=False)
         return out.last_hidden_state
 
@@ -479,15 +489,44 @@ class Qwen3VLAdapter(QwenVLAdapter):
         return [(1, h, w, 1.0) for t, h, w in video_grid_thw.reshape(-1, 3).tolist() for _ in range(t)]
 
     def image_features(self, model, pixels, grid):
-        out = self.vision_tower(model)(pixels, grid_thw=grid)
-        return [out.pooler_output, *out.deepstack_features]
+        out = self._run_tower(model, pixels, grid)
+        return [out.pooler_output, *getattr(out, "deepstack_features", ())]  # Qwen3.5's tower has none
 
     def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
+        decoder = self.language_model(model)
         kwargs = {}
         if extra_streams:
-            kwargs = dict(visual_pos_masks=image_mask, deepstack_visual_embeds=list(extra_streams))
-        out = self.language_model(model)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **kwargs)
+            where = image_mask
+            if image_mask.shape[0] == 1 and apply_indexed_deepstack(decoder):
+                # the vision positions as indices, found without reading the mask back: their count is the
+                # streams' length, known on the host
+                where = torch.nonzero_static(image_mask[0], size=extra_streams[0].shape[0]).squeeze(1)
+            kwargs = dict(visual_pos_masks=where, deepstack_visual_embeds=list(extra_streams))
+        out = decoder(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **kwargs)
         return out.last_hidden_state
+
+
+def apply_indexed_deepstack(decoder: nn.Module) -> bool:
+    """Let the decoder's DeepStack step (transformers' `_deepstack_process`, once per level) take the vision
+    positions as a (N,) index as well as a boolean mask (in place, once). Indexing by a mask reads its count
+    back from the device, twice per level; the sums are the same. False where the decoder has no such step."""
+    if getattr(decoder, "_vlrl_indexed_deepstack", False):
+        return True
+    by_mask = getattr(type(decoder), "_deepstack_process", None)
+    if by_mask is None:
+        return False
+
+    def process(hidden_states, visual_pos_masks, visual_embeds):
+        if visual_pos_masks.dtype == torch.bool:
+            return by_mask(decoder, hidden_states, visual_pos_masks, visual_embeds)
+        at = visual_pos_masks.to(hidden_states.device)
+        hidden_states = hidden_states.clone()
+        hidden_states[:, at] = hidden_states[:, at] + visual_embeds.to(hidden_states.device, hidden_states.dtype)
+        return hidden_states
+
+    decoder._deepstack_process = process
+    decoder._vlrl_indexed_deepstack = True
+    return True
 
 
 @functools.cache
@@ -503,6 +542,8 @@ def _precomputed_inputs(tower_class: type) -> frozenset[str]:
                 takes |= {"position_ids", "cu_seqlens", "max_seqlen"}
             if hasattr(module, "get_vision_window_index") and hasattr(module, "get_max_seqlen"):
                 takes |= {"window_index", "cu_window_seqlens", "max_window_seqlen"}
+            if hasattr(module, "get_vision_interpolation_indices_and_weights"):
+                takes |= {"interp_indices", "interp_weights"}
             return frozenset(takes)
     return frozenset()
 

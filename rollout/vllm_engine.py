@@ -40,6 +40,11 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   earlier image of an episode again on every turn; vLLM uses the key wherever it would use its own
   hash (processor cache, encoder cache, prefix-cache block keys). Prompts get no joined pixel rows
   (`reads_pixel_values`): vLLM processes the images itself.
+- Full processor-cache hits (`skip_empty_hf_calls`, off by default until measured on a GPU): where a
+  family's vLLM processor overrides `_call_hf_processor` (Qwen2/2.5-VL), vLLM 0.26 calls the HF
+  processor on dummy text even when every image of a request is cached, only to drop its output; a
+  later turn pays that call for every episode. The engine can skip the call when no image is missing
+  (`skip_empty_hf_calls`): vLLM's prompt ids, pixels, hashes and placeholders stay the same.
 - Videos: the trainer's canonical frames go as `multi_modal_data["video"]` with the clip's timing
   (`data.processing.video_metadata`) where the family's vLLM processor reads it
   (`FamilyAdapter.vllm_video_items`: Qwen3-VL in the item, Qwen2.5-VL as the request's
@@ -602,6 +607,32 @@ def image_key(image) -> str:
     return f"vlrl-image-{hasher.hexdigest()}"
 
 
+def skip_empty_hf_calls(mm_processor) -> bool:
+    """Make vLLM's multimodal processor skip the HF processor call for a request whose items are all
+    served by the processor cache; False where the processor lacks the method (another vLLM).
+
+    On a cache hit vLLM 0.26 runs `_apply_hf_processor_mm_only` over the missing items only; with none
+    missing, a processor that overrides `_call_hf_processor` still calls the HF processor on dummy text
+    (`_apply_hf_processor_text_mm`) and keeps only the fields of `_get_mm_fields_config`, which are empty
+    for zero items. An empty `BatchFeature` gives the same empty fields without the call."""
+    original = getattr(mm_processor, "_apply_hf_processor_mm_only", None)
+    if original is None:
+        return False
+    if getattr(original, "_vlrl_skips_empty", False):
+        return True
+
+    def mm_only(mm_items, hf_processor_mm_kwargs, tokenization_kwargs):
+        if not any(mm_items.get_all_counts().values()):
+            from transformers import BatchFeature
+
+            return BatchFeature({})
+        return original(mm_items, hf_processor_mm_kwargs, tokenization_kwargs)
+
+    mm_only._vlrl_skips_empty = True
+    mm_processor._apply_hf_processor_mm_only = mm_only
+    return True
+
+
 class ImageKeys:
     """`image_key` of each image object, computed once: an episode sends the same image objects every
     turn (its prompt's, shared by the prompt's n episodes, and its tools'), so each later turn costs a
@@ -637,6 +668,7 @@ class VLLMEngine(Engine):
     max_videos_per_prompt: int = 0  # vLLM's video limit per prompt (the datasets' most videos in a row)
     reads_pixel_values = False  # vLLM processes the images itself: prompts need no processor outputs
     mm_uuids = False  # name images by content key (`image_key`); False: vLLM hashes each image per request
+    skip_empty_hf_calls = False  # no HF processor call for a request whose images all hit the processor cache
     _engine_warmup = "off"  # rollout.engine_warmup (WARMUP_MODES)
 
     def __init__(
@@ -660,6 +692,7 @@ class VLLMEngine(Engine):
         sleep_level: int = 1,
         processor_cache_gb: float = 4.0,
         mm_uuids: bool = False,
+        skip_empty_hf_calls: bool = False,
         return_routed_experts: bool = False,
         exact=None,
         attention_backend: str = "auto",
@@ -703,6 +736,7 @@ class VLLMEngine(Engine):
             raise ValueError(f"VLLMEngine: processor_cache_gb must be >= 0, got {processor_cache_gb}")
         self._processor_cache_gb = processor_cache(self.adapter, processor_cache_gb, max_videos_per_prompt)
         self.mm_uuids = mm_uuids  # rollout.mm_uuids
+        self.skip_empty_hf_calls = skip_empty_hf_calls
         self._image_keys = ImageKeys()
         self._routing = return_routed_experts  # MoE routing replay: vLLM reports each token's experts
         self._seed = seed
@@ -761,6 +795,16 @@ class VLLMEngine(Engine):
         self._tied = self._lm_head_is_embedding()
         # The vocabulary vLLM's processor looks tokens up in (Gemma3's newline merging does).
         self._vocab = dict(self._llm.get_tokenizer().get_vocab())
+        if self.skip_empty_hf_calls:
+            self._skip_empty_hf_calls()
+
+    def _skip_empty_hf_calls(self) -> None:
+        """`skip_empty_hf_calls` on each multimodal processor vLLM's renderer holds."""
+        renderer = getattr(self._llm.llm_engine, "renderer", None)
+        processors = [getattr(renderer, name, None) for name in ("mm_processor", "_readonly_mm_processor")]
+        patched = [skip_empty_hf_calls(p) for p in processors if p is not None]
+        if not any(patched):
+            log.warning("VLLMEngine: skip_empty_hf_calls found no vLLM multimodal processor to change")
 
     def _build_llm(self, path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed, dtype,
                    min_pixels, max_pixels):

@@ -329,3 +329,22 @@ def test_tiny_hd128_variants_each_add_one_feature_of_the_3b_size():
     deep = configs["tiny_hd128_deep"]
     assert deep.text_config.num_hidden_layers == 36 and deep.vision_config.depth == 32
     assert list(deep.vision_config.fullatt_block_indexes) == [7, 15, 23, 31]
+
+
+def test_no_weights_writes_the_size_s_config_and_processor_only(tmp_path, capsys):
+    """--no-weights: the 3b size's config, tokenizer and processor without building its 3.75B parameters
+    (what vLLM's processor reads on the CPU); its images expand to the 3b size's token counts."""
+    from data.processing import load_processor
+
+    out = tmp_path / "q3b"
+    main(["--family", "qwen2_5_vl", "--size", "3b", "--out", str(out), "--no-weights"])
+    assert "no weights" in capsys.readouterr().out
+    assert not (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["hidden_size"] == SIZES["3b"].text_hidden
+    assert config["vision_config"]["depth"] == SIZES["3b"].vision_depth
+    processor = load_processor(str(out))
+    image = processor.prepare_images([Image.new("RGB", (448, 448), "red")])
+    grid = processor(processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}]),
+                     image)["image_grid_thw"]
+    assert grid.tolist() == [[1, 32, 32]]  # 448 / 14 patches a side: 256 image tokens after the 2x2 merge

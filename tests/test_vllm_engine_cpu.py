@@ -375,10 +375,11 @@ def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_mode
     out = tmp_path / "turns.json"
     result = bench_turns.main(["--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "3",
                                "--turn-tokens", "4", "--side", "56", "--crops", "distinct", "--mm-uuids", "0",
-                               "--json-out", str(out)])
+                               "--skip-empty-hf", "1", "--json-out", str(out)])
     assert json.loads(out.read_text()) == result
     (engine,) = built
     assert engine.kwargs["mm_uuids"] is False and engine.kwargs["max_images_per_prompt"] == 3
+    assert engine.kwargs["skip_empty_hf_calls"] is True and result["skip_empty_hf"] is True
     turns = engine.calls[2:]  # after the warm-up and the single-turn call
     assert [len(c[0]) for c in turns] == [2, 4, 4] and [len(c[0][0].images) for c in turns] == [1, 2, 3]
     assert all(p.pixel_values is None for c in turns for p in c[0])  # built as Rollouts builds them for vLLM
@@ -412,6 +413,109 @@ def test_bench_turns_encode_only_times_a_turn_alone_and_together(tiny_model):
                    "--crops", "distinct", "--repeats", "1"])
     assert result["episodes"] == 4 and result["tool_images"] and result["identical"] is True
     assert result["encode_s"] > 0 and result["encode_many_s"] > 0
+
+
+def test_skip_empty_hf_calls_skips_only_requests_with_nothing_missing():
+    """The wrapper answers an empty BatchFeature for a request whose items all hit the cache, and calls
+    vLLM's own method whenever anything is missing; applying it twice wraps once."""
+    from types import SimpleNamespace as NS
+
+    from rollout.vllm_engine import skip_empty_hf_calls
+
+    calls = []
+    processor = NS(_apply_hf_processor_mm_only=lambda items, mm_kwargs, tok_kwargs: calls.append(items) or {"x": 1})
+    assert skip_empty_hf_calls(processor) and skip_empty_hf_calls(processor)
+    none_missing = NS(get_all_counts=lambda: {"image": 0})
+    one_missing = NS(get_all_counts=lambda: {"image": 1})
+    assert dict(processor._apply_hf_processor_mm_only(none_missing, {}, {})) == {} and calls == []
+    assert processor._apply_hf_processor_mm_only(one_missing, {}, {}) == {"x": 1} and calls == [one_missing]
+    assert skip_empty_hf_calls(NS()) is False  # a vLLM without the method: nothing to change
+
+
+def _vllm_processing_or_skip() -> None:
+    """Skip unless vLLM's multimodal processing code imports here (tools/vllm_prompt_check.py's environment)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (PYTHONPATH=<vLLM 0.26 source> runs this)")
+    from tools.vllm_prompt_check import _patch_vllm
+
+    try:
+        _patch_vllm("qwen2_5_vl")
+        import vllm.multimodal.processing  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"vLLM's processing code does not import here: {err}")
+
+
+def _cached_vllm_processor(model, adapter):
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.cache import MultiModalProcessorOnlyCache
+
+    from tools.vllm_prompt_check import MAX_PIXELS, MIN_PIXELS
+
+    config = ModelConfig(model=str(model), tokenizer=str(model), dtype="float32", seed=0, max_model_len=4096,
+                         mm_processor_kwargs=adapter.vllm_processor_kwargs(MIN_PIXELS, MAX_PIXELS),
+                         mm_processor_cache_gb=1, limit_mm_per_prompt={"image": 2, "video": 0})
+    # the cache that hands cached items back (the engine's in-process one keeps them on the engine core's side)
+    return MULTIMODAL_REGISTRY.create_processor(config, cache=MultiModalProcessorOnlyCache(config))
+
+
+def test_skip_empty_hf_calls_gives_vllm_the_same_inputs(tiny_model):
+    """vLLM's own processor with and without `skip_empty_hf_calls`, over a miss, a full cache hit and a
+    partial hit: the same prompt ids (the trainer's), hashes, placeholder ranges and pixels bit for bit;
+    only the full hit's HF processor call is gone."""
+    _vllm_processing_or_skip()
+    from vllm.multimodal.processing import ProcessorInputs
+    from vllm.multimodal.processing.context import TimingContext
+
+    from data.datasets import Sample
+    from data.processing import encode_prompt, load_processor
+    from models.family import build_adapter
+    from rollout.vllm_engine import skip_empty_hf_calls
+    from tools.vllm_prompt_check import _images
+    from transformers import AutoConfig
+
+    processor = load_processor(str(tiny_model))
+    adapter = build_adapter(AutoConfig.from_pretrained(str(tiny_model)))
+    vocab = processor.tokenizer.get_vocab()
+    a, b, c = _images(3)
+    plain, skipping = _cached_vllm_processor(tiny_model, adapter), _cached_vllm_processor(tiny_model, adapter)
+    assert skip_empty_hf_calls(skipping)
+    hf_calls = {}
+    for name, proc in (("plain", plain), ("skipping", skipping)):
+        original = proc._apply_hf_processor_text_mm
+        proc._apply_hf_processor_text_mm = lambda *args, _o=original, _n=name, **kw: (
+            hf_calls.__setitem__(_n, hf_calls.get(_n, 0) + 1), _o(*args, **kw))[1]
+    for images, expect_calls in (([a, b], (1, 1)), ([a, b], (1, 0)), ([a, c], (1, 1))):
+        encoded = encode_prompt(processor, Sample(0, images, "<image> and <image> How many objects?", "3"), "clevr",
+                                4096)
+        ids = encoded.input_ids.tolist()
+        collapsed, _ = adapter.vllm_collapse(ids, vocab)
+        hf_calls.clear()
+        outs = [proc.apply(ProcessorInputs(prompt=list(collapsed), mm_data_items=proc.info.parse_mm_data(
+            {"image": list(encoded.images)})), timing_ctx=TimingContext(enabled=False)) for proc in (plain, skipping)]
+        assert (hf_calls.get("plain", 0), hf_calls.get("skipping", 0)) == expect_calls
+        ours, theirs = outs
+        assert list(ours["prompt_token_ids"]) == list(theirs["prompt_token_ids"]) == ids
+        assert ours["mm_hashes"] == theirs["mm_hashes"]
+        assert [(r.offset, r.length) for r in ours["mm_placeholders"]["image"]] == \
+            [(r.offset, r.length) for r in theirs["mm_placeholders"]["image"]]
+        for x, y in zip(ours["mm_kwargs"]["image"], theirs["mm_kwargs"]["image"]):
+            assert set(x) == set(y) and all(torch.equal(x[k].data, y[k].data) for k in x)
+        pixels = torch.cat([item["pixel_values"].data for item in theirs["mm_kwargs"]["image"]])
+        assert torch.equal(pixels, encoded.pixel_values)  # the trainer's pixels
+
+
+def test_bench_turns_add_only_runs_vllm_s_request_adding(tiny_model):
+    """tools/bench_turns.py --add-only: each turn's requests through vLLM's own renderer, input processor and
+    Request on the CPU; vLLM's prompt ids equal the episodes' with the lever on."""
+    _vllm_processing_or_skip()
+    from tools.bench_turns import main
+
+    result = main(["--add-only", "--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "3",
+                   "--turn-tokens", "4", "--side", "56", "--crops", "distinct", "--skip-empty-hf", "1",
+                   "--repeats", "1"])
+    assert result["ids_equal"] is True and [t["prompts"] for t in result["turn_breakdown"]] == [2, 4, 4]
+    assert [t["images_sent"] for t in result["turn_breakdown"]] == [2, 8, 12]
+    assert all(t["add_s"] > 0 and t["parts_s"]["render"] > 0 for t in result["turn_breakdown"])
 
 
 def test_each_generate_seeds_numpys_generator_and_restores_it():

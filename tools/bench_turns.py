@@ -1,9 +1,11 @@
 """vLLM generation throughput of multi-turn episodes against single-turn generation of the same tokens.
 
     python tools/bench_turns.py --model DIR [--prompts 16 --n 8 --turns 3 --turn-tokens 128] [--json-out F]
-        [--crops same|distinct] [--mm-uuids 1|0] [--text-tools] [--processor-cache-gb 4]
+        [--crops same|distinct] [--mm-uuids 1|0] [--skip-empty-hf 0|1] [--text-tools] [--processor-cache-gb 4]
     python tools/bench_turns.py --summarize F     # one line of a result: ratio, per turn where the time went
     python tools/bench_turns.py --encode-only --model DIR [--crops same|distinct] [--text-tools] [--repeats 5]
+    PYTHONPATH=<vLLM 0.26 source> python tools/bench_turns.py --add-only --model DIR [--crops ...] [--mm-uuids 1|0]
+        [--skip-empty-hf 0|1] [--repeats 5]
 
 Single-turn: each prompt, n samples, `turns × turn_tokens` new tokens. Multi-turn: the same prompts
 and samples, `turn_tokens` per turn; between turns every episode gets a tool message holding a
@@ -19,6 +21,16 @@ Tool messages: a turn's are encoded together, as `Rollouts` encodes them (`ToolR
 `--encode-only` runs no engine (no GPU): it times one turn's encoding on the CPU, each episode
 alone (`encode_s`) against the turn's episodes together (`encode_many_s`), best of `--repeats`,
 and checks both give every episode the same ids, pixels, grid and images bit for bit (`identical`).
+
+`--add-only` runs no engine either: it times, on the CPU, what a generate call does before vLLM's
+engine steps for each turn's prompts (the engine's prompt building, then vLLM's renderer with its
+multimodal processor and processor cache, the input processor, the engine core's receiver cache and
+its `Request` with prefix-cache block hashes), with `_patch_vllm` of tools/vllm_prompt_check.py where
+vLLM's compiled extensions are missing. Model turns are stand-in text ids; tool messages and crops are
+the engine run's. Each repeat starts from empty caches and runs every turn in order; per turn the best
+repeat's seconds and its parts (`add_s`, `parts_s`), and whether vLLM's prompt ids equal the episodes'
+(`ids_equal`). `--skip-empty-hf 1`: the engine's `skip_empty_hf_calls` (no HF processor call for a
+request whose images all hit the processor cache).
 
 Crops: `same` (the default, the benchmark as first measured) zooms every episode into the same
 corner of its prompt's image each turn, so the 8 episodes of a prompt, and its turns, send the same
@@ -144,6 +156,162 @@ def encode_only(args) -> dict:
             "repeats": args.repeats, "crop_s": round(crop_s, 3),
             **{key: round(min(times), 3) for key, times in timings.items()},
             "identical": all(bitwise_equal(a, b) for a, b in zip(alone, together))}
+
+
+def _stand_in_turns(args, adapter, processor, prompts, encoder) -> list[list]:
+    """Each turn's engine inputs as the engine run builds them, with stand-in model turns (text ids)."""
+    import random
+
+    from rollout.base import Generation
+    from rollout.episode import Episode
+
+    rng = random.Random(0)
+    episodes = [Episode.start(i, p) for i, p in enumerate(prompts) for _ in range(args.n)]
+    end_id = processor.tokenizer.convert_tokens_to_ids(adapter.end_of_turn)
+    text_ids = range(100, len(processor.tokenizer) // 2)  # ordinary text tokens, below the added special ones
+    turns = [[Episode.start(i, p).engine_input(False) for i, p in enumerate(prompts)]]
+    for t in range(args.turns - 1):
+        for e in episodes:
+            e.add_model_turn(Generation(0, [rng.choice(text_ids) for _ in range(args.turn_tokens)],
+                                        [-0.1] * args.turn_tokens, "length"))
+        results = tool_results([e.images[0] for e in episodes], args, t)
+        for e, (ids, pix, grid, images) in zip(episodes, encoder.encode_many(results)):
+            e.token_ids[-1] = end_id
+            e.add_tool_tokens(ids, pix, grid, images)
+        turns.append([e.engine_input(False) for e in episodes])
+    return turns
+
+
+class RequestAdder:
+    """vLLM 0.26's request adding without an engine (`--add-only`): the renderer (multimodal processor
+    and its processor cache), the input processor, and the engine core's receiver cache and `Request`
+    with its prefix-cache block hashes, built from the config `LLM` would build, on the CPU."""
+
+    def __init__(self, args, adapter, processor, context: int):
+        from tools.vllm_prompt_check import _patch_vllm
+
+        _patch_vllm(adapter.name)
+        from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+        from vllm.renderers.registry import renderer_from_config
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        from rollout.vllm_engine import ImageKeys, VLLMEngine, skip_empty_hf_calls
+
+        pixels = args.side * args.side
+        self.model_config = ModelConfig(
+            model=args.model, tokenizer=args.model, dtype="bfloat16", seed=0, max_model_len=context,
+            mm_processor_kwargs=adapter.vllm_processor_kwargs(784, pixels), generation_config="vllm",
+            mm_processor_cache_gb=args.processor_cache_gb, limit_mm_per_prompt={"image": args.turns, "video": 0},
+            **adapter.vllm_engine_kwargs())
+        config = VllmConfig(model_config=self.model_config, device_config=DeviceConfig(device="cpu"))
+        self.renderer = renderer_from_config(config)
+        self.inputs = InputProcessor(config, self.renderer)
+        self.receiver = MULTIMODAL_REGISTRY.engine_receiver_cache_from_config(config)
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(config.cache_config.block_size, hash_fn)
+        self.engine = VLLMEngine.__new__(VLLMEngine)  # only its prompt building: no vLLM engine
+        self.engine.adapter, self.engine.family = adapter, adapter.name
+        self.engine.max_images_per_prompt, self.engine.max_videos_per_prompt = args.turns, 0
+        self.engine._vocab = processor.tokenizer.get_vocab()
+        self.engine.mm_uuids, self.engine._image_keys = bool(args.mm_uuids), ImageKeys()
+        if args.skip_empty_hf:
+            skip_empty_hf_calls(self.renderer.get_mm_processor())
+        self.parts: dict[str, float] = {}
+        self._stage_timing(self.renderer.get_mm_processor())
+        self.banned = adapter.banned_token_ids
+
+    def _stage_timing(self, mm_processor) -> None:
+        from vllm.multimodal.processing.context import TimingContext
+
+        original = mm_processor.apply
+
+        def apply(inputs, timing_ctx=None):
+            ctx = TimingContext(enabled=True)
+            try:
+                return original(inputs, ctx)
+            finally:
+                for stage, secs in ctx.stage_secs.items():
+                    self._add(stage.removesuffix("_secs"), secs)
+        mm_processor.apply = apply
+
+    def _add(self, key: str, secs: float) -> None:
+        self.parts[key] = self.parts.get(key, 0.0) + secs
+
+    def reset(self) -> None:
+        """Empty the processor and receiver caches and the engine's image keys, as a fresh engine has them."""
+        from rollout.vllm_engine import ImageKeys
+
+        self.renderer.clear_mm_cache()
+        if self.receiver is not None:
+            self.receiver.clear_cache()
+        self.engine._image_keys = ImageKeys()
+
+    def add(self, prompts: list, n: int, max_tokens: int, seed: int) -> list:
+        """vLLM `Request`s of `prompts`, built as `LLM.generate` builds them before its engine steps."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.v1.request import Request
+
+        start = time.perf_counter()
+        requests = [self.engine._vllm_prompt(i, p) for i, p in enumerate(prompts)]
+        self._add("prep", time.perf_counter() - start)
+        out = []
+        for i, request in enumerate(requests):
+            params = VLLMSamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, logprobs=0, flat_logprobs=True,
+                                        detokenize=False, seed=seed + i * n,
+                                        logit_bias={int(t): -100.0 for t in self.banned} or None)
+            t0 = time.perf_counter()
+            (rendered,) = self.renderer.render_cmpl([parse_model_prompt(self.model_config, request)],
+                                                    self.renderer.default_cmpl_tok_params)
+            t1 = time.perf_counter()
+            core_request = self.inputs.process_inputs(str(i), rendered, params, supported_tasks=("generate",))
+            t2 = time.perf_counter()
+            if self.receiver is not None and core_request.mm_features:
+                core_request.mm_features = self.receiver.get_and_update_features(core_request.mm_features)
+            out.append(Request.from_engine_core_request(core_request, self.block_hasher))
+            self._add("render", t1 - t0)
+            self._add("process_inputs", t2 - t1)
+            self._add("core_add", time.perf_counter() - t2)
+        return out
+
+
+def add_only(args) -> dict:
+    """Each turn's request adding through vLLM's own code on the CPU (`--add-only`, module docstring)."""
+    adapter, processor, prompts, encoder = _setup(args)
+    longest = max(p.input_ids.numel() for p in prompts)
+    context = longest + args.turns * (args.turn_tokens + 64 + args.side * args.side // 784)
+    turns = _stand_in_turns(args, adapter, processor, prompts, encoder)
+    adder = RequestAdder(args, adapter, processor, context)
+    runs = []  # per repeat, per turn: (seconds, parts)
+    ids_equal = True
+    for _ in range(args.repeats):
+        adder.reset()
+        run = []
+        for t, batch in enumerate(turns):
+            adder.parts = {}
+            start = time.perf_counter()
+            requests = adder.add(batch, args.n if t == 0 else 1, args.turn_tokens, 1 + t)
+            run.append((time.perf_counter() - start, adder.parts))
+            ids_equal &= all(list(r.prompt_token_ids) == list(p.input_ids) for p, r in zip(batch, requests))
+            del requests
+        runs.append(run)
+    per_turn = []
+    for t in range(len(turns)):
+        secs, parts = min((run[t] for run in runs), key=lambda x: x[0])
+        per_turn.append({"turn": t + 1, "prompts": len(turns[t]), "add_s": round(secs, 4),
+                         "prompt_tokens": sum(len(p.input_ids) for p in turns[t]),
+                         "images_sent": sum(len(p.images) for p in turns[t]),
+                         "all_s": [round(run[t][0], 3) for run in runs],
+                         "parts_s": {k: round(v, 4) for k, v in sorted(parts.items())}})
+    return {"add_only": True, "model": Path(args.model).name, "prompts": args.prompts, "n": args.n,
+            "turns": args.turns, "turn_tokens": args.turn_tokens, "image_side": args.side, "crops": args.crops,
+            "mm_uuids": bool(args.mm_uuids), "skip_empty_hf": bool(args.skip_empty_hf),
+            "processor_cache_gb": args.processor_cache_gb, "repeats": args.repeats, "ids_equal": ids_equal,
+            "turn_breakdown": per_turn}
 
 
 def _wrap(obj, name: str, around) -> bool:
@@ -320,6 +488,7 @@ def summary_line(result: dict) -> str:
                 f"{b['cached_prompt_tokens']}/{b['prompt_tokens']}")
     head = (f"ratio {result['ratio']} single {result['single_turn_tokens_per_s']} multi "
             f"{result['multi_turn_tokens_per_s']} tok/s crops {result.get('crops')} keys {result.get('mm_uuids')} "
+            f"skip_empty_hf {result.get('skip_empty_hf')} "
             f"tool_message_s {result['tool_message_s']}")
     return " | ".join([head] + [turn(b) for b in result.get("turn_breakdown", [])])
 
@@ -348,9 +517,15 @@ def main(argv=None) -> dict:
     p.add_argument("--processor-cache-gb", type=float, default=4.0, help="vLLM's processed-image cache; 0: off")
     p.add_argument("--mm-uuids", type=int, choices=(0, 1), default=1,
                    help="1: images named by content keys computed once (rollout.mm_uuids); 0: vLLM hashes them")
+    p.add_argument("--skip-empty-hf", type=int, choices=(0, 1), default=0,
+                   help="1: the engine's skip_empty_hf_calls (no HF processor call when every image hits the cache)")
+    p.add_argument("--add-only", action="store_true",
+                   help="time only vLLM's request adding of each turn, on the CPU, without an engine (vLLM's source "
+                        "on PYTHONPATH)")
     p.add_argument("--encode-only", action="store_true",
                    help="time only the encoding of one turn's tool messages, on the CPU, without an engine")
-    p.add_argument("--repeats", type=int, default=5, help="--encode-only: timings of each path (the best is reported)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="--encode-only, --add-only: timings of each path or turn (the best is reported)")
     p.add_argument("--json-out", default="")
     p.add_argument("--summarize", default="", help="print the summary line of this result file and exit")
     args = p.parse_args(argv)
@@ -361,8 +536,8 @@ def main(argv=None) -> dict:
 
     if not args.model:
         p.error("--model is required")
-    if args.encode_only:
-        result = encode_only(args)
+    if args.encode_only or args.add_only:
+        result = encode_only(args) if args.encode_only else add_only(args)
         print(json.dumps(result))
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(result) + "\n")
@@ -378,7 +553,8 @@ def main(argv=None) -> dict:
     engine = VLLMEngine(args.model, gpu_memory_utilization=0.5, max_model_len=context, seed=0, dtype="bfloat16",
                         min_pixels=784, max_pixels=pixels, image_pad_id=adapter.image_token_id,
                         adapter=adapter, max_images_per_prompt=args.turns, max_num_seqs=args.prompts * args.n,
-                        processor_cache_gb=args.processor_cache_gb, mm_uuids=bool(args.mm_uuids))
+                        processor_cache_gb=args.processor_cache_gb, mm_uuids=bool(args.mm_uuids),
+                        skip_empty_hf_calls=bool(args.skip_empty_hf))
     banned = adapter.banned_token_ids
     whole = SamplingParams(n=args.n, max_new_tokens=args.turns * args.turn_tokens, banned_token_ids=banned, seed=1)
     turn = SamplingParams(n=args.n, max_new_tokens=args.turn_tokens, banned_token_ids=banned, seed=1)
@@ -433,7 +609,7 @@ def main(argv=None) -> dict:
         "turn_s": turn_s, "tool_images": not args.text_tools, "tool_message_s": round(tool_s, 3),
         "crop_s": round(crop_s, 3), "last_turn_prefix_cache_hit": round(hit, 3),
         "episode_tokens_max": max(len(e.token_ids) for e in episodes),
-        "crops": args.crops, "mm_uuids": bool(args.mm_uuids),
+        "crops": args.crops, "mm_uuids": bool(args.mm_uuids), "skip_empty_hf": bool(args.skip_empty_hf),
         "single_turn_breakdown": single_breakdown, "turn_breakdown": turns,
     }
     print(json.dumps(result))

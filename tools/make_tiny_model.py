@@ -376,6 +376,7 @@ def make_tiny_model(
     weight_names: str = "hub",
     device: str = "cpu",
     dtype: str = "float32",
+    weights: bool = True,
 ) -> Path:
     """Build a random-weight checkpoint of `family` at `size` into the folder `out`.
 
@@ -385,7 +386,9 @@ def make_tiny_model(
     half-written. An existing `out` is an error unless `overwrite`. With `verbose`,
     prints a one-line summary. `size` is a name in SIZES or a SizeSpec; `device` and
     `dtype` ("float32" or "bfloat16") are where the weights are drawn and how they are
-    saved (the 3b size is best drawn on a GPU and saved in bfloat16). Returns the folder.
+    saved (the 3b size is best drawn on a GPU and saved in bfloat16). `weights=False` writes the
+    config, tokenizer and processor files only (no model is built): enough for vLLM's multimodal
+    processor on the CPU at any size (`tools/bench_turns.py --add-only`). Returns the folder.
     """
     family_spec = _lookup(FAMILIES, family, "family")
     size_spec = size if isinstance(size, SizeSpec) else _lookup(SIZES, size, "size")
@@ -399,12 +402,15 @@ def make_tiny_model(
     start = time.perf_counter()
     tokenizer = build_tokenizer(family_spec, size_spec)
     config = build_config(family, size_spec, tokenizer)
-    model = build_model(family, config, tokenizer, seed, device=device, dtype=torch_dtype)
+    model = build_model(family, config, tokenizer, seed, device=device, dtype=torch_dtype) if weights else None
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        _save_weights(model, staging, weight_names)
+        if model is None:
+            config.save_pretrained(staging)
+        else:
+            _save_weights(model, staging, weight_names)
         save_processor_files(staging, tokenizer, build_image_processor(size_spec, family), family_spec.processor_class,
                              family_spec.chat_template(), family_spec.processor_fields(size_spec))
         if out.exists():
@@ -412,7 +418,10 @@ def make_tiny_model(
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    if verbose:
+    if verbose and model is None:
+        print(f"make_tiny_model: {family}/{size if isinstance(size, str) else 'custom'} -> {out} | config, tokenizer "
+              f"and processor only (no weights) | {time.perf_counter() - start:.1f}s")
+    elif verbose:
         print(_summary(out, family, size, model, tokenizer, time.perf_counter() - start))
     return out
 
@@ -429,11 +438,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="tensor names in model.safetensors: the hub checkpoints' (default) or the modules' own")
     parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda is much faster for --size 3b)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the saved weights")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="config, tokenizer and processor files only: for vLLM's processor on the CPU")
     args = parser.parse_args(argv)
     try:
         make_tiny_model(args.out, family=args.family, size=args.size, seed=args.seed,
                         overwrite=args.overwrite, verbose=True, weight_names=args.weight_names,
-                        device=args.device, dtype=args.dtype)
+                        device=args.device, dtype=args.dtype, weights=not args.no_weights)
     except (ValueError, FileExistsError) as err:
         parser.error(str(err))
 

@@ -45,6 +45,10 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   processor on dummy text even when every image of a request is cached, only to drop its output; a
   later turn pays that call for every episode. The engine can skip the call when no image is missing
   (`skip_empty_hf_calls`): vLLM's prompt ids, pixels, hashes and placeholders stay the same.
+- Placeholder search (`fast_placeholder_search`, off by default until measured on a GPU): after
+  expanding a prompt, vLLM 0.26 finds each image's run by comparing a slice of the image's length at
+  every position of the prompt (`_iter_placeholders`), a cost that grows with every turn; the engine
+  can make it jump to the positions holding a run's first token, where only a match can start.
 - Videos: the trainer's canonical frames go as `multi_modal_data["video"]` with the clip's timing
   (`data.processing.video_metadata`) where the family's vLLM processor reads it
   (`FamilyAdapter.vllm_video_items`: Qwen3-VL in the item, Qwen2.5-VL as the request's
@@ -633,6 +637,68 @@ def skip_empty_hf_calls(mm_processor) -> bool:
     return True
 
 
+def fast_placeholder_search(mm_processor) -> bool:
+    """Make vLLM's multimodal processor find placeholder runs by jumping between candidate positions;
+    False where the processor lacks `_find_mm_placeholders` (another vLLM).
+
+    vLLM 0.26's `_iter_placeholders` walks the prompt one position at a time and, at each, compares the
+    slice of each candidate run's length (an image's full run) with the run. Until a run is found the
+    candidates stay the same, and a position whose token starts none of them cannot match, so the walk
+    may jump to the next position holding a candidate's first token (`list.index`); every position it
+    compares, it compares as vLLM does, in vLLM's order: the same runs, offsets and embed masks."""
+    if not hasattr(mm_processor, "_find_mm_placeholders"):
+        return False
+    if getattr(mm_processor._find_mm_placeholders, "_vlrl_jumps", False):
+        return True
+    from vllm.multimodal.processing import processor as processing
+
+    def find(new_token_ids, mm_prompt_updates):
+        tokenizer = mm_processor.info.get_tokenizer()
+        found = _placeholders_by_jumps(processing, new_token_ids, mm_prompt_updates, tokenizer)
+        return dict(processing.full_groupby_modality(found))
+
+    find._vlrl_jumps = True
+    mm_processor._find_mm_placeholders = find
+    return True
+
+
+def _placeholders_by_jumps(processing, prompt: list[int], mm_prompt_updates, tokenizer):
+    """vLLM 0.26's `_iter_placeholders` (vllm/multimodal/processing/processor.py) with the jumps of
+    `fast_placeholder_search`."""
+    counts = {m: len(items) for m, items in mm_prompt_updates.items()}
+    next_item = dict.fromkeys(mm_prompt_updates, 0)
+    size, start = len(prompt), 0
+    while start < size and any(next_item[m] < counts[m] for m in counts):
+        candidates = [(m, update, processing._seq2tokens(tokenizer, update.content.full))
+                      for m, updates in mm_prompt_updates.items() if next_item[m] < counts[m]
+                      for update in updates[next_item[m]]]
+        firsts = {tokens[0] for _, _, tokens in candidates if tokens}
+        start = min((_index(prompt, t, start) for t in firsts), default=size)
+        while start < size:
+            match = next(((m, u, tokens) for m, u, tokens in candidates if tokens and start + len(tokens) <= size
+                          and prompt[start:start + len(tokens)] == tokens), None)
+            if match is None:
+                start += 1
+                start = min((_index(prompt, t, start) for t in firsts), default=size)
+                continue
+            modality, update, tokens = match
+            is_embed = update.content.is_embed
+            yield processing.PlaceholderFeaturesInfo(
+                modality=modality, item_idx=next_item[modality], start_idx=start, tokens=tokens,
+                is_embed=None if is_embed is None else is_embed(tokenizer, update.content.full))
+            start += len(tokens)
+            next_item[modality] += 1
+            break
+
+
+def _index(ids: list[int], token: int, start: int) -> int:
+    """The first position >= start holding `token`, or len(ids)."""
+    try:
+        return ids.index(token, start)
+    except ValueError:
+        return len(ids)
+
+
 class ImageKeys:
     """`image_key` of each image object, computed once: an episode sends the same image objects every
     turn (its prompt's, shared by the prompt's n episodes, and its tools'), so each later turn costs a
@@ -669,6 +735,7 @@ class VLLMEngine(Engine):
     reads_pixel_values = False  # vLLM processes the images itself: prompts need no processor outputs
     mm_uuids = False  # name images by content key (`image_key`); False: vLLM hashes each image per request
     skip_empty_hf_calls = False  # no HF processor call for a request whose images all hit the processor cache
+    fast_placeholder_search = False  # vLLM's placeholder search jumps to candidate positions
     _engine_warmup = "off"  # rollout.engine_warmup (WARMUP_MODES)
 
     def __init__(
@@ -693,6 +760,7 @@ class VLLMEngine(Engine):
         processor_cache_gb: float = 4.0,
         mm_uuids: bool = False,
         skip_empty_hf_calls: bool = False,
+        fast_placeholder_search: bool = False,
         return_routed_experts: bool = False,
         exact=None,
         attention_backend: str = "auto",
@@ -737,6 +805,7 @@ class VLLMEngine(Engine):
         self._processor_cache_gb = processor_cache(self.adapter, processor_cache_gb, max_videos_per_prompt)
         self.mm_uuids = mm_uuids  # rollout.mm_uuids
         self.skip_empty_hf_calls = skip_empty_hf_calls
+        self.fast_placeholder_search = fast_placeholder_search
         self._image_keys = ImageKeys()
         self._routing = return_routed_experts  # MoE routing replay: vLLM reports each token's experts
         self._seed = seed
@@ -795,16 +864,18 @@ class VLLMEngine(Engine):
         self._tied = self._lm_head_is_embedding()
         # The vocabulary vLLM's processor looks tokens up in (Gemma3's newline merging does).
         self._vocab = dict(self._llm.get_tokenizer().get_vocab())
-        if self.skip_empty_hf_calls:
-            self._skip_empty_hf_calls()
+        for name, change in (("skip_empty_hf_calls", skip_empty_hf_calls),
+                             ("fast_placeholder_search", fast_placeholder_search)):
+            if getattr(self, name):
+                self._change_mm_processors(name, change)
 
-    def _skip_empty_hf_calls(self) -> None:
-        """`skip_empty_hf_calls` on each multimodal processor vLLM's renderer holds."""
+    def _change_mm_processors(self, name: str, change) -> None:
+        """`change` (`skip_empty_hf_calls`, `fast_placeholder_search`) on each multimodal processor vLLM's
+        renderer holds."""
         renderer = getattr(self._llm.llm_engine, "renderer", None)
-        processors = [getattr(renderer, name, None) for name in ("mm_processor", "_readonly_mm_processor")]
-        patched = [skip_empty_hf_calls(p) for p in processors if p is not None]
-        if not any(patched):
-            log.warning("VLLMEngine: skip_empty_hf_calls found no vLLM multimodal processor to change")
+        processors = [getattr(renderer, attr, None) for attr in ("mm_processor", "_readonly_mm_processor")]
+        if not any([change(p) for p in processors if p is not None]):
+            log.warning("VLLMEngine: %s found no vLLM multimodal processor to change", name)
 
     def _build_llm(self, path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed, dtype,
                    min_pixels, max_pixels):

@@ -375,11 +375,12 @@ def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_mode
     out = tmp_path / "turns.json"
     result = bench_turns.main(["--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "3",
                                "--turn-tokens", "4", "--side", "56", "--crops", "distinct", "--mm-uuids", "0",
-                               "--skip-empty-hf", "1", "--json-out", str(out)])
+                               "--skip-empty-hf", "1", "--fast-placeholders", "1", "--json-out", str(out)])
     assert json.loads(out.read_text()) == result
     (engine,) = built
     assert engine.kwargs["mm_uuids"] is False and engine.kwargs["max_images_per_prompt"] == 3
     assert engine.kwargs["skip_empty_hf_calls"] is True and result["skip_empty_hf"] is True
+    assert engine.kwargs["fast_placeholder_search"] is True and result["fast_placeholders"] is True
     turns = engine.calls[2:]  # after the warm-up and the single-turn call
     assert [len(c[0]) for c in turns] == [2, 4, 4] and [len(c[0][0].images) for c in turns] == [1, 2, 3]
     assert all(p.pixel_values is None for c in turns for p in c[0])  # built as Rollouts builds them for vLLM
@@ -432,6 +433,30 @@ def test_skip_empty_hf_calls_skips_only_requests_with_nothing_missing():
     assert skip_empty_hf_calls(NS()) is False  # a vLLM without the method: nothing to change
 
 
+def test_placeholder_jumps_find_vllm_s_runs_in_vllm_s_order():
+    """`fast_placeholder_search`'s walk on stand-ins of vLLM's types: runs are found left to right, item by
+    item, a position where a run's first token starts no full match is passed over as vLLM passes it, a
+    run too long for the rest of the prompt is not found, and the embed mask is vLLM's callable's."""
+    from types import SimpleNamespace as NS
+
+    from rollout.vllm_engine import _placeholders_by_jumps
+
+    processing = NS(_seq2tokens=lambda tokenizer, seq: seq, PlaceholderFeaturesInfo=lambda **kw: kw)
+
+    def update(run, embed=None):
+        return NS(content=NS(full=run, is_embed=embed))
+
+    updates = {"image": [[update([9, 9])], [update([9, 9, 9], lambda tok, full: [True] * len(full))]],
+               "video": [[update([], None)], [update([4, 4])]]}
+    prompt = [9, 1, 9, 9, 2, 9, 9, 9, 4, 4, 4, 3]
+    found = list(_placeholders_by_jumps(processing, prompt, updates, None))
+    # vLLM's walk: the lone 9 at 0 starts no [9, 9]; item 0 at 2, item 1 at 5; the video's empty run is
+    # never a match, so its item 0 blocks its item 1
+    assert [(f["modality"], f["item_idx"], f["start_idx"]) for f in found] == [("image", 0, 2), ("image", 1, 5)]
+    assert found[0]["is_embed"] is None and found[1]["is_embed"] == [True] * 3
+    assert list(_placeholders_by_jumps(processing, [1, 9, 9], {"image": [[update([9, 9, 9])]]}, None)) == []
+
+
 def _vllm_processing_or_skip() -> None:
     """Skip unless vLLM's multimodal processing code imports here (tools/vllm_prompt_check.py's environment)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (PYTHONPATH=<vLLM 0.26 source> runs this)")
@@ -458,10 +483,10 @@ def _cached_vllm_processor(model, adapter):
     return MULTIMODAL_REGISTRY.create_processor(config, cache=MultiModalProcessorOnlyCache(config))
 
 
-def test_skip_empty_hf_calls_gives_vllm_the_same_inputs(tiny_model):
-    """vLLM's own processor with and without `skip_empty_hf_calls`, over a miss, a full cache hit and a
-    partial hit: the same prompt ids (the trainer's), hashes, placeholder ranges and pixels bit for bit;
-    only the full hit's HF processor call is gone."""
+def test_processor_changes_give_vllm_the_same_inputs(tiny_model):
+    """vLLM's own processor with and without `skip_empty_hf_calls` and `fast_placeholder_search`, over a
+    miss, a full cache hit and a partial hit: the same prompt ids (the trainer's), hashes, placeholder
+    ranges and embed masks, and pixels bit for bit; only the full hit's HF processor call is gone."""
     _vllm_processing_or_skip()
     from vllm.multimodal.processing import ProcessorInputs
     from vllm.multimodal.processing.context import TimingContext
@@ -469,7 +494,7 @@ def test_skip_empty_hf_calls_gives_vllm_the_same_inputs(tiny_model):
     from data.datasets import Sample
     from data.processing import encode_prompt, load_processor
     from models.family import build_adapter
-    from rollout.vllm_engine import skip_empty_hf_calls
+    from rollout.vllm_engine import fast_placeholder_search, skip_empty_hf_calls
     from tools.vllm_prompt_check import _images
     from transformers import AutoConfig
 
@@ -478,7 +503,7 @@ def test_skip_empty_hf_calls_gives_vllm_the_same_inputs(tiny_model):
     vocab = processor.tokenizer.get_vocab()
     a, b, c = _images(3)
     plain, skipping = _cached_vllm_processor(tiny_model, adapter), _cached_vllm_processor(tiny_model, adapter)
-    assert skip_empty_hf_calls(skipping)
+    assert skip_empty_hf_calls(skipping) and fast_placeholder_search(skipping)
     hf_calls = {}
     for name, proc in (("plain", plain), ("skipping", skipping)):
         original = proc._apply_hf_processor_text_mm
@@ -498,6 +523,8 @@ def test_skip_empty_hf_calls_gives_vllm_the_same_inputs(tiny_model):
         assert ours["mm_hashes"] == theirs["mm_hashes"]
         assert [(r.offset, r.length) for r in ours["mm_placeholders"]["image"]] == \
             [(r.offset, r.length) for r in theirs["mm_placeholders"]["image"]]
+        assert all((x.is_embed is None) == (y.is_embed is None) and (x.is_embed is None or torch.equal(x.is_embed,
+                   y.is_embed)) for x, y in zip(ours["mm_placeholders"]["image"], theirs["mm_placeholders"]["image"]))
         for x, y in zip(ours["mm_kwargs"]["image"], theirs["mm_kwargs"]["image"]):
             assert set(x) == set(y) and all(torch.equal(x[k].data, y[k].data) for k in x)
         pixels = torch.cat([item["pixel_values"].data for item in theirs["mm_kwargs"]["image"]])
@@ -512,7 +539,7 @@ def test_bench_turns_add_only_runs_vllm_s_request_adding(tiny_model):
 
     result = main(["--add-only", "--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "3",
                    "--turn-tokens", "4", "--side", "56", "--crops", "distinct", "--skip-empty-hf", "1",
-                   "--repeats", "1"])
+                   "--fast-placeholders", "1", "--repeats", "1"])
     assert result["ids_equal"] is True and [t["prompts"] for t in result["turn_breakdown"]] == [2, 4, 4]
     assert [t["images_sent"] for t in result["turn_breakdown"]] == [2, 8, 12]
     assert all(t["add_s"] > 0 and t["parts_s"]["render"] > 0 for t in result["turn_breakdown"])

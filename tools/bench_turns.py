@@ -1,11 +1,12 @@
 """vLLM generation throughput of multi-turn episodes against single-turn generation of the same tokens.
 
     python tools/bench_turns.py --model DIR [--prompts 16 --n 8 --turns 3 --turn-tokens 128] [--json-out F]
-        [--crops same|distinct] [--mm-uuids 1|0] [--skip-empty-hf 0|1] [--text-tools] [--processor-cache-gb 4]
+        [--crops same|distinct] [--mm-uuids 1|0] [--skip-empty-hf 0|1] [--fast-placeholders 0|1] [--text-tools]
+        [--processor-cache-gb 4]
     python tools/bench_turns.py --summarize F     # one line of a result: ratio, per turn where the time went
     python tools/bench_turns.py --encode-only --model DIR [--crops same|distinct] [--text-tools] [--repeats 5]
     PYTHONPATH=<vLLM 0.26 source> python tools/bench_turns.py --add-only --model DIR [--crops ...] [--mm-uuids 1|0]
-        [--skip-empty-hf 0|1] [--repeats 5]
+        [--skip-empty-hf 0|1] [--fast-placeholders 0|1] [--repeats 5]
 
 Single-turn: each prompt, n samples, `turns × turn_tokens` new tokens. Multi-turn: the same prompts
 and samples, `turn_tokens` per turn; between turns every episode gets a tool message holding a
@@ -30,7 +31,8 @@ vLLM's compiled extensions are missing. Model turns are stand-in text ids; tool 
 the engine run's. Each repeat starts from empty caches and runs every turn in order; per turn the best
 repeat's seconds and its parts (`add_s`, `parts_s`), and whether vLLM's prompt ids equal the episodes'
 (`ids_equal`). `--skip-empty-hf 1`: the engine's `skip_empty_hf_calls` (no HF processor call for a
-request whose images all hit the processor cache).
+request whose images all hit the processor cache); `--fast-placeholders 1`: its `fast_placeholder_search`
+(vLLM's search for the expanded image runs jumps to candidate positions).
 
 Crops: `same` (the default, the benchmark as first measured) zooms every episode into the same
 corner of its prompt's image each turn, so the 8 episodes of a prompt, and its turns, send the same
@@ -198,7 +200,7 @@ class RequestAdder:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.engine.input_processor import InputProcessor
 
-        from rollout.vllm_engine import ImageKeys, VLLMEngine, skip_empty_hf_calls
+        from rollout.vllm_engine import ImageKeys, VLLMEngine, fast_placeholder_search, skip_empty_hf_calls
 
         pixels = args.side * args.side
         self.model_config = ModelConfig(
@@ -220,6 +222,8 @@ class RequestAdder:
         self.engine.mm_uuids, self.engine._image_keys = bool(args.mm_uuids), ImageKeys()
         if args.skip_empty_hf:
             skip_empty_hf_calls(self.renderer.get_mm_processor())
+        if args.fast_placeholders:
+            fast_placeholder_search(self.renderer.get_mm_processor())
         self.parts: dict[str, float] = {}
         self._stage_timing(self.renderer.get_mm_processor())
         self.banned = adapter.banned_token_ids
@@ -310,7 +314,8 @@ def add_only(args) -> dict:
     return {"add_only": True, "model": Path(args.model).name, "prompts": args.prompts, "n": args.n,
             "turns": args.turns, "turn_tokens": args.turn_tokens, "image_side": args.side, "crops": args.crops,
             "mm_uuids": bool(args.mm_uuids), "skip_empty_hf": bool(args.skip_empty_hf),
-            "processor_cache_gb": args.processor_cache_gb, "repeats": args.repeats, "ids_equal": ids_equal,
+            "fast_placeholders": bool(args.fast_placeholders), "processor_cache_gb": args.processor_cache_gb,
+            "repeats": args.repeats, "ids_equal": ids_equal,
             "turn_breakdown": per_turn}
 
 
@@ -488,7 +493,7 @@ def summary_line(result: dict) -> str:
                 f"{b['cached_prompt_tokens']}/{b['prompt_tokens']}")
     head = (f"ratio {result['ratio']} single {result['single_turn_tokens_per_s']} multi "
             f"{result['multi_turn_tokens_per_s']} tok/s crops {result.get('crops')} keys {result.get('mm_uuids')} "
-            f"skip_empty_hf {result.get('skip_empty_hf')} "
+            f"skip_empty_hf {result.get('skip_empty_hf')} fast_placeholders {result.get('fast_placeholders')} "
             f"tool_message_s {result['tool_message_s']}")
     return " | ".join([head] + [turn(b) for b in result.get("turn_breakdown", [])])
 
@@ -519,6 +524,8 @@ def main(argv=None) -> dict:
                    help="1: images named by content keys computed once (rollout.mm_uuids); 0: vLLM hashes them")
     p.add_argument("--skip-empty-hf", type=int, choices=(0, 1), default=0,
                    help="1: the engine's skip_empty_hf_calls (no HF processor call when every image hits the cache)")
+    p.add_argument("--fast-placeholders", type=int, choices=(0, 1), default=0,
+                   help="1: the engine's fast_placeholder_search (vLLM's placeholder search jumps to candidates)")
     p.add_argument("--add-only", action="store_true",
                    help="time only vLLM's request adding of each turn, on the CPU, without an engine (vLLM's source "
                         "on PYTHONPATH)")
@@ -554,7 +561,8 @@ def main(argv=None) -> dict:
                         min_pixels=784, max_pixels=pixels, image_pad_id=adapter.image_token_id,
                         adapter=adapter, max_images_per_prompt=args.turns, max_num_seqs=args.prompts * args.n,
                         processor_cache_gb=args.processor_cache_gb, mm_uuids=bool(args.mm_uuids),
-                        skip_empty_hf_calls=bool(args.skip_empty_hf))
+                        skip_empty_hf_calls=bool(args.skip_empty_hf),
+                        fast_placeholder_search=bool(args.fast_placeholders))
     banned = adapter.banned_token_ids
     whole = SamplingParams(n=args.n, max_new_tokens=args.turns * args.turn_tokens, banned_token_ids=banned, seed=1)
     turn = SamplingParams(n=args.n, max_new_tokens=args.turn_tokens, banned_token_ids=banned, seed=1)
@@ -610,6 +618,7 @@ def main(argv=None) -> dict:
         "crop_s": round(crop_s, 3), "last_turn_prefix_cache_hit": round(hit, 3),
         "episode_tokens_max": max(len(e.token_ids) for e in episodes),
         "crops": args.crops, "mm_uuids": bool(args.mm_uuids), "skip_empty_hf": bool(args.skip_empty_hf),
+        "fast_placeholders": bool(args.fast_placeholders),
         "single_turn_breakdown": single_breakdown, "turn_breakdown": turns,
     }
     print(json.dumps(result))

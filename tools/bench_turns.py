@@ -36,7 +36,8 @@ request whose images all hit the processor cache); `--fast-placeholders 1`: its 
 
 Crops: `same` (the default, the benchmark as first measured) zooms every episode into the same
 corner of its prompt's image each turn, so the 8 episodes of a prompt, and its turns, send the same
-crop: vLLM's processor and encoder caches process and encode 16 crops per turn, not 128. `distinct`
+crop; the benchmark's prompt images are of one colour, so that crop is the prompt's image bit for bit
+and vLLM's processor and encoder caches serve it from turn 1: no crop is processed or encoded. `distinct`
 marks each episode's crop of each turn with a few pixels of its own, so every crop is new content,
 as when a model zooms where it likes: 128 crops processed and encoded per later turn. Same size
 either way (the benchmark's definition).

@@ -160,6 +160,10 @@ class RolloutConfig:
     # exact on-policy mode (docs/fidelity.md, "Exact mode"): vLLM batch-invariant, and the policy's scoring
     # forward through the engine's kernels, so engine and trainer logprobs are bitwise equal (GPU, vLLM)
     exact: bool = False
+    # with rollout.exact: vLLM replays its decode steps from CUDA graphs (cudagraph_mode FULL_DECODE_ONLY, still
+    # no torch.compile): the same kernels launched from a graph, so the logprobs stay the policy's if vLLM's
+    # captured batches keep one KV split (batch-invariant mode sets it); off: eager, as the mode was measured
+    exact_cuda_graphs: bool = False
     # vLLM's attention backend for the language model (auto: vLLM's choice, FlashAttention on an H200)
     attention_backend: Literal["auto", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION"] = "auto"
     # vLLM's kernel warm-up at engine start (V2 model runner; rollout/vllm_engine.py `kernel_warmup`): full
@@ -792,6 +796,11 @@ def _tool_errors(cfg: Config) -> Iterator[str]:
 
 def _exact_errors(cfg: Config) -> Iterator[str]:
     """rollout.exact: the combinations whose engine and policy forwards cannot be made bitwise equal."""
+    if cfg.rollout.exact_cuda_graphs and not cfg.rollout.exact:
+        yield "config key 'rollout.exact_cuda_graphs' is true without rollout.exact=true; it applies to exact mode only"
+    if cfg.rollout.exact_cuda_graphs and cfg.rollout.enforce_eager:
+        yield ("config keys 'rollout.exact_cuda_graphs' and 'rollout.enforce_eager' are both true; graphs need the "
+               "engine not eager")
     if not cfg.rollout.exact:
         return
     r, m = cfg.rollout, cfg.model

@@ -312,6 +312,8 @@ class ExactMode:
     vision_inv_freq: torch.Tensor | None = None  # the policy's vision rotary buffer (CPU copy)
     banned_token_ids: tuple[int, ...] = ()
     report: dict = field(default_factory=dict)  # what was patched and found, for logs and the GPU stage
+    # rollout.exact_cuda_graphs: decode steps replayed from CUDA graphs (no compilation) instead of eager
+    cuda_graphs: bool = False
 
     def engine_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor | None:
         """The values the engine reports for these logits (model dtype) and targets, or None where the policy's
@@ -335,7 +337,7 @@ class ExactMode:
             # kernel call and merge the two softmaxes, another reduction than the policy's one pass
             "disable_cascade_attn": True,
         }
-        off = _compilation_off()
+        off = _compilation_off(self.cuda_graphs)
         if off is not None:
             kwargs["compilation_config"] = off
         fields = _engine_arg_names()
@@ -382,10 +384,12 @@ def v2_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
         return compute_token_logprobs(processed, targets.reshape(-1, 1).to(torch.int64)).reshape(-1)
 
 
-def _compilation_off() -> dict | None:
-    """vLLM's compilation config with torch.compile and CUDA graphs off, in the installed version's field names
-    (`mode` or the older `level`, 0: no compilation); None without vLLM. enforce_eager alone turns off only the
-    CUDA graphs in some versions, and Inductor would fuse the routed ops into other kernels."""
+def _compilation_off(cuda_graphs: bool = False) -> dict | None:
+    """vLLM's compilation config with torch.compile off, in the installed version's field names (`mode` or the
+    older `level`, 0: no compilation), and CUDA graphs off, or with `cuda_graphs` whole-model graphs for decode
+    steps only (FULL_DECODE_ONLY: no compilation needed, prefills stay eager); None without vLLM. enforce_eager
+    alone turns off only the CUDA graphs in some versions, and Inductor would fuse the routed ops into other
+    kernels."""
     try:
         import dataclasses
 
@@ -395,7 +399,10 @@ def _compilation_off() -> dict | None:
     names = {f.name for f in dataclasses.fields(CompilationConfig)}
     off = {key: 0 for key in ("mode", "level") if key in names}
     if "cudagraph_mode" in names:
-        off["cudagraph_mode"] = "NONE"
+        off["cudagraph_mode"] = "FULL_DECODE_ONLY" if cuda_graphs else "NONE"
+    elif cuda_graphs:
+        raise RuntimeError("rollout.exact_cuda_graphs=true needs a vLLM whose CompilationConfig has cudagraph_mode "
+                           "(0.10 and later); set it to false")
     return off or None
 
 
@@ -442,15 +449,17 @@ def apply_exact_modules(model, adapter) -> int:
     return routed
 
 
-def engine_mode(policy) -> ExactMode:
-    """The mode's facts for the engine, read from the policy: its family, rotary buffers and banned tokens."""
+def engine_mode(policy, cuda_graphs: bool = False) -> ExactMode:
+    """The mode's facts for the engine, read from the policy: its family, rotary buffers and banned tokens;
+    `cuda_graphs`: rollout.exact_cuda_graphs."""
     check_family(policy.adapter.name)
 
     def buffer(vision: bool):
         return next((b.detach().to("cpu", copy=True) for n, b in policy.model.named_buffers()
                      if n.endswith("inv_freq") and "original" not in n and ("visual" in n) == vision), None)
 
-    return ExactMode(policy.adapter.name, buffer(False), buffer(True), tuple(policy.adapter.banned_token_ids))
+    return ExactMode(policy.adapter.name, buffer(False), buffer(True), tuple(policy.adapter.banned_token_ids),
+                     cuda_graphs=cuda_graphs)
 
 
 def check_head_size(head_dim: int, capability: tuple[int, int]) -> None:

@@ -73,7 +73,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
         return_routed_experts=replay,
-        exact=engine_mode(policy) if r.exact else None, attention_backend=r.attention_backend,
+        exact=engine_mode(policy, r.exact_cuda_graphs) if r.exact else None, attention_backend=r.attention_backend,
         engine_warmup=r.engine_warmup, startup_plan=r.engine_startup_plan,
         # the lean warm-up samples as the rollouts do (Trainer.sampling_params)
         warmup_sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=2,

@@ -728,6 +728,18 @@ class ImageKeys:
         return key
 
 
+def _merged_compilation(*parts: dict) -> dict:
+    """Keyword arguments of `vllm.LLM` from several sources, later ones winning, with their `compilation_config`
+    dicts merged key by key (the graph sizes matched to the batch and exact mode's compilation switches)."""
+    merged: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == "compilation_config" and isinstance(merged.get(key), dict) and isinstance(value, dict):
+                value = {**merged[key], **value}
+            merged[key] = value
+    return merged
+
+
 class VLLMEngine(Engine):
     """Rollouts with vLLM in this process; sleeps to give the GPU to training; takes weights by refit."""
 
@@ -828,7 +840,8 @@ class VLLMEngine(Engine):
 
             exact_mode.prepare_process()
             exact_mode.patch_vllm(exact.report)
-            enforce_eager = True
+            # eager, or decode steps from CUDA graphs without compilation (ExactMode.engine_kwargs)
+            enforce_eager = not exact.cuda_graphs
         for patch in vllm_compat(self.family):
             log.info("VLLMEngine: %s (vLLM 0.26 with transformers >= 5.17)", patch)
         self._device = int(os.environ["LOCAL_RANK"])
@@ -915,13 +928,13 @@ class VLLMEngine(Engine):
             # engine hung in warm-up on the lent 2xH200 VM (colocated RL trainers disable it too).
             disable_custom_all_reduce=True,
             **self._kv_cache_kwargs(gpu_memory_utilization, dtype),
-            **self._batch_kwargs(enforce_eager),
             **({} if self._async_scheduling is None else {"async_scheduling": self._async_scheduling}),
             **self.adapter.vllm_engine_kwargs(),
             **({"enable_return_routed_experts": True} if self._routing else {}),
-            **({} if self._exact is None else self._exact.engine_kwargs(max_model_len)),
             **({"attention_config": {"backend": self._attention_backend}}
                if self._exact is None and getattr(self, "_attention_backend", "auto") != "auto" else {}),
+            **_merged_compilation(self._batch_kwargs(enforce_eager),
+                                  {} if self._exact is None else self._exact.engine_kwargs(max_model_len)),
         )
 
     def _kv_cache_kwargs(self, gpu_memory_utilization: float, dtype: str) -> dict:

@@ -478,6 +478,42 @@ def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
     assert captured["attention_config"] == {"backend": "TRITON_ATTN"}
 
 
+def test_exact_cuda_graphs_capture_decode_steps_without_compiling(monkeypatch, tiny_model):
+    """rollout.exact_cuda_graphs: graphs for decode steps only (no compilation), sized to the batch; the config key
+    reaches the engine's mode."""
+    import dataclasses
+
+    from grpo.config import load_config
+    from rollout.vllm_engine import VLLMEngine
+
+    config = types.ModuleType("vllm.config")
+    config.CompilationConfig = dataclasses.make_dataclass("CompilationConfig", ["mode", "cudagraph_mode"])
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
+    captured = {}
+    _fake_vllm(monkeypatch, captured)
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.__dict__.update(_world=1, _processor_cache_gb=0.0, max_images_per_prompt=1, max_videos_per_prompt=0,
+                           _async_scheduling=None, _max_num_seqs=60, _routing=False,
+                           _exact=exact.ExactMode("qwen2_5_vl", cuda_graphs=True))
+    engine.adapter = types.SimpleNamespace(vllm_processor_kwargs=lambda a, b: {}, vllm_engine_kwargs=lambda: {})
+    monkeypatch.setattr(VLLMEngine, "_kv_cache_kwargs", lambda self, *a: {})
+    engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["enforce_eager"] is False and captured["max_num_seqs"] == 64
+    assert captured["compilation_config"] == {"max_cudagraph_capture_size": 64, "mode": 0,
+                                              "cudagraph_mode": "FULL_DECODE_ONLY"}
+    engine._exact = exact.ExactMode("qwen2_5_vl")  # the mode as measured: eager, nothing captured
+    captured.clear()
+    engine._build_llm(str(tiny_model), 1, 0.3, True, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["compilation_config"] == {"mode": 0, "cudagraph_mode": "NONE"}
+    cfg = load_config(None, ["rollout.exact=true", "rollout.exact_cuda_graphs=true"])
+    assert cfg.rollout.exact_cuda_graphs is True
+    for bad, named in ((["rollout.exact_cuda_graphs=true"], "without rollout.exact"),
+                       (["rollout.exact=true", "rollout.exact_cuda_graphs=true", "rollout.enforce_eager=true"],
+                        "rollout.enforce_eager")):
+        with pytest.raises(ValueError, match=named):
+            load_config(None, bad)
+
+
 def test_vllm_paged_attention_builds_and_keeps_logprobs(tiny_model):
     from grpo.config import ModelConfig
     from models.packing import pack

@@ -6,7 +6,9 @@ of the tiny Qwen2.5-VL with 128-wide heads (tiny_hd128: the mode refuses narrowe
 model in EXACT_MODEL (with EXACT_DATA, e.g. the 3B shape). The exact run must
 give max |Δlogprob| == 0 over every sampled token; the test prints, and writes to EXACT_OUT when set, both
 reports and the cost of the mode in generation, scoring and one training pass (%, exact against not).
-EXACT_ARGS adds arguments to both runs. EXACT_PROFILE=1 also writes each run's training pass under torch.profiler
+EXACT_ARGS adds arguments to both runs, EXACT_MODE_ARGS to the exact run alone (e.g.
+`--set rollout.exact_cuda_graphs=true`: is the mode still bitwise with vLLM's decode steps from CUDA graphs, and
+what does it cost then). EXACT_PROFILE=1 also writes each run's training pass under torch.profiler
 (`tools/logprob_check.py --profile-train`), as NAME_exact_profile.txt and NAME_plain_profile.txt beside EXACT_OUT.
 If the exact run is not bitwise, `tools/op_diff.py --exact` names the first module that still differs
 (tools/gpu_session.sh's exact stage runs it next). Skipped without CUDA or vLLM.
@@ -58,6 +60,7 @@ def _run(model: Path, data: Path, out: Path, exact: bool) -> dict:
             cmd += ["--profile-train", str(keep.with_name(f"{keep.stem}_{'exact' if exact else 'plain'}_profile.txt"))]
     if exact:
         cmd.append("--exact")
+        cmd += os.environ.get("EXACT_MODE_ARGS", "").split()  # the exact run's alone: --set rollout.exact_cuda_graphs=true
     cmd += os.environ.get("EXACT_ARGS", "").split()  # e.g. --set model.activation_checkpointing=true
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=int(os.environ.get("EXACT_S", "280")))

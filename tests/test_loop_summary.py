@@ -11,6 +11,7 @@ from tools.loop_summary import main, read_rows, read_settings, summarize
 def _row(step: int, step_s: float) -> dict:
     return {"step": step, "perf/step_s": step_s, "perf/gen_s": 2.0, "perf/logprob_s": 1.5, "perf/train_s": 5.0,
             "perf/refit_s": 0.5, "perf/sleep_s": 0.2, "perf/wake_s": 0.01, "perf/mfu_llm": 0.28,
+            "perf/gen_tokens_per_s": 1.8e4,
             "fidelity/token_mult_prob_error": 1.03, "memory/peak_gb": 90.0 + step}
 
 
@@ -35,6 +36,19 @@ def test_summary_takes_steady_steps_and_the_run_settings(tmp_path, capsys):
     assert (out["sleep_level"], out["compile"], out["lora_rank"], out["lora_alpha"]) == (2, True, 16, 32.0)
     assert (out["max_new_tokens"], out["n"], out["liger_kernel"]) == (512, 8, False)
     assert out["loop_step_s"] == pytest.approx(10.0)
+
+
+def test_summary_sets_the_loop_generation_against_a_standalone_run(tmp_path, capsys):
+    metrics, config = _write(tmp_path, [])
+    loop = summarize(read_rows(metrics))["gen_tokens_per_s"]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"standalone_gen_tokens_per_s": loop * 1.25, "gen_tokens_per_s": 1.0}))
+    main([str(metrics), "--standalone", str(bench)])
+    out = json.loads(capsys.readouterr().out)
+    assert out["loop_gen_vs_standalone"] == pytest.approx(0.8) and out["standalone_gen_tokens_per_s"] > loop
+    bench.write_text(json.dumps({"gen_tokens_per_s": 1.0}))
+    with pytest.raises(SystemExit, match="no standalone_gen_tokens_per_s"):
+        main([str(metrics), "--standalone", str(bench)])
 
 
 def test_bad_paths_name_the_file(tmp_path):

@@ -137,9 +137,19 @@ scale)
   ;;
 loop)
   # The user's path: train.py with configs/clevr_qwen2_5_vl_3b.yaml as shipped apart from paths, at the
-  # benchmark's shape (16 prompts x 8 responses x 256 new tokens, 448x448 images), STEPS steps on one GPU.
+  # benchmark's shape (16 prompts x 8 responses x 256 new tokens, 448x448 images), STEPS steps on one GPU;
+  # STANDALONE=1 then times a standalone vLLM on the same requests (~2 min more).
   build_3b
   recipe_loop $M loop "3B" ${STEPS:-8}
+  if [ "${STANDALONE:-0}" = 1 ]; then
+    # a standalone vLLM on the loop's requests (16 prompts x 8 responses x 256 new tokens, 448x448 images):
+    # the loop's generation against it (loop_gen_vs_standalone in loop_summary.json)
+    timeout ${STANDALONE_S:-240} $PY tools/bench.py --size 3b --phases engine --group 8 --gen-prompts 16 \
+      --gen-tokens 256 --image-size 448 --json-out "$OUT/standalone.json" > "$OUT/standalone.log" 2>&1
+    echo "standalone vLLM rc=$?"
+    $PY tools/loop_summary.py "$OUT/loop_metrics.jsonl" --config "$OUT/loop_config.yaml" \
+      --standalone "$OUT/standalone.json" | tee "$OUT/loop_summary.json" | grep standalone
+  fi
   ;;
 profile)
   # The update alone at the loop's shape, profiled (op tables), and the engine in-process against a

@@ -1,6 +1,7 @@
 """Steady-state numbers of a GRPO run from its metrics.jsonl (steps 3 onward by default).
 
     python tools/loop_summary.py runs/X/metrics.jsonl [--from-step 3] [--config runs/X/config.yaml]
+        [--standalone bench.json]
 
 Prints one JSON object: `loop_step_s` (mean step seconds), the mean of each perf/* phase,
 `mfu_llm`, `overhead_frac` (the share of a step that is not generation, the policy's passes or
@@ -17,7 +18,9 @@ beyond steady ones, always reported). With
 `sleep_level`, `compile`, `liger_kernel`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
 `model.liger_kernel` settled (`auto` resolved for the family and device) as the words true/false, which
-read back as booleans, like the booleans that runs before `auto` wrote.
+read back as booleans, like the booleans that runs before `auto` wrote. With `--standalone` (the JSON of
+`tools/bench.py --phases engine`: a standalone vLLM on the loop's requests) it adds
+`standalone_gen_tokens_per_s` and `loop_gen_vs_standalone`, the loop's generation tokens/s over it.
 """
 
 from __future__ import annotations
@@ -133,15 +136,31 @@ def read_settings(path: Path) -> dict:
     return out
 
 
+def read_standalone(path: Path, loop: dict) -> dict:
+    """The standalone vLLM's tokens/s from a tools/bench.py JSON, and the loop's generation against it."""
+    try:
+        bench = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read the standalone run ({type(e).__name__}: {e})") from None
+    rate = bench.get("standalone_gen_tokens_per_s") if isinstance(bench, dict) else None
+    if not rate:
+        raise SystemExit(f"{path}: no standalone_gen_tokens_per_s (run tools/bench.py with --phases engine)")
+    return {"standalone_gen_tokens_per_s": rate, "loop_gen_vs_standalone": loop["gen_tokens_per_s"] / rate}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("metrics", type=Path)
     p.add_argument("--from-step", type=int, default=3)
     p.add_argument("--config", type=Path, default=None, help="the run's config.yaml: add its settings")
+    p.add_argument("--standalone", type=Path, default=None,
+                   help="tools/bench.py's JSON with standalone_gen_tokens_per_s: add loop_gen_vs_standalone")
     args = p.parse_args(argv)
     out = summarize(read_rows(args.metrics), args.from_step)
     if args.config is not None:
         out.update(read_settings(args.config))
+    if args.standalone is not None:
+        out.update(read_standalone(args.standalone, out))
     print(json.dumps(out, indent=1))
     return 0
 

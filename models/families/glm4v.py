@@ -45,6 +45,7 @@ class Glm4vAdapter(QwenVLAdapter):
     end_of_turn: str = "<|user|>"  # GLM's template opens the next turn; generation stops on it
     varlen_attention: bool = False  # not yet checked on a GPU
     shares_prompts: bool = False  # not checked for this family
+    takes_prebuilt_masks: bool = False  # transformers' GLM-4.1V decoder builds its masks whatever it is given
 
     @property
     def banned_token_ids(self) -> list[int]:

@@ -176,11 +176,6 @@ QWEN3_TOOLS = ToolFormat(call_start="<tool_call>", call_end="</tool_call>", resu
                          tools_intro=QWEN_TOOLS_INTRO, tools_outro=QWEN_TOOLS_OUTRO)
 
 
-# Families whose transformers decoders take their masks prebuilt, one per layer type (Qwen3-VL's and GLM-4.1V's
-# build theirs whatever they are given; Qwen3.5's adapter hands its own)
-_TAKE_PREBUILT_MASKS = ("qwen2_vl", "qwen2_5_vl")
-
-
 @dataclass
 class QwenVLAdapter(FamilyAdapter):
     """Qwen2-VL / Qwen2.5-VL: m-rope positions, vision tower `model.visual`, decoder in `model.language_model`.
@@ -195,6 +190,9 @@ class QwenVLAdapter(FamilyAdapter):
     varlen_attention: bool = True  # tests/gpu/test_varlen_attention.py on the H200 (Qwen2.5-VL)
     varlen_vision: bool = True  # every Qwen-VL tower (and GLM-4.1V's) takes its boundaries as cu_seqlens
     shares_prompts: bool = True  # tests/test_shared_prompts.py
+    # the decoder takes its masks prebuilt, one per layer type (`run_language_model`; GLM-4.1V's builds its own
+    # whatever it is given)
+    takes_prebuilt_masks: bool = True
     end_of_turn: str = "<|im_end|>"  # ChatML
     tool_format: ToolFormat | None = QWEN_TOOLS
     video_token_id: int = 0
@@ -358,7 +356,7 @@ class QwenVLAdapter(FamilyAdapter):
         lm = self.language_model(model)
         # Qwen2/2.5-VL's decoder takes its masks prebuilt, one per layer type: where the varlen kernel runs it
         # reads none, and building them would first read the positions back from the device
-        masks = prebuilt_masks(lm.config, embeds.device) if self.name in _TAKE_PREBUILT_MASKS else None
+        masks = prebuilt_masks(lm.config, embeds.device) if self.takes_prebuilt_masks else None
         out = lm(inputs_embeds=embeds, position_ids=position_ids, attention_mask=masks, use_cache=False)
         return out.last_hidden_state
 

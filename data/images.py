@@ -9,6 +9,7 @@ bit-identical images.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
@@ -227,3 +228,27 @@ def canonicalize_image(
     if (width, height) == img.size:
         return img
     return img.resize((width, height), resample=Image.Resampling.BICUBIC)
+
+
+def _content_hasher():
+    """blake3 where vLLM is installed (its own image hash), else blake2b: both are fast on megabytes."""
+    try:
+        from blake3 import blake3
+
+        return blake3()
+    except ImportError:
+        return hashlib.blake2b(digest_size=32)
+
+
+def image_key(image) -> str:
+    """A content key for one PIL image: its mode, size, palette and pixel bytes (a 256-bit hash). The vLLM
+    engine sends it as the image's `multi_modal_uuids` entry in place of vLLM hashing the image itself (its
+    processor arguments are fixed for its lifetime, so content alone names the processed result); the tool
+    messages of a turn share one processor call per content (`rollout.episode.ToolResultEncoder`)."""
+    hasher = _content_hasher()
+    hasher.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    palette = image.getpalette() if image.mode in ("P", "PA") else None
+    if palette:
+        hasher.update(bytes(palette))
+    hasher.update(image.tobytes())
+    return f"vlrl-image-{hasher.hexdigest()}"

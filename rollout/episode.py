@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data.batch import Batch, PackedGenericDataItem
-from data.images import canonicalize_image
+from data.images import canonicalize_image, image_key
 from models.family import FamilyAdapter, ToolFormat
 from rollout.base import Generation, PromptInput
 
@@ -189,7 +189,7 @@ class ToolResultEncoder:
         list and its images are its own, only the processor's tensors are shared.
         """
         deltas: dict[tuple, str] = {}  # (text, image count) of each message -> the template's delta
-        encoded: dict[tuple, tuple] = {}  # the images' content key -> (images, pixel_values, image_grid_thw)
+        encoded: dict[tuple, tuple] = {}  # the images' content keys -> (pixel_values, image_grid_thw)
         tokens: dict[str, list[int]] = {}  # expanded delta -> ids
         out = []
         for results in batch:
@@ -199,13 +199,12 @@ class ToolResultEncoder:
             images = self.processor.prepare_images([
                 canonicalize_image(img, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
                 for _, imgs in results for img in imgs])
-            key = tuple((img.mode, img.size, hash(img.tobytes())) for img in images)
+            # keyed by content hash, the bytes not kept: a turn of distinct crops holds no copy of them
+            key = tuple(image_key(img) for img in images)
             entry = encoded.get(key)
-            # a key match is checked against the pixels (a hash can collide); the bytes are not kept,
-            # so a turn of distinct crops holds no copy of them
-            if entry is None or not all(a.tobytes() == b.tobytes() for a, b in zip(entry[0], images)):
-                entry = encoded[key] = (images, *self.processor.images.encode(images)) if images else ((), None, None)
-            _, pixels, grid = entry
+            if entry is None:
+                entry = encoded[key] = self.processor.images.encode(images) if images else (None, None)
+            pixels, grid = entry
             text = deltas[shape] if grid is None else self.processor.expand_images(deltas[shape], grid)
             if text not in tokens:
                 tokens[text] = self.processor.tokenizer.encode(text, add_special_tokens=False)

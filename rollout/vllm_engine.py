@@ -106,6 +106,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from data.images import image_key
 from models.family import FAMILIES, FamilyAdapter, build_adapter
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
 from rollout.colocation import kv_bytes_per_token
@@ -586,29 +587,6 @@ def processor_cache(adapter: FamilyAdapter, cache_gb: float, max_videos_per_prom
                     "to %d videos cannot use it in vLLM 0.26", cache_gb, adapter.name, max_videos_per_prompt)
         return 0.0
     return cache_gb
-
-
-def _content_hasher():
-    """blake3 where vLLM is installed (its own image hash), else blake2b: both are fast on megabytes."""
-    try:
-        from blake3 import blake3
-
-        return blake3()
-    except ImportError:
-        return hashlib.blake2b(digest_size=32)
-
-
-def image_key(image) -> str:
-    """A content key for one PIL image: its mode, size, palette and pixel bytes. vLLM takes it as the
-    image's `multi_modal_uuids` entry in place of hashing the image itself; the engine's processor
-    arguments are fixed for its lifetime, so content alone names the processed result."""
-    hasher = _content_hasher()
-    hasher.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
-    palette = image.getpalette() if image.mode in ("P", "PA") else None
-    if palette:
-        hasher.update(bytes(palette))
-    hasher.update(image.tobytes())
-    return f"vlrl-image-{hasher.hexdigest()}"
 
 
 def skip_empty_hf_calls(mm_processor) -> bool:

@@ -84,6 +84,12 @@ class ModelConfig:
     # model.compile; true: required (an error says what is missing); false: never. Booleans read as true/false;
     # the run's config.yaml records what ran (true or false)
     liger_kernel: Literal["auto", "true", "false"] = "auto"
+    # the lm_head's logits with fp32 output from the model-dtype (bf16) operands on both sides: the trainer's
+    # fp32-output GEMM (models/logits.py) and vLLM's hf_overrides head_dtype=float32, instead of logits rounded
+    # to bf16 before the softmax (a cause of the trainer/engine logprob mismatch, docs/fidelity.md). No effect
+    # on a float32 model. rollout.exact settles it to false (exact mode has its own bitwise lm_head); true given
+    # with rollout.exact is an error
+    fp32_logits: bool = True
     # torch.compile each decoder block's forward (fuses norms, rotary, SwiGLU and residual adds; the
     # attention call stays eager); the first micro-batches pay the compile time
     compile: bool = False
@@ -660,11 +666,13 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     for text in overrides or []:
         layers.append((f"command line {_short(text)}", parse_override(text)))
     conf = OmegaConf.structured(Config)
+    given = set()  # the keys a file or an override names
     for source, data in layers:
         for key, value in _leaves(data, Config, "", source):
             _set(conf, key, value, source)
+            given.add(key)
     cfg = _resolve(conf)
-    validate(cfg)
+    validate(cfg, given)
     return cfg
 
 
@@ -870,6 +878,14 @@ def _liger_errors(m: ModelConfig) -> Iterator[str]:
                "false (model.liger_kernel=auto leaves liger off when compiling)")
 
 
+def _given_errors(cfg: Config, given: set[str] | frozenset[str]) -> Iterator[str]:
+    """Keys whose default the config settles but whose given value it refuses: model.fp32_logits=true with
+    rollout.exact=true (vLLM's fp32 head bypasses the lm_head exact mode makes bitwise equal to the policy's)."""
+    if cfg.rollout.exact and cfg.model.fp32_logits and "model.fp32_logits" in given:
+        yield ("config key 'model.fp32_logits' is true; it needs false (exact mode computes the lm_head in the "
+               "model dtype, bitwise as the engine's) with rollout.exact=true")
+
+
 def _settle_auto_keys(cfg: Config) -> None:
     """`auto` keys the config alone decides: model.shared_prompts is off where the config rules it out, and
     model.liger_kernel with rollout.exact or model.compile (the family, the device and the installed packages
@@ -878,6 +894,8 @@ def _settle_auto_keys(cfg: Config) -> None:
         cfg.model.shared_prompts = "off"
     if cfg.model.liger_kernel == "auto" and (cfg.rollout.exact or cfg.model.compile):
         cfg.model.liger_kernel = "false"
+    if cfg.rollout.exact:  # model.fp32_logits: its default gives way to exact mode's own lm_head
+        cfg.model.fp32_logits = False
 
 
 def _lora_errors(cfg: Config) -> Iterator[str]:
@@ -900,10 +918,11 @@ def _lora_errors(cfg: Config) -> Iterator[str]:
                "layers are sharded by FSDP only")
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, given: set[str] | frozenset[str] = frozenset()) -> None:
     """Range and cross-field checks that a type annotation cannot express (the first failure raises), then
-    the `auto` keys the config alone decides are settled."""
-    for message in (*_range_errors(cfg), *_cross_errors(cfg)):
+    the `auto` keys the config alone decides are settled. `given`: the keys the config's files and overrides
+    named (a default that the config rules out settles; the same value given is an error)."""
+    for message in (*_range_errors(cfg), *_cross_errors(cfg), *_given_errors(cfg, given)):
         raise ConfigError(message)
     _settle_auto_keys(cfg)
 

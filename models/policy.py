@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.attention import image_grid, packed_row
 from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
+from models.logits import head_logits
 from models.lora import (
     adapters_detached, apply_lora, init_lora_weights, is_adapter_name, lora_module_names, lora_modules, merged_weight,
 )
@@ -220,7 +221,7 @@ class Policy:
     """A sharded VLM plus its family adapter; runs packed micro-batches and yields full weights."""
 
     def __init__(self, model: nn.Module, adapter: FamilyAdapter, dims: ParallelDims, path: str, dtype: torch.dtype,
-                 shared_prompts: bool = False, liger_kernel: bool = False):
+                 shared_prompts: bool = False, liger_kernel: bool = False, fp32_logits: bool = False):
         self.model = model
         self.adapter = adapter
         self.dims = dims
@@ -242,6 +243,9 @@ class Policy:
         self.shared_prompts = shared_prompts
         # model.liger_kernel as settled for this family and device (models.policy.uses_liger)
         self.liger_kernel = liger_kernel
+        # model.fp32_logits as settled by the config (off with rollout.exact): the lm_head's logits with fp32
+        # output from the model-dtype operands (models.logits.head_logits), as vLLM's head_dtype=float32
+        self.fp32_logits = fp32_logits
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -422,10 +426,10 @@ class Policy:
             t = mb.target_ids[start : start + LOGPROB_CHUNK]
             if torch.is_grad_enabled():
                 lp, ent = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, self.exact_logit_bias,
-                                     self.exact_engine_logprobs, use_reentrant=False)
+                                     self.exact_engine_logprobs, self.fp32_logits, use_reentrant=False)
             else:
                 lp, ent = _chunk_logprobs(head, h, t, temperature, with_entropy, self.exact_logit_bias,
-                                          self.exact_engine_logprobs)
+                                          self.exact_engine_logprobs, self.fp32_logits)
             lps.append(lp)
             ents.append(ent)
         if not lps:
@@ -513,9 +517,13 @@ class Policy:
 
 
 def _chunk_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-                    exact_bias: tuple[tuple[int, ...], float] | None = None, engine_logprobs=None):
-    raw = head(h)
-    logits = raw.float()
+                    exact_bias: tuple[tuple[int, ...], float] | None = None, engine_logprobs=None,
+                    fp32_logits: bool = False):
+    if exact_bias is not None:  # exact mode: the engine's values come from the head's own (model-dtype) output
+        raw = head(h)
+        logits = raw.float()
+    else:  # model.fp32_logits: fp32-output logits, not rounded to the model dtype first
+        logits = head_logits(head, h, fp32_logits)
     if exact_bias is not None and exact_bias[0]:
         logits = logits.index_add(-1, torch.tensor(exact_bias[0], device=logits.device),
                                   logits.new_full((logits.shape[0], len(exact_bias[0])), exact_bias[1]))
@@ -638,7 +646,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         raise RuntimeError(f"{len(left)} tensors still on the meta device after loading, e.g. {left[:3]}")
     if not trainable:
         model.requires_grad_(False)
-    policy = Policy(model, adapter, dims, cfg_model.path, dtype, shared_prompts=shared, liger_kernel=liger)
+    policy = Policy(model, adapter, dims, cfg_model.path, dtype, shared_prompts=shared, liger_kernel=liger,
+                    fp32_logits=bool(getattr(cfg_model, "fp32_logits", False)))
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)

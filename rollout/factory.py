@@ -52,7 +52,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         from rollout.torch_engine import TorchEngine
 
         return TorchEngine(cfg.model.path, device=policy.device, dtype=policy.dtype, adapter=policy.adapter,
-                           record_routing=replay)
+                           record_routing=replay, fp32_logits=cfg.model.fp32_logits)
     from rollout.exact import engine_mode
     from rollout.vllm_engine import VLLMEngine
 
@@ -72,7 +72,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         if policy.adapter.takes_video else 0,
         dtype="bfloat16" if policy.dtype == torch.bfloat16 else "float32", min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, image_pad_id=policy.adapter.image_token_id, adapter=policy.adapter,
-        return_routed_experts=replay,
+        return_routed_experts=replay, fp32_logits=cfg.model.fp32_logits,
         exact=engine_mode(policy, r.exact_cuda_graphs) if r.exact else None, attention_backend=r.attention_backend,
         engine_warmup=r.engine_warmup, startup_plan=r.engine_startup_plan,
         # the lean warm-up samples as the rollouts do (Trainer.sampling_params)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from models.family import FamilyAdapter, build_adapter
+from models.logits import head_logits
 from models.moe import RouteRecorder
 from models.policy import canonical_weight_name, load_model_config
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
@@ -49,6 +50,7 @@ class TorchEngine(Engine):
         max_batch_size: int = 64,
         adapter: FamilyAdapter | None = None,
         record_routing: bool = False,
+        fp32_logits: bool = False,
     ):
         from transformers import AutoModelForImageTextToText
 
@@ -59,6 +61,8 @@ class TorchEngine(Engine):
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_batch_size = max_batch_size
+        # model.fp32_logits: the lm_head's logits with fp32 output, as the policy computes them (models/logits.py)
+        self.fp32_logits = fp32_logits
         model = AutoModelForImageTextToText.from_pretrained(
             model_path, config=config, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
         )
@@ -291,7 +295,7 @@ class TorchEngine(Engine):
         return self._logits(out.last_hidden_state[:, -1])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.adapter.lm_head(self.model)(hidden).float()
+        return head_logits(self.adapter.lm_head(self.model), hidden, self.fp32_logits)
 
     def _pad_id(self) -> int:
         # Any token that is not a placeholder: the model counts image tokens against image features.

@@ -92,6 +92,7 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -718,6 +719,26 @@ def _merged_compilation(*parts: dict) -> dict:
     return merged
 
 
+def _then_head_dtype(family_override, dtype: str, config):
+    """A family's callable `hf_overrides`, then `head_dtype` set on the config it returns."""
+    config = family_override(config)
+    config.update({"head_dtype": dtype})  # what vLLM does with a dict override's plain keys
+    return config
+
+
+def with_head_dtype(engine_kwargs: dict, dtype: str) -> dict:
+    """The family's extra `vllm.LLM` arguments with `head_dtype` added to its `hf_overrides` (model.fp32_logits):
+    a dict override gains the key, a callable one (Gemma4's) is followed by setting it, none becomes the key alone."""
+    family = engine_kwargs.get("hf_overrides")
+    if family is None:
+        overrides = {"head_dtype": dtype}
+    elif callable(family):
+        overrides = functools.partial(_then_head_dtype, family, dtype)
+    else:
+        overrides = {**family, "head_dtype": dtype}
+    return {**engine_kwargs, "hf_overrides": overrides}
+
+
 class VLLMEngine(Engine):
     """Rollouts with vLLM in this process; sleeps to give the GPU to training; takes weights by refit."""
 
@@ -727,6 +748,7 @@ class VLLMEngine(Engine):
     skip_empty_hf_calls = False  # no HF processor call for a request whose images all hit the processor cache
     fast_placeholder_search = False  # vLLM's placeholder search jumps to candidate positions
     _engine_warmup = "off"  # rollout.engine_warmup (WARMUP_MODES)
+    _fp32_logits = False  # model.fp32_logits: the lm_head's logits with fp32 output (head_dtype=float32)
 
     def __init__(
         self,
@@ -752,6 +774,7 @@ class VLLMEngine(Engine):
         skip_empty_hf_calls: bool = False,
         fast_placeholder_search: bool = False,
         return_routed_experts: bool = False,
+        fp32_logits: bool = False,
         exact=None,
         attention_backend: str = "auto",
         engine_warmup: str = "off",
@@ -767,6 +790,9 @@ class VLLMEngine(Engine):
             )
         if dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"VLLMEngine: dtype {dtype!r} must be 'bfloat16', 'float16' or 'float32'")
+        if exact is not None and fp32_logits:
+            raise ValueError("VLLMEngine: fp32_logits with exact mode; the exact lm_head (rollout/exact.py) is the "
+                             "model dtype's, which vLLM's head_dtype=float32 path bypasses")
         config = read_config(model_path)
         self.family = config["model_type"]
         self.adapter = adapter if adapter is not None else _load_adapter(model_path)
@@ -812,6 +838,8 @@ class VLLMEngine(Engine):
         start = time.monotonic()  # import_s: importing (and patching) vLLM, seconds before it logs anything
         # rollout.exact (rollout/exact.py): batch-invariant vLLM, eager, its custom ops routed to torch code
         self._exact = exact
+        # model.fp32_logits: vLLM's LogitsProcessor computes the head as torch.mm(..., out_dtype=float32)
+        self._fp32_logits = fp32_logits
         self._attention_backend = attention_backend  # "auto": vLLM's choice
         if exact is not None:
             from rollout import exact as exact_mode
@@ -907,13 +935,21 @@ class VLLMEngine(Engine):
             disable_custom_all_reduce=True,
             **self._kv_cache_kwargs(gpu_memory_utilization, dtype),
             **({} if self._async_scheduling is None else {"async_scheduling": self._async_scheduling}),
-            **self.adapter.vllm_engine_kwargs(),
+            **self._family_kwargs(dtype),
             **({"enable_return_routed_experts": True} if self._routing else {}),
             **({"attention_config": {"backend": self._attention_backend}}
                if self._exact is None and getattr(self, "_attention_backend", "auto") != "auto" else {}),
             **_merged_compilation(self._batch_kwargs(enforce_eager),
                                   {} if self._exact is None else self._exact.engine_kwargs(max_model_len)),
         )
+
+    def _family_kwargs(self, dtype: str) -> dict:
+        """The family's extra `vllm.LLM` arguments, with head_dtype=float32 in its hf_overrides under
+        model.fp32_logits (never in exact mode: vLLM's fp32 head bypasses the lm_head exact mode patches)."""
+        kwargs = self.adapter.vllm_engine_kwargs()
+        if self._fp32_logits and self._exact is None and dtype != "float32":
+            return with_head_dtype(kwargs, "float32")
+        return kwargs
 
     def _kv_cache_kwargs(self, gpu_memory_utilization: float, dtype: str) -> dict:
         """`kv_cache_memory_bytes` for a FlexAttention family whose block map would not fit, else nothing."""

@@ -15,7 +15,7 @@ engine's build (`engine_build_s`: importing vLLM, `LLM(...)`, and vLLM's kernel 
 which `first_gen_extra_s` in generation (`first_update_extra_s`: the first reference pass and update
 beyond steady ones, always reported). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
-`sleep_level`, `compile`, `liger_kernel`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
+`sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
 `model.liger_kernel` settled (`auto` resolved for the family and device) as the words true/false, which
 read back as booleans, like the booleans that runs before `auto` wrote. With `--standalone` (the JSON of
@@ -41,7 +41,7 @@ SETTINGS = {
     "prompts_per_step": ("data", "prompts_per_step"), "n": ("rollout", "n"),
     "max_new_tokens": ("rollout", "max_new_tokens"),
     "unsharded_accumulation": ("optim", "unsharded_accumulation"),
-    "shared_prompts": ("model", "shared_prompts"),
+    "shared_prompts": ("model", "shared_prompts"), "fp32_logits": ("model", "fp32_logits"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
 }
 # settings config.yaml holds as the words true/false (an auto key the trainer settled): read as booleans

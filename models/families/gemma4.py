@@ -72,6 +72,7 @@ from data.processing import ImageRule
 from models.families.gemma3 import _mask_cache_arg
 from models.families.tiny import SizeSpec, TinySpec, token_ids
 from models.family import Family, FamilyAdapter, VLLMNames, register
+from models.logits import fp32_head_logits
 
 BOI, EOI, IMAGE = "<|image>", "<image|>", "<|image|>"
 VIDEO, BOA, EOA, AUDIO = "<|video|>", "<|audio>", "<audio|>", "<|audio|>"
@@ -178,6 +179,12 @@ class _SoftcappedHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.head(hidden) / self.cap) * self.cap
+
+    def fp32_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """model.fp32_logits: the projection with fp32 output and the cap taken in fp32, as vLLM's
+        LogitsProcessor does with head_dtype=float32; None where the inner head is not a plain linear one."""
+        logits = fp32_head_logits(self.head, hidden)
+        return None if logits is None else torch.tanh(logits / self.cap) * self.cap
 
 
 @dataclass

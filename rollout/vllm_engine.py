@@ -739,6 +739,11 @@ def with_head_dtype(engine_kwargs: dict, dtype: str) -> dict:
     return {**engine_kwargs, "hf_overrides": overrides}
 
 
+# VLLMEngine's switches on vLLM's multimodal processor: (attribute and constructor argument, the change)
+MM_PROCESSOR_CHANGES = (("skip_empty_hf_calls", skip_empty_hf_calls),
+                        ("fast_placeholder_search", fast_placeholder_search))
+
+
 class VLLMEngine(Engine):
     """Rollouts with vLLM in this process; sleeps to give the GPU to training; takes weights by refit."""
 
@@ -883,18 +888,17 @@ class VLLMEngine(Engine):
         self._tied = self._lm_head_is_embedding()
         # The vocabulary vLLM's processor looks tokens up in (Gemma3's newline merging does).
         self._vocab = dict(self._llm.get_tokenizer().get_vocab())
-        for name, change in (("skip_empty_hf_calls", skip_empty_hf_calls),
-                             ("fast_placeholder_search", fast_placeholder_search)):
-            if getattr(self, name):
-                self._change_mm_processors(name, change)
+        self._change_mm_processors()
 
-    def _change_mm_processors(self, name: str, change) -> None:
-        """`change` (`skip_empty_hf_calls`, `fast_placeholder_search`) on each multimodal processor vLLM's
-        renderer holds."""
+    def _change_mm_processors(self) -> None:
+        """The request-adding switches that are on (`skip_empty_hf_calls`, `fast_placeholder_search`: the
+        module's functions, which the constructor's arguments of the same names shadow there) applied to each
+        multimodal processor vLLM's renderer holds."""
         renderer = getattr(self._llm.llm_engine, "renderer", None)
         processors = [getattr(renderer, attr, None) for attr in ("mm_processor", "_readonly_mm_processor")]
-        if not any([change(p) for p in processors if p is not None]):
-            log.warning("VLLMEngine: %s found no vLLM multimodal processor to change", name)
+        for name, change in MM_PROCESSOR_CHANGES:
+            if getattr(self, name) and not any([change(p) for p in processors if p is not None]):
+                log.warning("VLLMEngine: %s found no vLLM multimodal processor to change", name)
 
     def _build_llm(self, path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed, dtype,
                    min_pixels, max_pixels):

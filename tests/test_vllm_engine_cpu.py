@@ -563,3 +563,25 @@ def test_each_generate_seeds_numpys_generator_and_restores_it():
         other = np.random.randint(-2**63, 2**63 - 1, size=4)
     assert (draws[0] == draws[1]).all() and not (draws[0] == other).all()
     assert (np.random.get_state()[1] == expected_after).all()
+
+
+def test_engine_applies_its_processor_switches_to_vllm_s_processors():
+    """The constructor's `skip_empty_hf_calls` / `fast_placeholder_search` booleans turn the module's functions
+    of the same names on for the renderer's processors (the booleans once shadowed those functions)."""
+    from types import SimpleNamespace as NS
+
+    from rollout.vllm_engine import VLLMEngine
+
+    def original(items, mm_kwargs, tok_kwargs):
+        return {"x": 1}
+
+    processor = NS(_apply_hf_processor_mm_only=original)
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._llm = NS(llm_engine=NS(renderer=NS(mm_processor=processor, _readonly_mm_processor=None)))
+    engine.skip_empty_hf_calls, engine.fast_placeholder_search = False, False
+    engine._change_mm_processors()
+    assert processor._apply_hf_processor_mm_only is original
+    engine.skip_empty_hf_calls = True
+    engine._change_mm_processors()
+    assert processor._apply_hf_processor_mm_only is not original
+    assert dict(processor._apply_hf_processor_mm_only(NS(get_all_counts=lambda: {"image": 0}), {}, {})) == {}

@@ -93,7 +93,7 @@ def test_packed_row_equals_each_sequence_alone(family, request, monkeypatch):
     monkeypatch.setattr(qwen3_5, "apply_packed_linear_attention", lambda decoder: None)
     plain = _policy(folder)
     plain_lp, _ = _logprobs_and_grads(plain, batch, everything)
-    assert (torch.cat(plain_lp) - torch.cat(single_lp)).abs().max().item() > 1e-3
+    assert (torch.cat(plain_lp) - torch.cat(single_lp)).abs().max().item() > 1e-4  # 10x the packed path's bound above
 
 
 def test_the_restarting_convolution_is_each_sequences_own():

@@ -373,12 +373,13 @@ def layer_types(layers: int) -> list[str]:
 
 def tiny_text_config(size: SizeSpec, tokenizer, **overrides) -> dict:
     """The decoder: the size's shapes, 32-dim heads rotated over a quarter (interleaved m-rope
-    sections [2, 1, 1] of 4 frequencies), Gated DeltaNet with 2 key and 4 value heads of 16 dims.
+    sections [2, 1, 1] of 4 frequencies), Gated DeltaNet with 1 key and 2 value heads of the released
+    128 dims (fla's Gated DeltaNet backward on Hopper is cleared for 128-wide key heads only: models/fla_guard.py).
     A size with a released model's `head_dim` (qwen3_5_4b) gets the released Gated DeltaNet shapes:
     16 key and 32 value heads of 128, and its own m-rope sections."""
     rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
             "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-    linear = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    linear = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2)
     head_dim = 32
     if size.head_dim:
         head_dim, rope["mrope_section"] = size.head_dim, list(size.mrope_section)

@@ -179,6 +179,10 @@ class RolloutConfig:
     engine_warmup: Literal["full", "lean", "off"] = "off"
     # let vLLM keep its memory profile's KV-cache size (VLLM_ENABLE_STARTUP_PLAN) and skip profiling next time
     engine_startup_plan: bool = False
+    # vLLM: where each generate call's time goes (rollout/gen_probe.py: prompt building, request adding, engine
+    # steps, garbage collection, the slowest steps, the multimodal processor), logged per step as perf/gen_*;
+    # wrappers on vLLM's objects that add no GPU synchronization; false: none installed
+    gen_breakdown: bool = True
 
 
 DEFAULT_TIS_CAP = 2.0  # veRL's default; TRL uses 3

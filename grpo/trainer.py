@@ -41,6 +41,7 @@ from rollout.colocation import (
 )
 from rollout.exact import build_exact, prepare_process
 from rollout.factory import build_engine
+from rollout.gen_probe import breakdown_metrics
 from rollout.groups import EngineGroup
 from rollout.rollouts import Rollouts, context_tokens, tool_prompt
 
@@ -403,6 +404,8 @@ class Trainer:
         with timed(timings, "perf/gen_s"):
             _, episodes, rewards_info = self.rollouts.collect(self.feeder, per_rank, self.sampling_params())
         gen_detail = dict(self.colocation.timings)
+        # where the step's engine calls spent their time (rollout.gen_breakdown, vLLM): perf/gen_*
+        gen_detail.update(breakdown_metrics(self.rollouts.breakdowns))
 
         reuse = self._old_logprobs_from_update()
         with self.colocation.peak.training():

@@ -87,6 +87,7 @@ class Rollouts:
             atexit.register(self.runner.close)
         self.context = context_tokens(cfg)
         self.prefix = [0, 0]  # prompt tokens the engine got this step, and those its prefix cache served
+        self.breakdowns: list[dict] = []  # the engine's last_breakdown of each of this step's calls (vLLM)
 
     def close(self) -> None:
         if self.runner is not None:
@@ -99,6 +100,7 @@ class Rollouts:
         cfg = self.cfg
         G = params.n
         self.prefix = [0, 0]
+        self.breakdowns = []
         with self.generating() as engine:
             prompts, episodes, infos = self.generate_and_score(engine, feeder.next(per_rank), params)
             if not cfg.algorithm.dynamic_sampling:
@@ -125,6 +127,7 @@ class Rollouts:
     def evaluate(self, prompts, params: SamplingParams, use_tools: bool = True):
         """(prompts, episodes, reward infos) of one round, the engine awake for it; `use_tools=False`
         answers in one turn even when tools are configured (for comparing with and without them)."""
+        self.breakdowns = []
         with self.generating() as engine:
             return self.generate_and_score(engine, prompts, params, use_tools)
 
@@ -186,6 +189,9 @@ class Rollouts:
         if "cached_prompt_tokens" in stats:  # vLLM: its prefix cache's share of the prompt tokens
             self.prefix[0] += stats["prompt_tokens"]
             self.prefix[1] += stats["cached_prompt_tokens"]
+        breakdown = getattr(engine, "last_breakdown", None)
+        if breakdown and isinstance(breakdown, dict):  # vLLM under rollout.gen_breakdown: where the call's time went
+            self.breakdowns.append(breakdown)
         return self.engine_group.own(gens, start, count)
 
     def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int], turn: int,

@@ -87,6 +87,10 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
 - Start-up: `build_times` holds the seconds of importing vLLM, of `LLM(...)` and of the V2 model
   runner's kernel warm-up inside it, which `rollout.engine_warmup` can shrink to the kernels a rollout
   runs or skip (`kernel_warmup`); `rollout.engine_startup_plan` lets vLLM reuse its memory profile.
+- Generation breakdown (`rollout.gen_breakdown`, on by default): a `GenerationProbe`
+  (rollout/gen_probe.py) wraps vLLM's request adding, engine steps, scheduler and multimodal processor
+  and keeps where each generate call's time went as `last_breakdown`, without synchronizing the GPU; the
+  trainer logs a step's sums as perf/gen_*.
 """
 
 from __future__ import annotations
@@ -754,6 +758,8 @@ class VLLMEngine(Engine):
     fast_placeholder_search = False  # vLLM's placeholder search jumps to candidate positions
     _engine_warmup = "off"  # rollout.engine_warmup (WARMUP_MODES)
     _fp32_logits = False  # model.fp32_logits: the lm_head's logits with fp32 output (head_dtype=float32)
+    _probe = None  # rollout.gen_breakdown: the GenerationProbe on this engine's vLLM objects
+    last_breakdown: dict = {}  # where the last generate call's time went (rollout/gen_probe.py); {} without a probe
 
     def __init__(
         self,
@@ -785,6 +791,7 @@ class VLLMEngine(Engine):
         engine_warmup: str = "off",
         warmup_sampling: SamplingParams | None = None,
         startup_plan: bool = False,
+        gen_breakdown: bool = True,
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -832,6 +839,7 @@ class VLLMEngine(Engine):
         self._seed = seed
         self._calls = 0
         self.last_stats: dict[str, int] = {}
+        self.last_breakdown = {}
         self._asleep: set[str] = set()  # vLLM memory tags currently released: "weights", "kv_cache"
         if engine_warmup not in WARMUP_MODES:
             raise ValueError(f"VLLMEngine: engine_warmup={engine_warmup!r}; expected one of {WARMUP_MODES}")
@@ -889,6 +897,22 @@ class VLLMEngine(Engine):
         # The vocabulary vLLM's processor looks tokens up in (Gemma3's newline merging does).
         self._vocab = dict(self._llm.get_tokenizer().get_vocab())
         self._change_mm_processors()
+        if gen_breakdown:
+            self._install_probe()
+
+    def _install_probe(self) -> None:
+        """rollout.gen_breakdown: a GenerationProbe on this engine's vLLM objects (no GPU synchronization), its
+        breakdown of each generate call kept as `last_breakdown`; a probe that cannot be built leaves none."""
+        from rollout.gen_probe import GenerationProbe
+
+        try:
+            self._probe = GenerationProbe(self)
+        except Exception as e:  # the breakdown is diagnostics: generation goes on without it
+            log.warning("VLLMEngine: no generation breakdown (%s: %s)", type(e).__name__, e)
+            return
+        if self._probe.missing:
+            log.info("VLLMEngine: the generation breakdown reads null for %s (not found in this vLLM)",
+                     ", ".join(sorted(self._probe.missing)))
 
     def _change_mm_processors(self) -> None:
         """The request-adding switches that are on (`skip_empty_hf_calls`, `fast_placeholder_search`: the
@@ -991,8 +1015,12 @@ class VLLMEngine(Engine):
         if self._asleep:
             raise RuntimeError("VLLMEngine.generate: the engine is asleep; call wake() first")
         _check_sampling(params)
+        self.last_breakdown = {}
         if not prompts:
             return []
+        probe = self._probe
+        if probe is not None:
+            probe.begin()
         requests = [self._vllm_prompt(i, p) for i, p in enumerate(prompts)]
         sampling = self._vllm_sampling(params, len(prompts))
         call_seed = _mix_seed(self._seed, self._calls, self._dp_rank)
@@ -1004,6 +1032,8 @@ class VLLMEngine(Engine):
         # prompt tokens served from the prefix cache (a multi-turn episode's earlier turns)
         self.last_stats = {"prompt_tokens": sum(len(p.input_ids) for p in prompts),
                            "cached_prompt_tokens": sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)}
+        if probe is not None:
+            self.last_breakdown = probe.report(self.last_stats)
         generations = []
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
             self._check_prompt_ids(i, prompt, out.prompt_token_ids)

@@ -80,3 +80,24 @@ def test_summary_reports_the_start_up_and_what_the_engine_build_leaves(tmp_path)
 def test_summary_names_the_engine_start_up_settings(tmp_path):
     metrics, config = _write(tmp_path, ["rollout.engine_warmup=lean", "rollout.engine_startup_plan=true"])
     assert read_settings(config)["engine_warmup"] == "lean" and read_settings(config)["engine_startup_plan"] is True
+
+
+def test_summary_averages_where_generation_s_time_went(tmp_path):
+    """perf/gen_* of rollout.gen_breakdown: means over the steady steps that logged each, and the longest step."""
+    from rollout.gen_probe import METRICS
+    from tools.loop_summary import GEN_BREAKDOWN
+
+    assert set(GEN_BREAKDOWN) == set(METRICS)  # every metric the trainer may log
+    rows = [_row(s, t) for s, t in [(1, 50.0), (2, 12.0), (3, 9.0), (4, 10.0), (5, 11.0)]]
+    for r, slowest in zip(rows, (3.0, 0.5, 0.2, 0.4, 0.3)):
+        r.update({"perf/gen_steps_s": r["step"] * 0.5, "perf/gen_slowest_step_s": slowest, "perf/gen_steps": 300.0,
+                  "perf/gen_add_s": 0.25})
+    del rows[3]["perf/gen_add_s"]  # a step that logged no such part
+    s = summarize(rows)
+    assert s["gen_steps_s"] == pytest.approx(2.0) and s["gen_steps"] == 300.0 and s["gen_add_s"] == 0.25
+    assert s["gen_slowest_step_s"] == pytest.approx(0.3) and s["gen_slowest_step_s_max"] == 0.4
+    assert "gen_mm_processor_s" not in s and "gen_prep_s" not in s
+    assert not any(k.startswith("gen_") and k != "gen_s" and k != "gen_tokens_per_s"
+                   for k in summarize([_row(3, 9.0)]))  # a run without them: none
+    metrics, config = _write(tmp_path, ["rollout.gen_breakdown=false"])
+    assert read_settings(config)["gen_breakdown"] is False

@@ -237,6 +237,65 @@ def test_factory_passes_the_start_up_switches(monkeypatch, tiny_model):
     assert warm.temperature == 0.6 and warm.banned_token_ids == list(adapter.banned_token_ids)
 
 
+def test_factory_passes_gen_breakdown(monkeypatch, tiny_model):
+    from grpo.config import ConfigError, load_config
+
+    assert load_config(None).rollout.gen_breakdown is True  # on by default: every vLLM run logs perf/gen_*
+    assert _factory_kwargs(monkeypatch, tiny_model)[0]["gen_breakdown"] is True
+    assert _factory_kwargs(monkeypatch, tiny_model, "rollout.gen_breakdown=false")[0]["gen_breakdown"] is False
+    with pytest.raises(ConfigError, match=r"rollout.gen_breakdown.*expected bool"):
+        load_config(None, ["rollout.gen_breakdown=sometimes"])
+
+
+def test_generate_keeps_each_call_s_breakdown(tiny_model):
+    """rollout.gen_breakdown: VLLMEngine.generate brackets each call with its probe and keeps the call's
+    breakdown as last_breakdown; without a probe (rollout.gen_breakdown=false) it stays empty."""
+    from types import SimpleNamespace as NS
+
+    from rollout.base import PromptInput, SamplingParams
+
+    engine, processor = _request_engine(tiny_model, _asleep=set(), _seed=0, _calls=0, _dp_rank=0, _device=None,
+                                        _routing=False, mm_uuids=False)
+    ids = processor.tokenizer.encode("hello there")
+    scheduler = NS(requests={})
+    steps = []
+
+    class LLM:
+        def _add_completion_requests(self, requests):
+            return None
+
+        def _run_engine(self):
+            for _ in range(3):
+                scheduler.schedule()
+
+        def generate(self, requests, sampling, use_tqdm=False):
+            self._add_completion_requests(requests)
+            self._run_engine()
+            return [NS(prompt_token_ids=r["prompt_token_ids"], num_cached_tokens=1,
+                       outputs=[NS(index=0, token_ids=[5], logprobs=[{5: NS(logprob=-0.5)}], finish_reason="length")])
+                    for r in requests]
+
+    scheduler.schedule = lambda: steps.append(1) or NS(num_scheduled_tokens={"r": 1}, total_num_scheduled_tokens=1,
+                                                        scheduled_encoder_inputs={}, scheduled_encoder_input_stats=None)
+    engine._llm = LLM()
+    engine._llm.llm_engine = NS(engine_core=NS(engine_core=NS(scheduler=scheduler)))
+    engine._vllm_sampling = lambda params, count: None
+    engine._install_probe()
+    try:
+        engine.generate([PromptInput(ids), PromptInput(ids)], SamplingParams(n=1, max_new_tokens=1))
+        first = engine.last_breakdown
+        assert first["steps"] == 3 and first["prompt_tokens"] == 2 * len(ids) and first["cached_prompt_tokens"] == 2
+        assert first["add_s"] >= 0 and first["encoder_s"] is None and first["encoder_synced"] is False
+        engine.generate([PromptInput(ids)], SamplingParams(n=1, max_new_tokens=1))
+        assert engine.last_breakdown["steps"] == 3  # this call's alone
+        assert engine.generate([], SamplingParams(n=1, max_new_tokens=1)) == [] and engine.last_breakdown == {}
+    finally:
+        engine._probe.close()
+    engine._probe = None  # rollout.gen_breakdown=false
+    engine.generate([PromptInput(ids)], SamplingParams(n=1, max_new_tokens=1))
+    assert engine.last_breakdown == {}
+
+
 def test_image_keys_name_content_and_hash_each_image_object_once():
     import gc
 
@@ -297,14 +356,16 @@ def test_factory_passes_mm_uuids(monkeypatch, tiny_model):
     assert _factory_kwargs(monkeypatch, tiny_model, "rollout.mm_uuids=true")[0]["mm_uuids"] is True
 
 
-def test_bench_turns_probe_reads_the_engine_s_vllm_objects(tiny_model):
-    """tools/bench_turns.py's TurnProbe on stand-ins shaped like vLLM 0.26's in-process objects."""
+def test_generation_probe_reads_the_engine_s_vllm_objects(tiny_model):
+    """rollout/gen_probe.py's GenerationProbe (train.py's rollout.gen_breakdown, tools/bench_turns.py's per-turn
+    breakdown) on stand-ins shaped like vLLM 0.26's in-process objects."""
     from types import SimpleNamespace as NS
 
     from PIL import Image
 
     from rollout.base import PromptInput
-    from tools.bench_turns import TurnProbe, zoom_crop
+    from rollout.gen_probe import GenerationProbe
+    from tools.bench_turns import zoom_crop
 
     engine, processor = _request_engine(tiny_model)
     feature = NS(mm_position=NS(get_num_embeds=lambda: 4))
@@ -325,8 +386,9 @@ def test_bench_turns_probe_reads_the_engine_s_vllm_objects(tiny_model):
 
     engine._llm = LLM()
     engine._llm.llm_engine = NS(engine_core=NS(engine_core=NS(scheduler=scheduler)))  # no renderer, no runner
-    probe = TurnProbe(engine)
+    probe = GenerationProbe(engine)
     try:
+        probe.begin()
         image = Image.new("RGB", (28, 28), "red")
         ids = processor(processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}]),
                         [image])["input_ids"].tolist()
@@ -381,6 +443,7 @@ def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_mode
     assert engine.kwargs["mm_uuids"] is False and engine.kwargs["max_images_per_prompt"] == 3
     assert engine.kwargs["skip_empty_hf_calls"] is True and result["skip_empty_hf"] is True
     assert engine.kwargs["fast_placeholder_search"] is True and result["fast_placeholders"] is True
+    assert engine.kwargs["gen_breakdown"] is False  # the benchmark's own probe, synchronized around the encoder
     turns = engine.calls[2:]  # after the warm-up and the single-turn call
     assert [len(c[0]) for c in turns] == [2, 4, 4] and [len(c[0][0].images) for c in turns] == [1, 2, 3]
     assert all(p.pixel_values is None for c in turns for p in c[0])  # built as Rollouts builds them for vLLM
@@ -388,6 +451,7 @@ def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_mode
     assert result["crops"] == "distinct" and result["mm_uuids"] is False and len(result["turn_s"]) == 3
     assert [t["turn"] for t in result["turn_breakdown"]] == [1, 2, 3]
     assert result["turn_breakdown"][1]["input_s"] >= 0 and result["turn_breakdown"][1]["steps"] is None
+    assert result["turn_breakdown"][1]["encoder_synced"] is True
     assert result["single_turn_breakdown"]["prompt_tokens"] == sum(len(p.input_ids) for p in engine.calls[1][0])
 
 

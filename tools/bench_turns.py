@@ -43,13 +43,15 @@ as when a model zooms where it likes: 128 crops processed and encoded per later 
 either way (the benchmark's definition).
 
 Per turn (`turn_breakdown` in the JSON, one entry per turn; `single_turn_breakdown` for the single-turn call),
-from wrappers on the engine's vLLM objects (`TurnProbe`; a part vLLM lacks reads null):
+from wrappers on the engine's vLLM objects (`GenerationProbe` of rollout/gen_probe.py, which train.py runs
+too under rollout.gen_breakdown; here its own, synchronized around the encoder; a part vLLM lacks reads null):
   input_s          building the engine prompts from the episodes (outside the generate call)
   prep_s           the engine's own prompt building (collapse, re-expansion check, image keys)
   add_s            vLLM taking the requests: its multimodal processor and the engine core's add
   mm_stage_s       add_s's multimodal processor by stage (get_mm_hashes, apply_hf_processor, ...)
   steps_s          vLLM's engine steps (schedule, forward, sample) until every request finished
   encoder_s        the vision encoder's forward inside the steps (synchronized around each call)
+  encoder_synced   true: encoder_s was timed with the GPU synchronized around each call
   gc_s             Python garbage collection during the call
   slowest_steps_s  the three longest intervals between consecutive scheduler calls (one step each): a
                    stall inside one step (a collection, a pinned-memory allocation) shows here
@@ -61,7 +63,6 @@ from wrappers on the engine's vLLM objects (`TurnProbe`; a part vLLM lacks reads
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -70,9 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-COUNTS = ("images_sent", "images_processed", "images_encoded", "encoder_embeds", "steps", "prefill_steps",
-          "scheduled_tokens", "prefill_tokens", "preempted")
-TIMES = ("prep_s", "add_s", "steps_s", "encoder_s", "gc_s")
+from rollout.gen_probe import COUNTS, TIMES, GenerationProbe  # noqa: E402,F401  (COUNTS, TIMES: the result's keys)
 
 
 def _prompts(processor, count: int, side: int):
@@ -320,168 +319,6 @@ def add_only(args) -> dict:
             "turn_breakdown": per_turn}
 
 
-def _wrap(obj, name: str, around) -> bool:
-    """Replace obj.name by around(original) on the instance; False where obj lacks it."""
-    original = getattr(obj, name, None) if obj is not None else None
-    if original is None:
-        return False
-    setattr(obj, name, around(original))
-    return True
-
-
-class TurnProbe:
-    """Where one generate call's time goes, from wrappers on one VLLMEngine's vLLM objects (this
-    benchmark only). Each wrapper is installed where vLLM 0.26 has the object; a part it cannot find
-    is reported as null rather than failing the run."""
-
-    def __init__(self, engine):
-        self.reset()
-        self.missing: set[str] = set()
-        self._gc_start = None
-        llm = engine._llm
-        core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
-        self._scheduler = getattr(core, "scheduler", None)
-        self._install(engine, llm, core)
-        gc.callbacks.append(self._gc)
-
-    # --- wrappers ------------------------------------------------------------------------------
-    def _timer(self, key: str, synced: bool = False):
-        """A wrapper adding each call's seconds to times[key]; `synced` waits for the GPU around the call so
-        its asynchronous kernels count too."""
-        def around(original):
-            def timed(*args, **kwargs):
-                if synced:
-                    import torch
-
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    if synced:
-                        torch.cuda.synchronize()
-                    self.times[key] += time.perf_counter() - start
-            return timed
-        return around
-
-    def _install(self, engine, llm, core) -> None:
-        def prep(original):
-            timed = self._timer("prep_s")(original)
-
-            def counted(index, prompt):
-                self.counts["images_sent"] += len(prompt.images)
-                return timed(index, prompt)
-            return counted
-
-        ok = {"prep_s": _wrap(engine, "_vllm_prompt", prep),
-              "add_s": _wrap(llm, "_add_completion_requests", self._timer("add_s")),
-              "steps_s": _wrap(llm, "_run_engine", self._timer("steps_s"))}
-        renderer = getattr(getattr(llm, "llm_engine", None), "renderer", None)
-        processor = getattr(renderer, "mm_processor", None)
-        ok["mm_stage_s"] = _wrap(processor, "apply", self._stage_timing)
-        ok["images_processed"] = _wrap(processor, "_get_cache_missing_items", self._count_missing)
-        ok["steps"] = _wrap(self._scheduler, "schedule", self._scheduled)
-        runner = getattr(getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None),
-                                 "worker", None), "model_runner", None)
-        encoder = getattr(getattr(runner, "model_state", None), "encoder_runner", None)  # V2 model runner
-        ok["encoder_s"] = (_wrap(encoder, "execute_mm_encoder", self._timer("encoder_s", synced=True))
-                           or _wrap(runner, "_execute_mm_encoder", self._timer("encoder_s", synced=True)))  # V1
-        self.missing = {k for k, v in ok.items() if not v}
-        if "steps" in self.missing:
-            self.missing |= {"images_encoded", "encoder_embeds", "prefill_steps", "scheduled_tokens",
-                             "prefill_tokens", "preempted"}
-
-    def _stage_timing(self, original):
-        from vllm.multimodal.processing.context import TimingContext
-
-        def apply(inputs, timing_ctx=None, *args, **kwargs):
-            ctx = TimingContext(enabled=True)  # vLLM's own per-stage timer, on for this call
-            try:
-                return original(inputs, ctx, *args, **kwargs)
-            finally:
-                for stage, secs in ctx.stage_secs.items():
-                    self.stages[stage] = self.stages.get(stage, 0.0) + secs
-        return apply
-
-    def _count_missing(self, original):
-        def missing(*args, **kwargs):
-            is_cached, items = original(*args, **kwargs)
-            self.counts["images_processed"] += sum(not c for flags in is_cached.values() for c in flags)
-            return is_cached, items
-        return missing
-
-    def _scheduled(self, original):
-        def schedule(*args, **kwargs):
-            now = time.perf_counter()
-            if self._last_step is not None:
-                self._gaps.append(now - self._last_step)
-            self._last_step = now
-            out = original(*args, **kwargs)
-            self.record_step(out)
-            return out
-        return schedule
-
-    def record_step(self, out) -> None:
-        """Count one SchedulerOutput: a step, its tokens, its prefill chunks and encoder inputs."""
-        per_request = getattr(out, "num_scheduled_tokens", {}) or {}
-        if not per_request:
-            return
-        self.counts["steps"] += 1
-        self.counts["scheduled_tokens"] += int(out.total_num_scheduled_tokens)
-        chunks = [n for n in per_request.values() if n > 1]
-        self.counts["prefill_steps"] += bool(chunks)
-        self.counts["prefill_tokens"] += sum(chunks)
-        self.counts["preempted"] += len(getattr(out, "preempted_req_ids", None) or ())
-        stats = getattr(out, "scheduled_encoder_input_stats", None)
-        if stats is not None:
-            self.counts["images_encoded"] += stats.num_inputs
-            self.counts["encoder_embeds"] += stats.output_tokens
-        else:
-            for req_id, inputs in (getattr(out, "scheduled_encoder_inputs", None) or {}).items():
-                self.counts["images_encoded"] += len(inputs)
-                request = self._scheduler.requests.get(req_id) if self._scheduler is not None else None
-                if request is not None:
-                    self.counts["encoder_embeds"] += sum(request.mm_features[i].mm_position.get_num_embeds()
-                                                         for i in inputs)
-
-    def _gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        elif self._gc_start is not None:
-            self.times["gc_s"] += time.perf_counter() - self._gc_start
-            self._gc_start = None
-
-    # --- reading ---------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Zero the counts, times and step intervals for the next call."""
-        self.counts = dict.fromkeys(COUNTS, 0)
-        self.times = dict.fromkeys(TIMES, 0.0)
-        self.stages = {}
-        self._gaps = []
-        self._last_step = None
-
-    def report(self, stats: dict | None = None, input_s: float | None = None) -> dict:
-        """This call's breakdown (module docstring), then reset; `stats` is the engine's last_stats."""
-        out = {"input_s": None if input_s is None else round(input_s, 3)}
-        for key, value in self.times.items():
-            out[key] = None if key in self.missing else round(value, 3)
-        out["mm_stage_s"] = None if "mm_stage_s" in self.missing else {
-            k.removesuffix("_secs"): round(v, 3) for k, v in sorted(self.stages.items())}
-        for key, value in self.counts.items():
-            out[key] = None if key in self.missing else value
-        out["slowest_steps_s"] = None if "steps" in self.missing else [
-            round(g, 3) for g in sorted(self._gaps, reverse=True)[:3]]
-        stats = stats or {}
-        out["prompt_tokens"] = stats.get("prompt_tokens")
-        out["cached_prompt_tokens"] = stats.get("cached_prompt_tokens")
-        self.reset()
-        return out
-
-    def close(self) -> None:
-        if self._gc in gc.callbacks:
-            gc.callbacks.remove(self._gc)
-
-
 def summary_line(result: dict) -> str:
     """One line of a result: the ratio, then per turn its seconds and where they went."""
     def turn(b: dict) -> str:
@@ -563,15 +400,17 @@ def main(argv=None) -> dict:
                         adapter=adapter, max_images_per_prompt=args.turns, max_num_seqs=args.prompts * args.n,
                         processor_cache_gb=args.processor_cache_gb, mm_uuids=bool(args.mm_uuids),
                         skip_empty_hf_calls=bool(args.skip_empty_hf),
-                        fast_placeholder_search=bool(args.fast_placeholders))
+                        fast_placeholder_search=bool(args.fast_placeholders),
+                        gen_breakdown=False)  # the benchmark's own probe below, synchronized around the encoder
     banned = adapter.banned_token_ids
     whole = SamplingParams(n=args.n, max_new_tokens=args.turns * args.turn_tokens, banned_token_ids=banned, seed=1)
     turn = SamplingParams(n=args.n, max_new_tokens=args.turn_tokens, banned_token_ids=banned, seed=1)
     pixels_in = engine.reads_pixel_values  # False for vLLM: as Rollouts builds its inputs
     inputs = [Episode.start(i, p).engine_input(pixels_in) for i, p in enumerate(prompts)]
     engine.generate(inputs[:2], SamplingParams(n=2, max_new_tokens=8, banned_token_ids=banned))  # warm-up
-    probe = TurnProbe(engine)
+    probe = GenerationProbe(engine, synced=True)
 
+    probe.begin()
     gens, single_s = _timed(engine, inputs, whole)
     single_tokens = sum(len(g.token_ids) for g in gens)
     single_breakdown = probe.report(engine.last_stats)
@@ -585,6 +424,7 @@ def main(argv=None) -> dict:
         input_s = time.perf_counter() - start
         params = turn if t == 0 else SamplingParams(n=1, max_new_tokens=args.turn_tokens, banned_token_ids=banned,
                                                     seed=1 + t)
+        probe.begin()
         gens, s = _timed(engine, batch, params)
         del batch
         multi_s += s

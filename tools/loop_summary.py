@@ -13,7 +13,11 @@ building the policy, the reference and the data, of the trainer's whole start-up
 engine's build (`engine_build_s`: importing vLLM, `LLM(...)`, and vLLM's kernel warm-up inside it), and
 `first_step_extra_other_s`: the first step's extra time that the engine's build does not explain, of
 which `first_gen_extra_s` in generation (`first_update_extra_s`: the first reference pass and update
-beyond steady ones, always reported). With
+beyond steady ones, always reported). Where the steps logged where generation's time went (vLLM under
+`rollout.gen_breakdown`, rollout/gen_probe.py) it adds the mean of each of those parts over the steps that
+logged it (`gen_prep_s`, `gen_add_s`, `gen_mm_processor_s`, `gen_steps_s`, `gen_gc_s`,
+`gen_slowest_step_s`, `gen_steps`, `gen_prefill_steps`, `gen_preempted`, `gen_images_processed`), and
+`gen_slowest_step_s_max`, the longest step of any of them. With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
@@ -43,12 +47,17 @@ SETTINGS = {
     "unsharded_accumulation": ("optim", "unsharded_accumulation"),
     "shared_prompts": ("model", "shared_prompts"), "fp32_logits": ("model", "fp32_logits"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
+    "gen_breakdown": ("rollout", "gen_breakdown"),
 }
 # settings config.yaml holds as the words true/false (an auto key the trainer settled): read as booleans
 WORD_BOOLEANS = ("liger_kernel",)
 # start-up seconds the trainer logs once, as perf/<name>
 STARTUP = ("policy_build_s", "reference_build_s", "data_build_s", "init_s", "engine_build_s", "engine_import_s",
            "engine_llm_s", "engine_warmup_s")
+# where generation's time went, per step as perf/<name> (rollout/gen_probe.py METRICS): means over the steps
+# that logged each
+GEN_BREAKDOWN = ("gen_prep_s", "gen_add_s", "gen_mm_processor_s", "gen_steps_s", "gen_gc_s", "gen_slowest_step_s",
+                 "gen_steps", "gen_prefill_steps", "gen_preempted", "gen_images_processed")
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -89,6 +98,7 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
         peak_gb=max(r.get("memory/peak_gb", 0.0) for r in rows),
         alloc_retries=sum(r.get("memory/alloc_retries", 0.0) for r in rows),
     )
+    out.update(gen_breakdown(steady))
     first = next((r for r in rows if r.get("step") == 1), None)
     if first:
         out["first_step_s"] = first["perf/step_s"]
@@ -102,6 +112,18 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
         out["first_step_extra_other_s"] = out["first_step_extra_s"] - out["engine_build_s"]
         # generation beyond a steady one once the engine is built: kernels the warm-up left to compile
         out["first_gen_extra_s"] = first.get("perf/gen_s", 0.0) - out["engine_build_s"] - out["gen_s"]
+    return out
+
+
+def gen_breakdown(steady: list[dict]) -> dict:
+    """GEN_BREAKDOWN means over the steps that logged each (none: left out), and gen_slowest_step_s_max."""
+    out = {}
+    for name in GEN_BREAKDOWN:
+        values = [r[f"perf/{name}"] for r in steady if r.get(f"perf/{name}") is not None]
+        if values:
+            out[name] = statistics.mean(values)
+            if name == "gen_slowest_step_s":
+                out["gen_slowest_step_s_max"] = max(values)
     return out
 
 

@@ -410,30 +410,42 @@ def test_generation_probe_reads_the_engine_s_vllm_objects(tiny_model):
     assert zoom_crop(image, 28, 0, 0, False).tobytes() == zoom_crop(image, 28, 5, 1, False).tobytes()
 
 
+class _BenchStandIn:
+    """tools/bench_turns.py's engine, answering without vLLM."""
+    reads_pixel_values = False
+
+    def __init__(self, path, **kwargs):
+        self.kwargs, self.calls, self.last_stats = kwargs, [], {}
+        self._llm = None  # nothing for the probe to wrap: every breakdown field reads null
+
+    def generate(self, prompts, params):
+        from rollout.base import Generation
+
+        self.calls.append((prompts, params))
+        self.last_stats = {"prompt_tokens": sum(len(p.input_ids) for p in prompts), "cached_prompt_tokens": 0}
+        torch.ones(8).mul(2).sum()  # an op for the profiler to see
+        return [Generation(i, [11] * params.max_new_tokens, [-0.1] * params.max_new_tokens, "length")
+                for i, _ in enumerate(prompts) for _ in range(params.n)]
+
+
+def _bench_stand_in(monkeypatch) -> list:
+    """The engines tools/bench_turns.py builds, as _BenchStandIn."""
+    import rollout.vllm_engine as vllm_engine
+
+    built = []
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: built.append(_BenchStandIn(path, **kw))
+                        or built[-1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return built
+
+
 def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_model, tmp_path):
     """tools/bench_turns.py's turns, tool messages and JSON, with an engine that answers without vLLM."""
     import json
 
-    import rollout.vllm_engine as vllm_engine
-    from rollout.base import Generation
     from tools import bench_turns
 
-    class StandIn:
-        reads_pixel_values = False
-
-        def __init__(self, path, **kwargs):
-            self.kwargs, self.calls, self.last_stats = kwargs, [], {}
-            self._llm = None  # nothing for the probe to wrap: every breakdown field reads null
-
-        def generate(self, prompts, params):
-            self.calls.append((prompts, params))
-            self.last_stats = {"prompt_tokens": sum(len(p.input_ids) for p in prompts), "cached_prompt_tokens": 0}
-            return [Generation(i, [11] * params.max_new_tokens, [-0.1] * params.max_new_tokens, "length")
-                    for i, _ in enumerate(prompts) for _ in range(params.n)]
-
-    built = []
-    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: built.append(StandIn(path, **kw)) or built[-1])
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    built = _bench_stand_in(monkeypatch)
     out = tmp_path / "turns.json"
     result = bench_turns.main(["--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "3",
                                "--turn-tokens", "4", "--side", "56", "--crops", "distinct", "--mm-uuids", "0",
@@ -453,6 +465,63 @@ def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_mode
     assert result["turn_breakdown"][1]["input_s"] >= 0 and result["turn_breakdown"][1]["steps"] is None
     assert result["turn_breakdown"][1]["encoder_synced"] is True
     assert result["single_turn_breakdown"]["prompt_tokens"] == sum(len(p.input_ids) for p in engine.calls[1][0])
+    assert result["profile_turns"] is False and "profiles" not in result
+
+
+def test_bench_turns_profiles_the_single_call_turn_1_and_the_last(monkeypatch, tiny_model, tmp_path):
+    """--profile-turns 1: the single-turn call, turn 1 and the last turn under torch.profiler (CPU only here),
+    each with its kernel and CPU-op tables in the JSON, and a chrome trace with --trace-dir."""
+    import json
+
+    from tools import bench_turns
+
+    _bench_stand_in(monkeypatch)
+    out, traces = tmp_path / "turns.json", tmp_path / "traces"
+    result = bench_turns.main(["--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "3",
+                               "--turn-tokens", "4", "--side", "56", "--profile-turns", "1", "--trace-dir",
+                               str(traces), "--json-out", str(out)])
+    profiles = result["profiles"]
+    assert result["profile_turns"] is True and set(profiles) == {"single_turn", "turn_1", "turn_3"}
+    for name, prof in profiles.items():
+        assert set(prof) >= {"wall_s", "cuda", "cuda_kernel_ms", "cuda_kernels", "cpu_ops", "trace"}, name
+        assert prof["cuda"] is False and prof["cuda_kernel_ms"] is None and prof["cuda_kernels"] is None
+        assert 0 < len(prof["cpu_ops"]) <= 10 and prof["wall_s"] >= 0
+        assert all(set(op) == {"name", "self_ms", "count"} and len(op["name"]) <= 80 for op in prof["cpu_ops"])
+        assert "wall_ms_per_step" not in prof  # the stand-in counts no engine steps
+        assert json.loads((traces / f"turns_{name}.trace.json").read_text())  # a chrome trace per call
+    assert any(op["name"].startswith("aten::") for op in profiles["turn_3"]["cpu_ops"])
+    line = bench_turns.summary_line(result)
+    assert "prof turn_1" in line and "prof turn_3" in line
+    no_trace = bench_turns.main(["--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "1",
+                                 "--turn-tokens", "4", "--side", "56", "--profile-turns", "1"])
+    assert set(no_trace["profiles"]) == {"single_turn", "turn_1"} and "trace" not in no_trace["profiles"]["turn_1"]
+
+
+def test_bench_turns_profile_summary_reads_cuda_kernels():
+    """profile_summary on stand-ins of torch.profiler's averaged events: kernels by device time, ops by self CPU."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from tools.bench_turns import per_step, profile_summary
+
+    def kernel(name, us, count):
+        return NS(key=name, device_type=DeviceType.CUDA, self_device_time_total=us, count=count,
+                  self_cpu_time_total=0.0, is_user_annotation=False)
+
+    events = [kernel("k" * 100, 3000.0, 10), kernel("gemm", 5000.0, 128),
+              *[kernel(f"small{i}", 1.0, 1) for i in range(20)],
+              NS(key="aten::mm", device_type=DeviceType.CPU, self_cpu_time_total=700.0, count=3,
+                 self_device_time_total=0.0, is_user_annotation=False),
+              NS(key="range", device_type=DeviceType.CUDA, self_device_time_total=9e9, count=1,
+                 self_cpu_time_total=0.0, is_user_annotation=True)]
+    out = profile_summary(NS(key_averages=lambda: events), 1.23456, cuda=True)
+    assert out["cuda_kernel_ms"] == 8.02 and out["wall_s"] == 1.235 and len(out["cuda_kernels"]) == 15
+    assert out["cuda_kernels"][0] == {"name": "gemm", "ms": 5.0, "count": 128}
+    assert out["cuda_kernels"][1]["name"] == "k" * 80
+    assert out["cpu_ops"] == [{"name": "aten::mm", "self_ms": 0.7, "count": 3}]
+    per_step({"turn_1": out}, {"turn_1": {"steps": 4}})
+    assert out["cuda_kernel_ms_per_step"] == 2.005 and out["wall_ms_per_step"] == pytest.approx(308.75)
 
 
 def test_bench_turns_summary_line_reads_a_result(tmp_path):

@@ -2,7 +2,7 @@
 
     python tools/bench_turns.py --model DIR [--prompts 16 --n 8 --turns 3 --turn-tokens 128] [--json-out F]
         [--crops same|distinct] [--mm-uuids 1|0] [--skip-empty-hf 0|1] [--fast-placeholders 0|1] [--text-tools]
-        [--processor-cache-gb 4]
+        [--processor-cache-gb 4] [--profile-turns 0|1 [--trace-dir DIR]]
     python tools/bench_turns.py --summarize F     # one line of a result: ratio, per turn where the time went
     python tools/bench_turns.py --encode-only --model DIR [--crops same|distinct] [--text-tools] [--repeats 5]
     PYTHONPATH=<vLLM 0.26 source> python tools/bench_turns.py --add-only --model DIR [--crops ...] [--mm-uuids 1|0]
@@ -58,6 +58,16 @@ too under rollout.gen_breakdown; here its own, synchronized around the encoder; 
   images_sent, images_processed (the HF processor's misses), images_encoded, encoder_embeds,
   steps, prefill_steps, scheduled_tokens, prefill_tokens (scheduled in chunks of more than one
   token), prompt_tokens, cached_prompt_tokens (served by the prefix cache), preempted
+
+`--profile-turns 1` runs the single-turn call, turn 1 and the last turn under torch.profiler (CPU, and CUDA
+where there is a GPU), to see why a later turn's decode step takes longer than turn 1's. Per profiled call
+(`profiles` in the JSON: `single_turn`, `turn_1`, `turn_<last>`): `cuda_kernels`, the top 15 CUDA kernels
+by total time (name cut to 80 characters, `ms`, `count` launches), `cuda_kernel_ms` (all kernels), `wall_s`,
+`cpu_ops`, the top 10 CPU ops by self time (`self_ms`, `count`), and per engine step of the call's breakdown
+`wall_ms_per_step` and `cuda_kernel_ms_per_step` (the whole call's: prefill and request adding included).
+Kernel fields are null without CUDA. The profiled calls' seconds include the profiler's overhead, so their
+turns' tokens/s and the ratio are not comparable with an unprofiled run. `--trace-dir DIR` also writes each
+profiled call's chrome trace there (`<json-out stem>_<call>.trace.json`).
 """
 
 from __future__ import annotations
@@ -72,6 +82,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rollout.gen_probe import COUNTS, TIMES, GenerationProbe  # noqa: E402,F401  (COUNTS, TIMES: the result's keys)
+
+PROFILE_KERNELS = 15  # --profile-turns: CUDA kernels listed per profiled call, by total time
+PROFILE_CPU_OPS = 10  # and CPU ops, by self time
 
 
 def _prompts(processor, count: int, side: int):
@@ -333,7 +346,14 @@ def summary_line(result: dict) -> str:
             f"{result['multi_turn_tokens_per_s']} tok/s crops {result.get('crops')} keys {result.get('mm_uuids')} "
             f"skip_empty_hf {result.get('skip_empty_hf')} fast_placeholders {result.get('fast_placeholders')} "
             f"tool_message_s {result['tool_message_s']}")
-    return " | ".join([head] + [turn(b) for b in result.get("turn_breakdown", [])])
+    def prof(name: str, p: dict) -> str:
+        if "error" in p and "wall_s" not in p:
+            return f"prof {name} error {p['error']}"
+        top = (p.get("cuda_kernels") or p.get("cpu_ops") or [{}])[0].get("name")
+        return (f"prof {name} {p.get('wall_s')}s kernels {p.get('cuda_kernel_ms')} ms "
+                f"({p.get('cuda_kernel_ms_per_step')} ms/step of {p.get('wall_ms_per_step')} ms) top {top}")
+    profiles = [prof(name, p) for name, p in (result.get("profiles") or {}).items()]
+    return " | ".join([head] + [turn(b) for b in result.get("turn_breakdown", [])] + profiles)
 
 
 def _timed(engine, inputs, params) -> tuple[list, float]:
@@ -344,6 +364,71 @@ def _timed(engine, inputs, params) -> tuple[list, float]:
     gens = engine.generate(inputs, params)
     torch.cuda.synchronize()
     return gens, time.perf_counter() - t
+
+
+def profile_summary(prof, wall_s: float, cuda: bool) -> dict:
+    """One profiled call: the top 15 CUDA kernels by total time (name cut to 80 characters, ms, launches), all
+    CUDA kernels' ms, the call's wall seconds, and the top 10 CPU ops by self time. Without CUDA the kernel
+    fields are null and the CPU ops are the whole profile."""
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    out = {"wall_s": round(wall_s, 3), "cuda": cuda, "cuda_kernel_ms": None, "cuda_kernels": None}
+    if cuda:
+        # device activity only: an op row also carries its kernels' time, a user range overlaps them
+        kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False)]
+        out["cuda_kernel_ms"] = round(sum(e.self_device_time_total for e in kernels) / 1e3, 3)
+        out["cuda_kernels"] = [{"name": e.key[:80], "ms": round(e.self_device_time_total / 1e3, 3), "count": e.count}
+                               for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:PROFILE_KERNELS]]
+    ops = [e for e in events if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
+           and not getattr(e, "is_user_annotation", False)]
+    out["cpu_ops"] = [{"name": e.key[:80], "self_ms": round(e.self_cpu_time_total / 1e3, 3), "count": e.count}
+                      for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:PROFILE_CPU_OPS]]
+    return out
+
+
+def per_step(profiles: dict, breakdowns: dict) -> None:
+    """Each profile's CUDA kernel ms and wall ms per engine step, from its call's breakdown (when it counted steps)."""
+    for name, prof in profiles.items():
+        steps = (breakdowns.get(name) or {}).get("steps")
+        if steps and prof.get("wall_s") is not None:
+            prof["wall_ms_per_step"] = round(prof["wall_s"] * 1e3 / steps, 3)
+            if prof.get("cuda_kernel_ms") is not None:
+                prof["cuda_kernel_ms_per_step"] = round(prof["cuda_kernel_ms"] / steps, 3)
+
+
+def _call(engine, inputs, params, args, name: str, profiles: dict) -> tuple[list, float]:
+    """`_timed`, under torch.profiler when --profile-turns 1 names this call (`profiles[name]` then holds
+    `profile_summary`, and --trace-dir its chrome trace). A profiler that cannot start or be read is
+    reported in `profiles[name]["error"]`; the call itself runs either way."""
+    if not args.profile_turns:
+        return _timed(engine, inputs, params)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    try:
+        prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        prof.__enter__()
+    except Exception as e:
+        profiles[name] = {"error": f"{type(e).__name__}: {e}"}
+        return _timed(engine, inputs, params)
+    try:
+        gens, s = _timed(engine, inputs, params)
+    finally:
+        prof.__exit__(None, None, None)
+    try:
+        profiles[name] = profile_summary(prof, s, cuda)
+        if args.trace_dir:
+            stem = Path(args.json_out).stem if args.json_out else "turns"
+            trace = Path(args.trace_dir) / f"{stem}_{name}.trace.json"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace))
+            profiles[name]["trace"] = str(trace)
+    except Exception as e:
+        profiles[name] = {**profiles.get(name, {}), "error": f"{type(e).__name__}: {e}"}
+    return gens, s
 
 
 def main(argv=None) -> dict:
@@ -371,6 +456,10 @@ def main(argv=None) -> dict:
                    help="time only the encoding of one turn's tool messages, on the CPU, without an engine")
     p.add_argument("--repeats", type=int, default=5,
                    help="--encode-only, --add-only: timings of each path or turn (the best is reported)")
+    p.add_argument("--profile-turns", type=int, choices=(0, 1), default=0,
+                   help="1: the single-turn call, turn 1 and the last turn under torch.profiler (kernels and CPU "
+                        "ops in the JSON's profiles)")
+    p.add_argument("--trace-dir", default="", help="--profile-turns 1: a chrome trace of each profiled call here")
     p.add_argument("--json-out", default="")
     p.add_argument("--summarize", default="", help="print the summary line of this result file and exit")
     args = p.parse_args(argv)
@@ -410,8 +499,9 @@ def main(argv=None) -> dict:
     engine.generate(inputs[:2], SamplingParams(n=2, max_new_tokens=8, banned_token_ids=banned))  # warm-up
     probe = GenerationProbe(engine, synced=True)
 
+    profiles: dict[str, dict] = {}
     probe.begin()
-    gens, single_s = _timed(engine, inputs, whole)
+    gens, single_s = _call(engine, inputs, whole, args, "single_turn", profiles)
     single_tokens = sum(len(g.token_ids) for g in gens)
     single_breakdown = probe.report(engine.last_stats)
 
@@ -425,7 +515,10 @@ def main(argv=None) -> dict:
         params = turn if t == 0 else SamplingParams(n=1, max_new_tokens=args.turn_tokens, banned_token_ids=banned,
                                                     seed=1 + t)
         probe.begin()
-        gens, s = _timed(engine, batch, params)
+        if t in (0, args.turns - 1):  # turn 1 and the last turn: profiled under --profile-turns 1
+            gens, s = _call(engine, batch, params, args, f"turn_{t + 1}", profiles)
+        else:
+            gens, s = _timed(engine, batch, params)
         del batch
         multi_s += s
         turn_s.append(round(s, 3))
@@ -461,7 +554,11 @@ def main(argv=None) -> dict:
         "crops": args.crops, "mm_uuids": bool(args.mm_uuids), "skip_empty_hf": bool(args.skip_empty_hf),
         "fast_placeholders": bool(args.fast_placeholders),
         "single_turn_breakdown": single_breakdown, "turn_breakdown": turns,
+        "profile_turns": bool(args.profile_turns),
     }
+    if args.profile_turns:
+        per_step(profiles, {"single_turn": single_breakdown, **{f"turn_{b['turn']}": b for b in turns}})
+        result["profiles"] = profiles
     print(json.dumps(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result) + "\n")

@@ -61,9 +61,10 @@ def test_two_rank_update_matches_one_rank(moe_folder, tmp_path):
     assert one.keys() == two.keys()
     # AdamW's first step moves each weight by about lr * sign(grad) = 1e-2; where a gradient is at the
     # level of summation-order noise (two ranks add in another order), its step is noise-sized too:
-    # one patch-embedding weight of 49,152 differed by 2e-6 on a 2-core CPU. A wrong reduction moves 1e-2.
+    # one patch-embedding weight of 49,152 differed by 2e-6 on a 2-core CPU, one vision merger norm bias
+    # of 32 by 2.5e-5 with 128-wide Gated DeltaNet heads. A wrong reduction moves 1e-2.
     for name, tensor in one.items():
-        assert torch.allclose(tensor, two[name], atol=1e-5, rtol=1e-5), name
+        assert torch.allclose(tensor, two[name], atol=1e-4, rtol=1e-5), name
     experts = [n for n in one if n.endswith("mlp.experts.gate_up_proj")]
     assert experts and all(not torch.equal(before[n], one[n]) for n in experts)  # the experts trained
     routers = [n for n in one if n.endswith("mlp.gate.weight")]

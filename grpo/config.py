@@ -179,6 +179,11 @@ class RolloutConfig:
     engine_warmup: Literal["full", "lean", "off"] = "off"
     # let vLLM keep its memory profile's KV-cache size (VLLM_ENABLE_STARTUP_PLAN) and skip profiling next time
     engine_startup_plan: bool = False
+    # vLLM compiles the model with torch.compile (its default; tens of seconds in a machine's first engine
+    # build, cached for later runs). false: no compilation, decode steps replayed from whole-model CUDA graphs
+    # (cudagraph_mode FULL_DECODE_ONLY) and prefills eager. The same model either way; generation speed
+    # against the compiled engine not yet measured (docs/benchmarks.md)
+    engine_compile: bool = True
     # vLLM: where each generate call's time goes (rollout/gen_probe.py: prompt building, request adding, engine
     # steps, garbage collection, the slowest steps, the multimodal processor), logged per step as perf/gen_*;
     # wrappers on vLLM's objects that add no GPU synchronization; false: none installed

@@ -337,7 +337,9 @@ class ExactMode:
             # kernel call and merge the two softmaxes, another reduction than the policy's one pass
             "disable_cascade_attn": True,
         }
-        compilation = _compilation_config(self.cuda_graphs)
+        from rollout.vllm_engine import uncompiled_config
+
+        compilation = uncompiled_config(self.cuda_graphs)
         if compilation is not None:
             kwargs["compilation_config"] = compilation
         fields = _engine_arg_names()
@@ -382,28 +384,6 @@ def v2_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
             rows = torch.zeros(processed.shape[0], dtype=torch.int32, device=processed.device)
             apply_temperature(processed, rows, torch.tensor([temperature], dtype=torch.float32, device=processed.device))
         return compute_token_logprobs(processed, targets.reshape(-1, 1).to(torch.int64)).reshape(-1)
-
-
-def _compilation_config(cuda_graphs: bool = False) -> dict | None:
-    """vLLM's compilation config with torch.compile off, in the installed version's field names (`mode` or the
-    older `level`, 0: no compilation), and CUDA graphs off, or with `cuda_graphs` whole-model graphs for decode
-    steps only (FULL_DECODE_ONLY: no compilation needed, prefills stay eager); None without vLLM. enforce_eager
-    alone turns off only the CUDA graphs in some versions, and Inductor would fuse the routed ops into other
-    kernels."""
-    try:
-        import dataclasses
-
-        from vllm.config import CompilationConfig
-    except ImportError:
-        return None
-    names = {f.name for f in dataclasses.fields(CompilationConfig)}
-    config = {key: 0 for key in ("mode", "level") if key in names}
-    if "cudagraph_mode" in names:
-        config["cudagraph_mode"] = "FULL_DECODE_ONLY" if cuda_graphs else "NONE"
-    elif cuda_graphs:
-        raise RuntimeError("rollout.exact_cuda_graphs=true needs a vLLM whose CompilationConfig has cudagraph_mode "
-                           "(0.10 and later); set it to false")
-    return config or None
 
 
 def _engine_arg_names() -> set[str] | None:

@@ -75,6 +75,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         return_routed_experts=replay, fp32_logits=cfg.model.fp32_logits,
         exact=engine_mode(policy, r.exact_cuda_graphs) if r.exact else None, attention_backend=r.attention_backend,
         engine_warmup=r.engine_warmup, startup_plan=r.engine_startup_plan, gen_breakdown=r.gen_breakdown,
+        engine_compile=r.engine_compile,
         # the lean warm-up samples as the rollouts do (Trainer.sampling_params)
         warmup_sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=2,
                                        banned_token_ids=list(policy.adapter.banned_token_ids)),

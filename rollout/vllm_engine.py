@@ -711,6 +711,28 @@ class ImageKeys:
         return key
 
 
+def uncompiled_config(cuda_graphs: bool = False) -> dict | None:
+    """vLLM's compilation config with torch.compile off, in the installed version's field names (`mode` or the
+    older `level`, 0: no compilation), and CUDA graphs off, or with `cuda_graphs` whole-model graphs for decode
+    steps only (FULL_DECODE_ONLY: no compilation needed, prefills stay eager); None without vLLM. enforce_eager
+    alone turns off only the CUDA graphs in some versions. Used by `rollout.engine_compile=false` and exact mode."""
+    try:
+        import dataclasses
+
+        from vllm.config import CompilationConfig
+    except ImportError:
+        return None
+    names = {f.name for f in dataclasses.fields(CompilationConfig)}
+    config = {key: 0 for key in ("mode", "level") if key in names}
+    if "cudagraph_mode" in names:
+        config["cudagraph_mode"] = "FULL_DECODE_ONLY" if cuda_graphs else "NONE"
+    elif cuda_graphs:
+        raise RuntimeError("decode-step CUDA graphs without compilation (rollout.engine_compile=false, "
+                           "rollout.exact_cuda_graphs=true) need a vLLM whose CompilationConfig has cudagraph_mode "
+                           "(0.10 and later); set rollout.enforce_eager=true, or leave those keys at their defaults")
+    return config or None
+
+
 def _merged_compilation(*parts: dict) -> dict:
     """Keyword arguments of `vllm.LLM` from several sources, later ones winning, with their `compilation_config`
     dicts merged key by key (the graph sizes matched to the batch and exact mode's compilation switches)."""
@@ -758,6 +780,7 @@ class VLLMEngine(Engine):
     fast_placeholder_search = False  # vLLM's placeholder search jumps to candidate positions
     _engine_warmup = "off"  # rollout.engine_warmup (WARMUP_MODES)
     _fp32_logits = False  # model.fp32_logits: the lm_head's logits with fp32 output (head_dtype=float32)
+    _compile = True  # rollout.engine_compile: vLLM's torch.compile of the model (false: decode graphs, no compile)
     _probe = None  # rollout.gen_breakdown: the GenerationProbe on this engine's vLLM objects
     last_breakdown: dict = {}  # where the last generate call's time went (rollout/gen_probe.py); {} without a probe
 
@@ -792,6 +815,7 @@ class VLLMEngine(Engine):
         warmup_sampling: SamplingParams | None = None,
         startup_plan: bool = False,
         gen_breakdown: bool = True,
+        engine_compile: bool = True,
     ):
         if not 0 < min_pixels <= max_pixels:
             raise ValueError(f"VLLMEngine: need 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
@@ -853,6 +877,7 @@ class VLLMEngine(Engine):
         self._exact = exact
         # model.fp32_logits: vLLM's LogitsProcessor computes the head as torch.mm(..., out_dtype=float32)
         self._fp32_logits = fp32_logits
+        self._compile = engine_compile
         self._attention_backend = attention_backend  # "auto": vLLM's choice
         if exact is not None:
             from rollout import exact as exact_mode
@@ -967,7 +992,7 @@ class VLLMEngine(Engine):
             **({"enable_return_routed_experts": True} if self._routing else {}),
             **({"attention_config": {"backend": self._attention_backend}}
                if self._exact is None and getattr(self, "_attention_backend", "auto") != "auto" else {}),
-            **_merged_compilation(self._batch_kwargs(enforce_eager),
+            **_merged_compilation(self._batch_kwargs(enforce_eager), self._compile_kwargs(enforce_eager),
                                   {} if self._exact is None else self._exact.engine_kwargs(max_model_len)),
         )
 
@@ -989,6 +1014,15 @@ class VLLMEngine(Engine):
         log.info("VLLMEngine: %s KV cache capped at %.2f GiB (FlexAttention's per-step block map stays under "
                  "%d MiB)", self.family, cap / _GIB, FLEX_BLOCK_MAP_BYTES // 1024**2)
         return {"kv_cache_memory_bytes": cap}
+
+    def _compile_kwargs(self, enforce_eager: bool) -> dict:
+        """rollout.engine_compile=false: no torch.compile of the model, its decode steps replayed from whole-model
+        CUDA graphs (none under enforce_eager) and prefills eager, so a machine's first engine build skips vLLM's
+        compilation. Exact mode sets its own (later in the merge)."""
+        if getattr(self, "_compile", True) or self._exact is not None:
+            return {}
+        config = uncompiled_config(cuda_graphs=not enforce_eager)
+        return {} if config is None else {"compilation_config": config}
 
     def _batch_kwargs(self, enforce_eager: bool) -> dict:
         """Scheduler width and CUDA graph sizes matched to the rollout batch, when the caller knows it.

@@ -514,6 +514,41 @@ def test_exact_cuda_graphs_capture_decode_steps_without_compiling(monkeypatch, t
             load_config(None, bad)
 
 
+def test_engine_compile_false_builds_decode_graphs_without_compiling(monkeypatch, tiny_model):
+    """rollout.engine_compile=false: vLLM's compilation off and its decode steps from CUDA graphs sized to the batch;
+    none under enforce_eager; the default leaves vLLM's compilation alone; exact mode's own settings win."""
+    import dataclasses
+
+    from grpo.config import load_config
+    from rollout.vllm_engine import VLLMEngine
+
+    config = types.ModuleType("vllm.config")
+    config.CompilationConfig = dataclasses.make_dataclass("CompilationConfig", ["mode", "cudagraph_mode"])
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
+    captured = {}
+    _fake_vllm(monkeypatch, captured)
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.__dict__.update(_world=1, _processor_cache_gb=0.0, max_images_per_prompt=1, max_videos_per_prompt=0,
+                           _async_scheduling=None, _max_num_seqs=60, _routing=False, _exact=None)
+    engine.adapter = types.SimpleNamespace(vllm_processor_kwargs=lambda a, b: {}, vllm_engine_kwargs=lambda: {})
+    monkeypatch.setattr(VLLMEngine, "_kv_cache_kwargs", lambda self, *a: {})
+    engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["compilation_config"] == {"max_cudagraph_capture_size": 64}  # the default: vLLM compiles
+    engine._compile = False
+    engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["compilation_config"] == {"max_cudagraph_capture_size": 64, "mode": 0,
+                                              "cudagraph_mode": "FULL_DECODE_ONLY"}
+    captured.clear()
+    engine._build_llm(str(tiny_model), 1, 0.3, True, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["enforce_eager"] is True and captured["compilation_config"] == {"mode": 0, "cudagraph_mode": "NONE"}
+    engine._exact = exact.ExactMode("qwen2_5_vl")
+    captured.clear()
+    engine._build_llm(str(tiny_model), 1, 0.3, True, 4096, 0, "bfloat16", 3136, 12544)
+    assert captured["compilation_config"] == {"mode": 0, "cudagraph_mode": "NONE"}
+    assert load_config(None, []).rollout.engine_compile is True
+    assert load_config(None, ["rollout.engine_compile=false"]).rollout.engine_compile is False
+
+
 def test_vllm_paged_attention_builds_and_keeps_logprobs(tiny_model):
     from grpo.config import ModelConfig
     from models.packing import pack

@@ -260,3 +260,6 @@ def test_the_factory_passes_the_setting(monkeypatch, tiny_model):
     for overrides, value in (([], True), (["model.fp32_logits=false"], False)):
         factory.build_engine(load_config(None, [f"model.path={tiny_model}", *overrides]), policy)
         assert built["fp32_logits"] is value
+    for overrides, value in (([], True), (["rollout.engine_compile=false"], False)):  # the same path, another key
+        factory.build_engine(load_config(None, [f"model.path={tiny_model}", *overrides]), policy)
+        assert built["engine_compile"] is value

@@ -478,25 +478,32 @@ def test_exact_switches_reach_the_llm_constructor(monkeypatch, tiny_model):
     assert captured["attention_config"] == {"backend": "TRITON_ATTN"}
 
 
-def test_exact_cuda_graphs_capture_decode_steps_without_compiling(monkeypatch, tiny_model):
-    """rollout.exact_cuda_graphs: graphs for decode steps only (no compilation), sized to the batch; the config key
-    reaches the engine's mode."""
+def _engine_building_with(monkeypatch, captured: dict, mode):
+    """A VLLMEngine shell whose `_build_llm` hands its `LLM(...)` arguments to `captured`, under a vLLM whose
+    CompilationConfig names `mode` and `cudagraph_mode`, with exact mode `mode` (or None)."""
     import dataclasses
 
-    from grpo.config import load_config
     from rollout.vllm_engine import VLLMEngine
 
     config = types.ModuleType("vllm.config")
     config.CompilationConfig = dataclasses.make_dataclass("CompilationConfig", ["mode", "cudagraph_mode"])
     monkeypatch.setitem(sys.modules, "vllm.config", config)
-    captured = {}
     _fake_vllm(monkeypatch, captured)
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.__dict__.update(_world=1, _processor_cache_gb=0.0, max_images_per_prompt=1, max_videos_per_prompt=0,
-                           _async_scheduling=None, _max_num_seqs=60, _routing=False,
-                           _exact=exact.ExactMode("qwen2_5_vl", cuda_graphs=True))
+                           _async_scheduling=None, _max_num_seqs=60, _routing=False, _exact=mode)
     engine.adapter = types.SimpleNamespace(vllm_processor_kwargs=lambda a, b: {}, vllm_engine_kwargs=lambda: {})
     monkeypatch.setattr(VLLMEngine, "_kv_cache_kwargs", lambda self, *a: {})
+    return engine
+
+
+def test_exact_cuda_graphs_capture_decode_steps_without_compiling(monkeypatch, tiny_model):
+    """rollout.exact_cuda_graphs: graphs for decode steps only (no compilation), sized to the batch; the config key
+    reaches the engine's mode."""
+    from grpo.config import load_config
+
+    captured = {}
+    engine = _engine_building_with(monkeypatch, captured, exact.ExactMode("qwen2_5_vl", cuda_graphs=True))
     engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
     assert captured["enforce_eager"] is False and captured["max_num_seqs"] == 64
     assert captured["compilation_config"] == {"max_cudagraph_capture_size": 64, "mode": 0,
@@ -517,21 +524,10 @@ def test_exact_cuda_graphs_capture_decode_steps_without_compiling(monkeypatch, t
 def test_engine_compile_false_builds_decode_graphs_without_compiling(monkeypatch, tiny_model):
     """rollout.engine_compile=false: vLLM's compilation off and its decode steps from CUDA graphs sized to the batch;
     none under enforce_eager; the default leaves vLLM's compilation alone; exact mode's own settings win."""
-    import dataclasses
-
     from grpo.config import load_config
-    from rollout.vllm_engine import VLLMEngine
 
-    config = types.ModuleType("vllm.config")
-    config.CompilationConfig = dataclasses.make_dataclass("CompilationConfig", ["mode", "cudagraph_mode"])
-    monkeypatch.setitem(sys.modules, "vllm.config", config)
     captured = {}
-    _fake_vllm(monkeypatch, captured)
-    engine = VLLMEngine.__new__(VLLMEngine)
-    engine.__dict__.update(_world=1, _processor_cache_gb=0.0, max_images_per_prompt=1, max_videos_per_prompt=0,
-                           _async_scheduling=None, _max_num_seqs=60, _routing=False, _exact=None)
-    engine.adapter = types.SimpleNamespace(vllm_processor_kwargs=lambda a, b: {}, vllm_engine_kwargs=lambda: {})
-    monkeypatch.setattr(VLLMEngine, "_kv_cache_kwargs", lambda self, *a: {})
+    engine = _engine_building_with(monkeypatch, captured, None)
     engine._build_llm(str(tiny_model), 1, 0.3, False, 4096, 0, "bfloat16", 3136, 12544)
     assert captured["compilation_config"] == {"max_cudagraph_capture_size": 64}  # the default: vLLM compiles
     engine._compile = False

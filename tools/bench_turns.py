@@ -46,18 +46,8 @@ Per turn (`turn_breakdown` in the JSON, one entry per turn; `single_turn_breakdo
 from wrappers on the engine's vLLM objects (`GenerationProbe` of rollout/gen_probe.py, which train.py runs
 too under rollout.gen_breakdown; here its own, synchronized around the encoder; a part vLLM lacks reads null):
   input_s          building the engine prompts from the episodes (outside the generate call)
-  prep_s           the engine's own prompt building (collapse, re-expansion check, image keys)
-  add_s            vLLM taking the requests: its multimodal processor and the engine core's add
-  mm_stage_s       add_s's multimodal processor by stage (get_mm_hashes, apply_hf_processor, ...)
-  steps_s          vLLM's engine steps (schedule, forward, sample) until every request finished
-  encoder_s        the vision encoder's forward inside the steps (synchronized around each call)
-  encoder_synced   true: encoder_s was timed with the GPU synchronized around each call
-  gc_s             Python garbage collection during the call
-  slowest_steps_s  the three longest intervals between consecutive scheduler calls (one step each): a
-                   stall inside one step (a collection, a pinned-memory allocation) shows here
-  images_sent, images_processed (the HF processor's misses), images_encoded, encoder_embeds,
-  steps, prefill_steps, scheduled_tokens, prefill_tokens (scheduled in chunks of more than one
-  token), prompt_tokens, cached_prompt_tokens (served by the prefix cache), preempted
+  the probe's fields (rollout/gen_probe.py's module docstring lists them: prep_s, add_s, mm_stage_s, steps_s,
+  encoder_s, encoder_synced, gc_s, slowest_steps_s and the counts of images, steps and tokens)
 
 `--profile-turns 1` runs the single-turn call, turn 1 and the last turn under torch.profiler (CPU, and CUDA
 where there is a GPU), to see why a later turn's decode step takes longer than turn 1's. Per profiled call

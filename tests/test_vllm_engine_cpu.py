@@ -427,6 +427,33 @@ class _BenchStandIn:
         return [Generation(i, [11] * params.max_new_tokens, [-0.1] * params.max_new_tokens, "length")
                 for i, _ in enumerate(prompts) for _ in range(params.n)]
 
+    def generate_continuing(self, first, follow):
+        """Steps of one token for every running request; a request ends after its max_new_tokens, the step's
+        ended ones go to `follow` together and what it returns joins the next step. `events` records each
+        request's (step added, step ended, tokens, seed, images)."""
+        from rollout.base import Generation
+
+        running, step = [], 0
+        self.events = getattr(self, "events", [])
+        self.continuing_calls = getattr(self, "continuing_calls", 0) + 1
+
+        def add(requests):
+            for key, prompt, params in requests:
+                assert params.n == 1
+                running.append([key, params.max_new_tokens, {"added": step, "tokens": params.max_new_tokens,
+                                                              "seed": params.seed, "images": len(prompt.images)}])
+        add(first)
+        while running:
+            step += 1
+            for r in running:
+                r[1] -= 1
+            done = [r for r in running if r[1] == 0]
+            running = [r for r in running if r[1] > 0]
+            for r in done:
+                self.events.append({**r[2], "ended": step, "call": self.continuing_calls})
+            add(follow([(r[0], Generation(0, [11] * r[2]["tokens"], [-0.1] * r[2]["tokens"], "length"))
+                        for r in done]))
+
 
 def _bench_stand_in(monkeypatch) -> list:
     """The engines tools/bench_turns.py builds, as _BenchStandIn."""
@@ -466,6 +493,37 @@ def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_mode
     assert result["turn_breakdown"][1]["encoder_synced"] is True
     assert result["single_turn_breakdown"]["prompt_tokens"] == sum(len(p.input_ids) for p in engine.calls[1][0])
     assert result["profile_turns"] is False and "profiles" not in result
+
+
+def test_bench_turns_varied_lengths_turn_by_turn_and_continuous(monkeypatch, tiny_model):
+    """--lengths varied: each episode's turns their own lengths, the same tokens on the single-turn side (one request
+    per episode, its whole length); turn by turn, each turn's call at its longest length, cut per episode;
+    --continuous 1: an episode's next turn (one more image, its next length) joins while others still run."""
+    from tools import bench_turns
+
+    args = ["--model", str(tiny_model), "--prompts", "2", "--n", "2", "--turns", "3", "--turn-tokens", "8",
+            "--side", "56", "--crops", "distinct", "--lengths", "varied"]
+    lengths = bench_turns.turn_lengths(4, 3, 8, True)
+    assert all(2 <= x <= 14 for row in lengths for x in row) and len({x for row in lengths for x in row}) > 1
+    assert bench_turns.turn_lengths(4, 3, 8, False) == [[8] * 3] * 4
+    built = _bench_stand_in(monkeypatch)
+    synced = bench_turns.main(args)
+    (engine,) = built
+    single = [e for e in engine.events if e["call"] == 1]
+    assert sorted(e["tokens"] for e in single) == sorted(sum(row) for row in lengths)
+    assert synced["single_turn_tokens"] == synced["multi_turn_tokens"] == sum(map(sum, lengths))
+    turns = engine.calls[1:]  # after the warm-up: one call per turn at its longest length
+    assert [c[1].max_new_tokens for c in turns] == [max(row[t] for row in lengths) for t in range(3)]
+    built.clear()
+    continuous = bench_turns.main(args + ["--continuous", "1"])
+    (engine,) = built
+    multi = [e for e in engine.events if e["call"] == 2]
+    assert continuous["multi_turn_tokens"] == sum(map(sum, lengths)) and continuous["continuous"] is True
+    assert sorted(e["tokens"] for e in multi) == sorted(x for row in lengths for x in row)
+    assert sorted(e["images"] for e in multi) == [1] * 4 + [2] * 4 + [3] * 4
+    # a later turn was added while a request of an earlier one was still running
+    assert any(a["added"] < b["ended"] and a["images"] > b["images"] for a in multi for b in multi)
+    assert len({e["seed"] for e in multi}) == 12
 
 
 def test_bench_turns_profiles_the_single_call_turn_1_and_the_last(monkeypatch, tiny_model, tmp_path):

@@ -2,11 +2,16 @@
 
     python tools/bench_turns.py --model DIR [--prompts 16 --n 8 --turns 3 --turn-tokens 128] [--json-out F]
         [--crops same|distinct] [--mm-uuids 1|0] [--skip-empty-hf 0|1] [--fast-placeholders 0|1] [--text-tools]
-        [--processor-cache-gb 4] [--profile-turns 0|1 [--trace-dir DIR]]
+        [--processor-cache-gb 4] [--profile-turns 0|1 [--trace-dir DIR]] [--lengths fixed|varied] [--continuous 0|1]
     python tools/bench_turns.py --summarize F     # one line of a result: ratio, per turn where the time went
     python tools/bench_turns.py --encode-only --model DIR [--crops same|distinct] [--text-tools] [--repeats 5]
     PYTHONPATH=<vLLM 0.26 source> python tools/bench_turns.py --add-only --model DIR [--crops ...] [--mm-uuids 1|0]
         [--skip-empty-hf 0|1] [--fast-placeholders 0|1] [--repeats 5]
+
+`--lengths varied` gives each episode's turns their own lengths (a quarter to 7/4 of `turn_tokens`, seeded),
+as a model's turns end at different steps, and `--continuous 1` runs the episodes through the engine's
+`generate_continuing` (rollout.continuous_turns), an episode's next turn added when its own turn ends; either
+one runs `varied_turns` (its docstring says what is timed) instead of the turn-by-turn breakdown below.
 
 Single-turn: each prompt, n samples, `turns × turn_tokens` new tokens. Multi-turn: the same prompts
 and samples, `turn_tokens` per turn; between turns every episode gets a tool message holding a
@@ -64,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -421,6 +427,115 @@ def _call(engine, inputs, params, args, name: str, profiles: dict) -> tuple[list
     return gens, s
 
 
+def turn_lengths(episodes: int, turns: int, turn_tokens: int, varied: bool) -> list[list[int]]:
+    """Each episode's tokens per turn: `turn_tokens` each, or with `varied` drawn per episode and turn (seeded by
+    both) from a quarter to 7/4 of it, so a turn's episodes end at different steps as a model's would."""
+    if not varied:
+        return [[turn_tokens] * turns for _ in range(episodes)]
+    lo, hi = max(1, turn_tokens // 4), turn_tokens * 7 // 4
+    return [[random.Random(1000 * k + t).randint(lo, hi) for t in range(turns)] for k in range(episodes)]
+
+
+def varied_turns(args, engine, prompts, encoder, end_id: int, banned) -> dict:
+    """--lengths varied and/or --continuous 1: every episode generates its own lengths (`turn_lengths`).
+
+    Single-turn: each episode its whole length in one request (the engine's `generate_continuing` with nothing to
+    follow, which takes a length per request). Multi-turn, turn by turn (--continuous 0): one call per turn at the
+    turn's longest length, each episode's generation then cut to its own, as Rollouts cuts at an episode's
+    allowance; --continuous 1: one `generate_continuing` call in which an episode's next turn (its tool message,
+    then its next length) is added when its own turn ends. Tokens: the episodes' lengths, the same on both sides.
+    Seconds: the engine calls' wall time; with --continuous 1 less the tool messages' encoding inside the call (the
+    turn-by-turn side encodes between its calls)."""
+    import torch
+
+    from rollout.base import SamplingParams
+    from rollout.episode import Episode
+    from rollout.rollouts import TURN_SEED_STRIDE
+
+    pixels_in = engine.reads_pixel_values
+    episodes = [Episode.start(i, p) for i, p in enumerate(prompts) for _ in range(args.n)]
+    lengths = turn_lengths(len(episodes), args.turns, args.turn_tokens, args.lengths == "varied")
+    total = [sum(row) for row in lengths]
+
+    def params(tokens: int, seed: int) -> SamplingParams:
+        return SamplingParams(n=1, max_new_tokens=tokens, banned_token_ids=banned, seed=seed)
+
+    def add_tools(batch: list[Episode], turn: int) -> float:
+        start = time.perf_counter()
+        for e in batch:
+            # generation was forced to full length: its last token stands in for the end-of-turn token
+            e.token_ids[-1] = end_id
+        results = tool_results([e.images[0] for e in batch], args, turn)
+        for e, (ids, pix, grid, images) in zip(batch, encoder.encode_many(results)):
+            e.add_tool_tokens(ids, pix, grid, images)
+        return time.perf_counter() - start
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    single = [(k, Episode.start(e.prompt_index, prompts[e.prompt_index]).engine_input(pixels_in), params(total[k], 1 + k))
+              for k, e in enumerate(episodes)]
+    engine.generate_continuing(single, lambda finished: [])
+    torch.cuda.synchronize()
+    single_s = time.perf_counter() - start
+    single_tokens = sum(total)
+
+    tool_s, turn_s = 0.0, []
+    if args.continuous:
+        turn_of = [0] * len(episodes)
+
+        def follow(finished):
+            nonlocal tool_s
+            ended = []
+            for k, gen in finished:
+                episodes[k].add_model_turn(gen)
+                if turn_of[k] + 1 < args.turns:
+                    ended.append(k)
+            if not ended:
+                return []
+            tool_s += add_tools([episodes[k] for k in ended], min(turn_of[k] for k in ended))
+            nxt = []
+            for k in ended:
+                turn_of[k] += 1
+                seed = 1 + k + TURN_SEED_STRIDE * turn_of[k]
+                nxt.append((k, episodes[k].engine_input(pixels_in), params(lengths[k][turn_of[k]], seed)))
+            return nxt
+
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.generate_continuing([(k, e.engine_input(pixels_in), params(lengths[k][0], 1 + k))
+                                    for k, e in enumerate(episodes)], follow)
+        torch.cuda.synchronize()
+        multi_s = time.perf_counter() - start - tool_s
+    else:
+        multi_s = 0.0
+        for t in range(args.turns):
+            longest = max(row[t] for row in lengths)
+            batch = [e.engine_input(pixels_in) for e in episodes]
+            gens, s = _timed(engine, batch, SamplingParams(n=1, max_new_tokens=longest, banned_token_ids=banned,
+                                                          seed=1 + TURN_SEED_STRIDE * t))
+            multi_s += s
+            turn_s.append(round(s, 3))
+            for k, (e, g) in enumerate(zip(episodes, gens)):
+                cap = lengths[k][t]
+                e.add_model_turn(type(g)(g.prompt_index, g.token_ids[:cap], g.logprobs[:cap], "length",
+                                         g.routed_experts))
+            if t < args.turns - 1:
+                tool_s += add_tools(episodes, t)
+    multi_tokens = sum(e.model_tokens for e in episodes)
+    return {
+        "multi_turn": True, "model": Path(args.model).name, "prompts": args.prompts, "n": args.n, "turns": args.turns,
+        "turn_tokens": args.turn_tokens, "image_side": args.side, "lengths": args.lengths,
+        "continuous": bool(args.continuous), "crops": args.crops, "mm_uuids": bool(args.mm_uuids),
+        "single_turn_tokens": single_tokens, "single_turn_s": round(single_s, 3),
+        "single_turn_tokens_per_s": round(single_tokens / single_s, 1),
+        "multi_turn_tokens": multi_tokens, "multi_turn_s": round(multi_s, 3),
+        "multi_turn_tokens_per_s": round(multi_tokens / multi_s, 1),
+        "ratio": round((multi_tokens / multi_s) / (single_tokens / single_s), 3),
+        "turn_s": turn_s, "tool_message_s": round(tool_s, 3), "tool_images": not args.text_tools,
+        "episode_tokens_max": max(len(e.token_ids) for e in episodes),
+    }
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="")
@@ -450,6 +565,11 @@ def main(argv=None) -> dict:
                    help="1: the single-turn call, turn 1 and the last turn under torch.profiler (kernels and CPU "
                         "ops in the JSON's profiles)")
     p.add_argument("--trace-dir", default="", help="--profile-turns 1: a chrome trace of each profiled call here")
+    p.add_argument("--lengths", choices=("fixed", "varied"), default="fixed",
+                   help="varied: each episode's turn its own length, from a quarter to 7/4 of --turn-tokens")
+    p.add_argument("--continuous", type=int, choices=(0, 1), default=0,
+                   help="1: episodes run through the engine's generate_continuing (rollout.continuous_turns): an "
+                        "episode's next turn is added when its own turn ends")
     p.add_argument("--json-out", default="")
     p.add_argument("--summarize", default="", help="print the summary line of this result file and exit")
     args = p.parse_args(argv)
@@ -487,6 +607,13 @@ def main(argv=None) -> dict:
     pixels_in = engine.reads_pixel_values  # False for vLLM: as Rollouts builds its inputs
     inputs = [Episode.start(i, p).engine_input(pixels_in) for i, p in enumerate(prompts)]
     engine.generate(inputs[:2], SamplingParams(n=2, max_new_tokens=8, banned_token_ids=banned))  # warm-up
+    if args.lengths == "varied" or args.continuous:
+        result = varied_turns(args, engine, prompts, encoder, processor.tokenizer.convert_tokens_to_ids(
+            adapter.end_of_turn), banned)
+        print(json.dumps(result))
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(result) + "\n")
+        return result
     probe = GenerationProbe(engine, synced=True)
 
     profiles: dict[str, dict] = {}

@@ -276,7 +276,8 @@ turns)
   # engine's build is most of it); each prints its summary line (per turn: vLLM's request adding vs engine
   # steps, images sent/processed/encoded, prefill tokens) and leaves turns_NAME.json. For example
   # TURNS_RUNS=prof:--crops@same@--profile-turns@1 also profiles the single-turn call, turn 1 and the last
-  # turn (CUDA kernels and CPU ops per call in turns_prof.json; @--trace-dir@DIR adds chrome traces in DIR)
+  # turn (CUDA kernels and CPU ops per call in turns_prof.json; @--trace-dir@DIR adds chrome traces in DIR);
+  # var:--lengths@varied and cont:--lengths@varied@--continuous@1 compare turn-by-turn with continuous turns
   for run in ${TURNS_RUNS:-zoom:--crops@same zoom_distinct:--crops@distinct zoom_nokeys:--mm-uuids@0 text:--text-tools}; do
     name=${run%%:*}; args=${run#*:}
     timeout ${TURNS_S:-170} $PY tools/bench_turns.py --model $M ${args//@/ } --json-out "$OUT/turns_$name.json" \

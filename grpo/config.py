@@ -163,6 +163,11 @@ class RolloutConfig:
     # tokens one episode may hold in all (prompt, model and tool tokens; the engine's context);
     # 0: data.max_prompt_tokens + rollout.max_new_tokens, the single-turn size
     max_context_tokens: int = 0
+    # vLLM with one engine rank (tensor_parallel_size 1): an episode whose turn finished gets its tool results
+    # and its next turn's request while the other episodes keep decoding, instead of every turn waiting for
+    # its longest generation (rollout/rollouts.py `_run_continuous`; docs/agents.md, "Continuous turns").
+    # Tools then run inside the engine's loop. Off until measured on a GPU
+    continuous_turns: bool = False
     # exact on-policy mode (docs/fidelity.md, "Exact mode"): vLLM batch-invariant, and the policy's scoring
     # forward through the engine's kernels, so engine and trainer logprobs are bitwise equal (GPU, vLLM)
     exact: bool = False

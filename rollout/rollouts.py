@@ -17,6 +17,11 @@ has left, and an episode's turn is cut at its own budget); `rollout.max_context_
 all (a tool result that would leave no room for another model token ends the episode);
 `rollout.max_tool_errors` failed calls. Without tools an episode has one turn and ends answered
 (a stop token) or max_tokens: exactly the single-turn rollout.
+
+`rollout.continuous_turns` (vLLM, one engine rank): the episodes run in one engine call instead of
+one per turn; an episode whose turn finished gets its tool results and its next request while the
+others keep decoding (`_run_continuous`). The same turn logic and limits, each episode's turn cut at
+its own budget by the engine; an episode's turns are seeded by its own index.
 """
 
 from __future__ import annotations
@@ -149,6 +154,9 @@ class Rollouts:
         budget = params.max_new_tokens
         tools = bool(self.tools) and use_tools
         episodes = [Episode.start(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
+        if tools and self._continuous(engine):
+            self._run_continuous(engine, prompts, episodes, params)
+            return episodes
         live = list(episodes)
         turn = 0
         # members of a tensor-parallel engine group generate together, even with nothing of their own
@@ -172,7 +180,7 @@ class Rollouts:
             else:
                 gens = self.generate(engine, [e.engine_input(pixels) for e in live], replace(turn_params, n=1))
             turn += 1
-            calls = self._end_turn(live, gens, allowed, turn, budget, tools)
+            calls = self._end_turn(live, gens, allowed, [turn] * len(live), budget, tools)
             if calls:
                 self._run_tools(prompts, calls)
             live = [e for e in live if not e.done]
@@ -185,6 +193,11 @@ class Rollouts:
         count = len(inputs)
         inputs, params, start = self.engine_group.gather(inputs, params)
         gens = engine.generate(inputs, params)
+        self._note_call(engine)
+        return self.engine_group.own(gens, start, count)
+
+    def _note_call(self, engine) -> None:
+        """Add the engine's last call to the step's prefix-cache counts and generation breakdowns."""
         stats = getattr(engine, "last_stats", None) or {}
         if "cached_prompt_tokens" in stats:  # vLLM: its prefix cache's share of the prompt tokens
             self.prefix[0] += stats["prompt_tokens"]
@@ -192,13 +205,57 @@ class Rollouts:
         breakdown = getattr(engine, "last_breakdown", None)
         if breakdown and isinstance(breakdown, dict):  # vLLM under rollout.gen_breakdown: where the call's time went
             self.breakdowns.append(breakdown)
-        return self.engine_group.own(gens, start, count)
 
-    def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int], turn: int,
+    # --- continuous turns (rollout.continuous_turns) -----------------------------------------
+    def _continuous(self, engine) -> bool:
+        """Whether this call's episodes run continuously: asked for, and an engine that continues requests
+        (vLLM) serving this rank alone (a tensor-parallel group's members generate together, turn by turn)."""
+        return (self.cfg.rollout.continuous_turns and hasattr(engine, "generate_continuing")
+                and self.engine_group.size == 1)
+
+    def _run_continuous(self, engine, prompts, episodes: list[Episode], params: SamplingParams) -> None:
+        """Run `episodes` (prompt-major, n per prompt) in one `engine.generate_continuing` call: an episode whose
+        turn finished gets its tool results and its next request while the others keep decoding. The turn
+        logic, limits and finish reasons are the turn-synchronous loop's, applied to each batch of episodes
+        that finished together; tool calls run inside the engine's loop (a slow one stalls generation for up
+        to rollout.tool_timeout_s). Seeds (with params.seed): episode k's turn t (from 0) samples with
+        seed + t · TURN_SEED_STRIDE + k, so turn 0 samples as an n-sample request of the prompt does."""
+        budget = params.max_new_tokens
+        pixels = getattr(engine, "reads_pixel_values", True)
+        turns = [0] * len(episodes)  # model turns each episode has had
+        allowed = [0] * len(episodes)  # the model tokens episode k's current turn may take
+
+        def request(k: int):
+            e = episodes[k]
+            allowed[k] = min(budget - e.model_tokens, self.context - len(e.token_ids))
+            if allowed[k] < 1:
+                e.finish_reason = "max_tokens"
+                return None
+            seed = None if params.seed is None else params.seed + turns[k] * TURN_SEED_STRIDE + k
+            return k, e.engine_input(pixels), replace(params, n=1, max_new_tokens=allowed[k], seed=seed)
+
+        def follow(finished: list[tuple[int, Generation]]) -> list:
+            ks = [k for k, _ in finished]
+            for k in ks:
+                turns[k] += 1
+            batch = [episodes[k] for k in ks]
+            calls = self._end_turn(batch, [g for _, g in finished], [allowed[k] for k in ks],
+                                   [turns[k] for k in ks], budget, True)
+            if calls:
+                self._run_tools(prompts, calls)
+            return [r for r in (request(k) for k in ks if not episodes[k].done) if r is not None]
+
+        first = [r for r in (request(k) for k in range(len(episodes))) if r is not None]
+        if first:
+            engine.generate_continuing(first, follow)
+            self._note_call(engine)
+
+    def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int], turns: list[int],
                   budget: int, tools: bool) -> list[tuple[Episode, str]]:
-        """Append each live episode's turn; finish the ones that end here; the tool calls of the rest."""
+        """Append each live episode's turn; finish the ones that end here; the tool calls of the rest.
+        `turns[i]` is live[i]'s count of model turns, this one included."""
         calls: list[tuple[Episode, str]] = []
-        for e, g, cap in zip(live, gens, allowed):
+        for e, g, cap, turn in zip(live, gens, allowed, turns):
             cut = len(g.token_ids) > cap
             if cut:
                 g = Generation(g.prompt_index, g.token_ids[:cap], g.logprobs[:cap], "length", g.routed_experts)

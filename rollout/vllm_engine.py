@@ -91,6 +91,10 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   (rollout/gen_probe.py) wraps vLLM's request adding, engine steps, scheduler and multimodal processor
   and keeps where each generate call's time went as `last_breakdown`, without synchronizing the GPU; the
   trainer logs a step's sums as perf/gen_*.
+- Continuous turns (`rollout.continuous_turns`): `generate_continuing` adds requests through vLLM's own
+  `_add_completion_requests` and runs `llm_engine.step()` itself, so requests that follow from the ones that
+  finished in a step join the running batch at once; each finished request is checked and converted as in
+  `generate`.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ import socket
 import time
 import weakref
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -374,6 +378,111 @@ def engine_routes(prompt_routes, completion_routes, prompt_len: int, gen_len: in
         raise RuntimeError(f"vLLM's routing has shape {tuple(routes.shape)} for {prompt_len} prompt and {gen_len} "
                            "response tokens")
     return torch.cat([routes, routes.new_full((total - routes.shape[0], *routes.shape[1:]), -1)])
+
+
+def _vllm_sampling_params(params: SamplingParams, seed: int | None):
+    """vLLM's SamplingParams for `params` with this seed: the sampled token's logprob only, no detokenizing."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    return VLLMSamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        max_tokens=params.max_new_tokens,
+        stop_token_ids=[int(t) for t in params.stop_token_ids],
+        ignore_eos=True,
+        logit_bias={int(t): BAN_BIAS for t in params.banned_token_ids} or None,
+        logprobs=0,  # the sampled token's logprob only
+        flat_logprobs=True,
+        detokenize=False,
+        seed=seed,
+    )
+
+
+def _check_requests(requests) -> None:
+    """`generate_continuing`'s requests: one response each (n=1), sampling params in range."""
+    for key, _, params in requests:
+        if params.n != 1:
+            raise ValueError(f"VLLMEngine.generate_continuing: request {key!r} asks for n={params.n} responses; "
+                             "each request is one response (n=1): send an episode's samples as separate requests")
+        _check_sampling(params)
+
+
+class _ContinuingRun:
+    """The requests of one `VLLMEngine.generate_continuing` call: what each vLLM request stands for, its tallies
+    and timings. vLLM 0.26's `_add_completion_requests` returns its internal request ids (the external id, a
+    counter, then '-' and 8 random characters) while its outputs carry the external id: requests are found by
+    the external one and aborted by the internal one."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        # external request id -> (internal id, index, key, prompt) of each request not finished yet
+        self.waiting: dict[str, tuple[str, int, object, PromptInput]] = {}
+        self.added = 0
+        self.prompt_tokens = self.cached_tokens = 0
+        self.times = {"add_s": 0.0, "steps_s": 0.0, "follow_s": 0.0}
+
+    def add(self, requests) -> None:
+        requests = list(requests)
+        _check_requests(requests)
+        if not requests:
+            return
+        prompts = [self.engine._vllm_prompt(self.added + i, prompt) for i, (_, prompt, _) in enumerate(requests)]
+        sampling = [_vllm_sampling_params(params, params.seed) for _, _, params in requests]
+        start = time.perf_counter()
+        ids = self.engine._llm._add_completion_requests(prompts, sampling, use_tqdm=False)
+        self.times["add_s"] += time.perf_counter() - start
+        if len(ids) != len(requests):
+            raise RuntimeError(f"vLLM added {len(ids)} requests for {len(requests)} prompts")
+        for internal, (key, prompt, _) in zip(ids, requests):
+            self.waiting[internal.split("-", 1)[0]] = (internal, self.added, key, prompt)
+            self.added += 1
+            self.prompt_tokens += len(prompt.input_ids)
+
+    def step(self) -> list[tuple[object, Generation]]:
+        """One engine step; the requests that finished in it as (key, Generation), in vLLM's order."""
+        start = time.perf_counter()
+        outputs = self.engine._llm.llm_engine.step()
+        self.times["steps_s"] += time.perf_counter() - start
+        finished = []
+        for out in outputs:
+            if not out.finished:
+                continue
+            if out.request_id not in self.waiting:
+                raise RuntimeError(f"vLLM finished request {out.request_id!r}, which this call did not add")
+            _, index, key, prompt = self.waiting.pop(out.request_id)
+            self.cached_tokens += int(getattr(out, "num_cached_tokens", 0) or 0)
+            (generation,) = self.engine._generations(index, prompt, out, 1)
+            finished.append((key, generation))
+        return finished
+
+    def follow(self, follow: Callable, finished: list) -> list:
+        start = time.perf_counter()
+        try:
+            return list(follow(finished) or [])
+        finally:
+            self.times["follow_s"] += time.perf_counter() - start
+
+    def abort(self) -> None:
+        """Abort this call's unfinished requests (after an error), so the next call starts with none."""
+        internal = [v[0] for v in self.waiting.values()]
+        self.waiting.clear()
+        if internal:
+            try:
+                self.engine._llm.llm_engine.abort_request(internal, internal=True)
+            except Exception as e:  # the error that stopped the call is the one to raise
+                log.warning("VLLMEngine.generate_continuing: aborting %d requests failed (%s: %s)",
+                            len(internal), type(e).__name__, e)
+
+    def breakdown(self, report: dict) -> dict:
+        """The probe's report with this call's own add and step seconds where the probe has none (it times
+        `_run_engine`, which this call does not run), and follow_s."""
+        for key in ("add_s", "steps_s"):
+            if not report.get(key):
+                report[key] = round(self.times[key], 3)
+        report["follow_s"] = round(self.times["follow_s"], 3)
+        return report
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -1070,17 +1179,61 @@ class VLLMEngine(Engine):
             self.last_breakdown = probe.report(self.last_stats)
         generations = []
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-            self._check_prompt_ids(i, prompt, out.prompt_token_ids)
-            completions = sorted(out.outputs, key=lambda c: c.index)
-            if len(completions) != params.n:
-                raise RuntimeError(f"vLLM returned {len(completions)} responses for prompt {i}, expected n={params.n}")
-            for c in completions:
-                tokens = list(c.token_ids)
-                logprobs = _sampled_logprobs(tokens, c.logprobs)
-                routes = engine_routes(getattr(out, "prompt_routed_experts", None), c.routed_experts,
-                                       len(prompt.input_ids), len(tokens)) if self._routing else None
-                generations.append(Generation(i, tokens, logprobs, _finish_reason(c.finish_reason), routes))
+            generations += self._generations(i, prompt, out, params.n)
         return generations
+
+    def _generations(self, index: int, prompt: PromptInput, out, n: int) -> list[Generation]:
+        """One vLLM RequestOutput as its n Generations, in completion order, after checking the prompt ids."""
+        self._check_prompt_ids(index, prompt, out.prompt_token_ids)
+        completions = sorted(out.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise RuntimeError(f"vLLM returned {len(completions)} responses for prompt {index}, expected n={n}")
+        generations = []
+        for c in completions:
+            tokens = list(c.token_ids)
+            logprobs = _sampled_logprobs(tokens, c.logprobs)
+            routes = engine_routes(getattr(out, "prompt_routed_experts", None), c.routed_experts,
+                                   len(prompt.input_ids), len(tokens)) if self._routing else None
+            generations.append(Generation(index, tokens, logprobs, _finish_reason(c.finish_reason), routes))
+        return generations
+
+    def generate_continuing(self, first, follow: Callable) -> None:
+        """Requests that continue while others decode. `first` is [(key, PromptInput, SamplingParams with n=1)];
+        after each engine step `follow([(key, Generation), ...])` gets the requests that finished in it and
+        returns the requests to add next in the same form (possibly none): they join the running batch at once.
+        Runs until no request is left. Each request samples with its own params and seed, as one prompt of
+        `generate` does. The whole loop is one call for last_stats and last_breakdown, whose add_s and steps_s
+        are timed here where the probe (which wraps `_run_engine`, not called here) has none, and whose
+        follow_s is the seconds spent in `follow`."""
+        if self._asleep:
+            raise RuntimeError("VLLMEngine.generate_continuing: the engine is asleep; call wake() first")
+        first = list(first)
+        _check_requests(first)
+        self.last_breakdown = {}
+        self.last_stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0}
+        if not first:
+            return
+        probe = self._probe
+        if probe is not None:
+            probe.begin()
+        run = _ContinuingRun(self)
+        call_seed = _mix_seed(self._seed, self._calls, self._dp_rank)
+        self._calls += 1
+        with _sampling_rng(call_seed, self._device):
+            try:
+                run.add(first)
+                while self._llm.llm_engine.has_unfinished_requests():
+                    finished = run.step()
+                    if finished:
+                        run.add(run.follow(follow, finished))
+            except BaseException:
+                run.abort()  # leave the engine without requests of this call
+                raise
+        if run.waiting:
+            raise RuntimeError(f"vLLM finished with {len(run.waiting)} requests of this call unreported")
+        self.last_stats = {"prompt_tokens": run.prompt_tokens, "cached_prompt_tokens": run.cached_tokens}
+        if probe is not None:
+            self.last_breakdown = run.breakdown(probe.report(self.last_stats))
 
     def _vllm_prompt(self, index: int, prompt: PromptInput) -> dict:
         """A vLLM token prompt: each image's expanded block collapsed to what vLLM expands, plus the images."""
@@ -1121,27 +1274,9 @@ class VLLMEngine(Engine):
 
     def _vllm_sampling(self, params: SamplingParams, num_prompts: int):
         """One vLLM SamplingParams for all prompts, or one per prompt when a seed is given."""
-        from vllm import SamplingParams as VLLMSamplingParams
-
-        def build(seed):
-            return VLLMSamplingParams(
-                n=params.n,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k if params.top_k > 0 else 0,
-                max_tokens=params.max_new_tokens,
-                stop_token_ids=[int(t) for t in params.stop_token_ids],
-                ignore_eos=True,
-                logit_bias={int(t): BAN_BIAS for t in params.banned_token_ids} or None,
-                logprobs=0,  # the sampled token's logprob only
-                flat_logprobs=True,
-                detokenize=False,
-                seed=seed,
-            )
-
         if params.seed is None:
-            return build(None)
-        return [build(params.seed + i * params.n) for i in range(num_prompts)]
+            return _vllm_sampling_params(params, None)
+        return [_vllm_sampling_params(params, params.seed + i * params.n) for i in range(num_prompts)]
 
     @staticmethod
     def _check_prompt_ids(index: int, prompt: PromptInput, engine_ids) -> None:

@@ -1,0 +1,372 @@
+"""Continuous multi-turn rollouts (rollout.continuous_turns): the episodes of `Rollouts._run_continuous` against
+the turn-synchronous loop's on a stand-in engine whose answers depend only on the prompt ids; the seeds and
+budgets of each request; `VLLMEngine.generate_continuing`'s plumbing on stand-ins of vLLM 0.26's objects."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+import types
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+from PIL import Image
+
+from data.processing import EncodedPrompt, load_processor
+from data.trajectories import render_chat
+from grpo.config import load_config
+from models.family import FAMILIES
+from rollout.base import Generation, PromptInput, SamplingParams
+from rollout.groups import EngineGroup
+from rollout.rollouts import TURN_SEED_STRIDE, Rollouts, awake
+from tests.test_episodes import ZOOM, _call, _model_config
+
+QUESTIONS = ["How many?", "How many cubes?", "Count the spheres.", "What color is it?", "Is it red?",
+             "How many objects are there?", "Name the shape.", "How many red things?", "Which is largest?",
+             "Is there a cylinder?", "How many metal things?", "What is left of the cube?"]
+
+
+def _cfg(model, *extra):
+    return load_config(None, [f"model.path={model}", "data.task=clevr", "data.min_pixels=3136", "data.max_pixels=3136",
+                              "rollout.tools=[image_zoom_in_tool,calculator]", "rollout.max_turns=3",
+                              "rollout.max_new_tokens=200", "rollout.tool_timeout_s=5", *extra])
+
+
+def _prompts(processor) -> list[EncodedPrompt]:
+    out = []
+    for i, question in enumerate(QUESTIONS):
+        image = Image.new("RGB", (56, 56), (30 * i, 200 - 20 * i, 90))
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        images = processor.prepare_images([image])
+        enc = processor(render_chat(processor, messages, True, None), images)
+        out.append(EncodedPrompt(i, enc["input_ids"], enc["pixel_values"], enc["image_grid_thw"], images, "3"))
+    return out
+
+
+class TurnEngine:
+    """Answers from a prompt's ids alone (a hash of them picks what the model writes and how long it thinks
+    first): a zoom, a zoom out of range, a calculator call, an answer, or text without an end of turn that
+    runs to the request's max_new_tokens. `generate` is the Engine contract (n per prompt, prompt-major)."""
+
+    reads_pixel_values = False
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.calls = []  # generate: (number of prompts, params)
+        self.requests = []  # generate_continuing: (key, ids, params) in the order they were added
+        self.events = []  # generate_continuing: ("add" | "finish", key, step)
+
+    def _tokens(self, ids: list[int], cap: int) -> Generation:
+        h = int.from_bytes(hashlib.sha256(repr(list(ids)).encode()).digest()[:8], "little")
+        kind, think = h % 7, "ok " * ((h // 7) % 9)
+        zoom = _call(ZOOM)
+        out_of_range = _call({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 500, 500]}})
+        calc = _call({"name": "calculator", "arguments": {"expression": "2+1"}})
+        text = think + [zoom, zoom, zoom, out_of_range, calc, "<answer>3</answer><|im_end|>",
+                        "the answer may be three or four, "][kind]
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        finish = "stop"
+        if tokens[-1] != self.end:  # no end of turn: rambles on to the cap
+            tokens = (tokens * (cap // len(tokens) + 1))
+        if len(tokens) > cap:
+            tokens, finish = tokens[:cap], "length"
+        logprobs = [-((h >> (j % 40)) % 97) / 100 for j in range(len(tokens))]
+        return Generation(0, tokens, logprobs, finish)
+
+    def _stats(self, prompts) -> None:
+        self.last_stats = {"prompt_tokens": sum(len(p.input_ids) for p in prompts),
+                           "cached_prompt_tokens": sum(len(p.input_ids) // 2 for p in prompts)}
+        self.last_breakdown = {"steps_s": 0.5, "add_s": 0.25}
+
+    def generate(self, prompts, params):
+        self.calls.append((len(prompts), params))
+        self._stats(prompts)
+        return [self._generation(i, p, params) for i, p in enumerate(prompts) for _ in range(params.n)]
+
+    def _generation(self, index, prompt, params) -> Generation:
+        g = self._tokens(prompt.input_ids, params.max_new_tokens)
+        return Generation(index, g.token_ids, g.logprobs, g.finish_reason)
+
+
+
+class HashEngine(TurnEngine):
+    """TurnEngine with `generate_continuing`, which simulates engine steps (a request finishes after as many
+    steps as it has tokens) and records when each request was added and finished."""
+
+    def generate_continuing(self, first, follow):
+        running, step, added = [], 0, []  # running: [steps left, order added, key, Generation]
+
+        def add(requests):
+            for key, prompt, params in requests:
+                assert params.n == 1
+                self.requests.append((key, list(prompt.input_ids), params))
+                added.append(prompt)
+                g = self._tokens(prompt.input_ids, params.max_new_tokens)
+                running.append([len(g.token_ids), len(self.requests), key, g])
+                self.events.append(("add", key, step))
+
+        add(first)
+        while running:
+            step += 1
+            for r in running:
+                r[0] -= 1
+            done = sorted((r for r in running if r[0] <= 0), key=lambda r: r[1])
+            running[:] = [r for r in running if r[0] > 0]
+            for _, _, key, _ in done:
+                self.events.append(("finish", key, step))
+            if done:
+                add(follow([(key, g) for _, _, key, g in done]))
+        self._stats(added)
+
+
+def _rollouts(cfg, processor, group=None):
+    from grpo.algorithm import dynamic_sampling_keep
+
+    adapter = FAMILIES["qwen2_5_vl"].adapter(_model_config(cfg.model.path))
+    return Rollouts(cfg, adapter, processor, lambda: awake(None), group or EngineGroup(), lambda v: v,
+                    dynamic_sampling_keep)
+
+
+def _run(cfg, processor, engine, prompts, params, group=None):
+    rollouts = _rollouts(cfg, processor, group)
+    try:
+        episodes = rollouts.run_episodes(engine, prompts, params)
+    finally:
+        rollouts.close()
+    return episodes, rollouts
+
+
+def _same_episode(a, b) -> None:
+    assert (a.prompt_index, a.token_ids, a.sources, a.logprobs, a.turns) == \
+        (b.prompt_index, b.token_ids, b.sources, b.logprobs, b.turns)
+    assert (a.finish_reason, a.engine_finish, a.tool_calls, a.tool_errors) == \
+        (b.finish_reason, b.engine_finish, b.tool_calls, b.tool_errors)
+    assert [(i.size, i.mode, i.tobytes()) for i in a.images] == [(i.size, i.mode, i.tobytes()) for i in b.images]
+    assert len(a.tool_pixels) == len(b.tool_pixels)
+    assert all(torch.equal(x, y) for x, y in zip(a.tool_pixels, b.tool_pixels))
+    assert all(torch.equal(x, y) for x, y in zip(a.tool_grids, b.tool_grids))
+    assert a.loss_mask().tolist() == b.loss_mask().tolist()
+
+
+def test_continuous_turns_give_the_turn_synchronous_episodes(tiny_model):
+    processor = load_processor(str(tiny_model))
+    prompts = _prompts(processor)
+    params = SamplingParams(n=2, max_new_tokens=200, seed=100, stop_token_ids=[])
+    sync_engine = HashEngine(processor.tokenizer)
+    expected, _ = _run(_cfg(tiny_model), processor, sync_engine, prompts, params)
+    assert len(sync_engine.calls) == 3 and sync_engine.requests == []  # off by default: a call per turn
+    engine = HashEngine(processor.tokenizer)
+    episodes, rollouts = _run(_cfg(tiny_model, "rollout.continuous_turns=true"), processor, engine, prompts, params)
+    assert engine.calls == [] and len(episodes) == len(expected) == 2 * len(prompts)
+    for a, b in zip(episodes, expected):
+        _same_episode(a, b)
+    # the episodes cover every way a turn can end, and tools that failed
+    reasons = {e.finish_reason for e in episodes}
+    assert {"answered", "max_turns", "max_tokens"} <= reasons, reasons
+    assert {len(e.turns) for e in episodes} >= {1, 2, 3}
+    assert any(e.tool_errors for e in episodes) and any(e.tool_images for e in episodes)
+    # one engine call: its prefix-cache counts and its breakdown
+    prompt_tokens = sum(len(ids) for _, ids, _ in engine.requests)
+    assert rollouts.prefix == [prompt_tokens, sum(len(ids) // 2 for _, ids, _ in engine.requests)]
+    assert rollouts.breakdowns == [{"steps_s": 0.5, "add_s": 0.25}]
+
+
+def test_later_turns_join_while_other_episodes_still_decode(tiny_model):
+    processor = load_processor(str(tiny_model))
+    prompts = _prompts(processor)
+    params = SamplingParams(n=2, max_new_tokens=200, seed=100, stop_token_ids=[])
+    engine = HashEngine(processor.tokenizer)
+    episodes, _ = _run(_cfg(tiny_model, "rollout.continuous_turns=true"), processor, engine, prompts, params)
+    finished_at = {}
+    overlaps = 0
+    for kind, key, step in engine.events:
+        if kind == "finish":
+            finished_at.setdefault(key, []).append(step)
+    adds = [(key, step) for kind, key, step in engine.events if kind == "add" and step > 0]
+    assert adds, "no episode had a second turn"
+    for key, step in adds:
+        # a request of another episode that was added before this one and finished after it was added
+        overlaps += any(s > step for k, steps in finished_at.items() if k != key for s in steps)
+    assert overlaps == len(adds)  # every later turn started while another episode was decoding
+    # turn 1: one request per episode, prompt-major, seeded as vLLM seeds the children of an n-sample request
+    first = [(key, params_.seed) for key, _, params_ in engine.requests[:len(episodes)]]
+    assert first == [(k, 100 + k) for k in range(len(episodes))]
+    assert [ids for _, ids, _ in engine.requests[:len(episodes)]] == [p.input_ids.tolist() for p in prompts
+                                                                       for _ in range(2)]
+    # later turns: seed + turn · stride + the episode's index; each request capped at its episode's allowance
+    turn, used = {}, {}
+    context = _cfg(tiny_model).data.max_prompt_tokens + 200
+    for key, ids, p in engine.requests:
+        t = turn.get(key, 0)
+        assert p.n == 1 and p.seed == 100 + t * TURN_SEED_STRIDE + key
+        assert p.max_new_tokens == min(200 - used.get(key, 0), context - len(ids))
+        e = episodes[key]
+        s, end = e.turns[t]
+        assert ids == e.token_ids[:s]  # the episode so far
+        turn[key], used[key] = t + 1, used.get(key, 0) + (end - s)
+    assert turn == {k: len(e.turns) for k, e in enumerate(episodes)}
+    # without a seed, none
+    engine = HashEngine(processor.tokenizer)
+    _run(_cfg(tiny_model, "rollout.continuous_turns=true"), processor, engine, prompts[:2],
+         SamplingParams(n=2, max_new_tokens=200, stop_token_ids=[]))
+    assert {p.seed for _, _, p in engine.requests} == {None}
+
+
+def test_continuous_turns_apply_only_where_they_can(tiny_model):
+    processor = load_processor(str(tiny_model))
+    prompts = _prompts(processor)[:2]
+    params = SamplingParams(n=2, max_new_tokens=200, seed=0, stop_token_ids=[])
+    cfg = _cfg(tiny_model, "rollout.continuous_turns=true")
+    assert _cfg(tiny_model).rollout.continuous_turns is False
+    assert cfg.rollout.continuous_turns is True
+    assert load_config(None, ["rollout.continuous_turns=true", "rollout.exact=true"]).rollout.continuous_turns
+    # an engine without generate_continuing (the torch engine): turn by turn
+    engine = TurnEngine(processor.tokenizer)
+    _run(cfg, processor, engine, prompts, params)
+    assert engine.calls and not hasattr(engine, "generate_continuing")
+    # a tensor-parallel engine group: its members generate together, turn by turn
+    group = EngineGroup(size=2)
+    group.gather = lambda inputs, p: (inputs, p, 0)
+    group.own = lambda gens, start, count: gens
+    engine = HashEngine(processor.tokenizer)
+    rollouts = _rollouts(cfg, processor, group)
+    try:
+        rollouts.run_episodes(engine, prompts, params)
+        assert engine.calls and engine.requests == []
+        # without tools for this call (evaluate's use_tools=False): one turn through generate
+        rollouts.engine_group = EngineGroup()
+        engine = HashEngine(processor.tokenizer)
+        episodes = rollouts.run_episodes(engine, prompts, params, use_tools=False)
+        assert len(engine.calls) == 1 and engine.requests == [] and all(len(e.turns) == 1 for e in episodes)
+    finally:
+        rollouts.close()
+
+
+# --- VLLMEngine.generate_continuing on stand-ins of vLLM's objects ------------------------------------------------
+class _FakeVLLMSampling:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class _FlatLogprobs(NS):
+    """vLLM's FlatLogprobs: parallel lists, one span per sampled position."""
+
+    def __init__(self, start_indices, end_indices, token_ids, logprobs):
+        super().__init__(start_indices=start_indices, end_indices=end_indices, token_ids=token_ids, logprobs=logprobs)
+
+    def __len__(self):
+        return len(self.start_indices)
+
+
+class _FakeLLM:
+    """vLLM 0.26's LLM as generate_continuing uses it: `_add_completion_requests` returns internal request ids
+    (the external counter, '-', 8 characters); each `llm_engine.step()` decodes one token of every running
+    request and reports the finished ones under their external id, with flat logprobs."""
+
+    def __init__(self, follow_log):
+        self.counter, self.running, self.aborted, self.sampling, self.log = 0, [], [], [], follow_log
+        self.llm_engine = NS(has_unfinished_requests=lambda: bool(self.running), step=self.step,
+                             abort_request=lambda ids, internal=False: self.aborted.append((ids, internal)))
+
+    def _add_completion_requests(self, prompts, params, use_tqdm=True):
+        assert use_tqdm is False and len(prompts) == len(params)
+        ids = []
+        for prompt, sp in zip(prompts, params):
+            self.sampling.append(sp)
+            self.running.append([sp.max_tokens, str(self.counter), prompt["prompt_token_ids"]])
+            ids.append(f"{self.counter}-abcd{self.counter:04d}")
+            self.counter += 1
+        self.log.append(("add", len(prompts)))
+        return ids
+
+    def step(self):
+        outs = []
+        for r in self.running:
+            r[0] -= 1
+            tokens = [7 + j for j in range(self.sampling[int(r[1])].max_tokens - r[0])]
+            flat = _FlatLogprobs(list(range(len(tokens))), list(range(1, len(tokens) + 1)), list(tokens),
+                                 [-0.5 - j for j in range(len(tokens))])
+            completion = NS(index=0, token_ids=tokens, logprobs=flat, routed_experts=None,
+                            finish_reason="length" if r[0] <= 0 else None)
+            outs.append(NS(request_id=r[1], finished=r[0] <= 0, prompt_token_ids=list(r[2]), num_cached_tokens=3,
+                           outputs=[completion]))
+        self.running = [r for r in self.running if r[0] > 0]
+        return outs
+
+
+def _vllm_engine(monkeypatch, tiny_model, log):
+    from rollout.vllm_engine import VLLMEngine
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = _FakeVLLMSampling
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    from tests.test_vllm_engine_cpu import _request_engine
+
+    engine, processor = _request_engine(tiny_model, _asleep=set(), _seed=0, _calls=0, _dp_rank=0, _device=None,
+                                        _routing=False, mm_uuids=False)
+    engine._llm = _FakeLLM(log)
+    assert isinstance(engine, VLLMEngine)
+    return engine, processor
+
+
+def test_vllm_generate_continuing_adds_requests_as_others_finish(monkeypatch, tiny_model):
+    log = []
+    engine, processor = _vllm_engine(monkeypatch, tiny_model, log)
+    a, b = processor.tokenizer.encode("hello there"), processor.tokenizer.encode("a longer prompt than that")
+    got = []
+
+    def follow(finished):
+        got.append([(key, g.token_ids, g.logprobs, g.finish_reason) for key, g in finished])
+        log.append(("follow", [key for key, _ in finished]))
+        time.sleep(0.01)
+        return [(f"{key}+", PromptInput(a + g.token_ids), SamplingParams(max_new_tokens=2, seed=5))
+                for key, g in finished if not key.endswith("+")]
+
+    engine._install_probe()
+    try:
+        engine.generate_continuing([("x", PromptInput(a), SamplingParams(max_new_tokens=1, seed=9)),
+                                    ("y", PromptInput(b), SamplingParams(max_new_tokens=4))], follow)
+    finally:
+        engine._probe.close()
+    # x finished first: its follow-up was added while y was still decoding
+    assert log == [("add", 2), ("follow", ["x"]), ("add", 1), ("follow", ["x+"]), ("follow", ["y"]), ("add", 1),
+                   ("follow", ["y+"])]
+    assert got[0] == [("x", [7], [-0.5], "length")] and got[2] == [("y", [7, 8, 9, 10], [-0.5, -1.5, -2.5, -3.5],
+                                                                    "length")]
+    # each request its own vLLM SamplingParams: n=1, its max_new_tokens and seed
+    assert [(s.n, s.max_tokens, s.seed) for s in engine._llm.sampling] == [(1, 1, 9), (1, 4, None), (1, 2, 5),
+                                                                            (1, 2, 5)]
+    assert engine._calls == 1  # one call for the sampling RNG
+    prompts = [a, b, a + [7], a + [7, 8, 9, 10]]
+    assert engine.last_stats == {"prompt_tokens": sum(map(len, prompts)), "cached_prompt_tokens": 12}
+    out = engine.last_breakdown
+    assert out["prompt_tokens"] == engine.last_stats["prompt_tokens"] and out["cached_prompt_tokens"] == 12
+    # the probe times the adds; the steps (no _run_engine to wrap) and follow are timed by the call itself
+    assert out["add_s"] is not None and out["steps_s"] is not None and out["follow_s"] >= 0.04
+    assert out["prep_s"] >= 0 and engine._llm.aborted == []
+
+
+def test_vllm_generate_continuing_refuses_n_and_cleans_up_after_an_error(monkeypatch, tiny_model):
+    engine, processor = _vllm_engine(monkeypatch, tiny_model, [])
+    ids = processor.tokenizer.encode("hello there")
+    with pytest.raises(ValueError, match="n=2"):
+        engine.generate_continuing([("x", PromptInput(ids), SamplingParams(n=2, max_new_tokens=3))], lambda f: [])
+    assert engine._llm.counter == 0  # nothing was added
+    with pytest.raises(ValueError, match="n=3"):  # nor from follow
+        engine.generate_continuing([("x", PromptInput(ids), SamplingParams(max_new_tokens=1))],
+                                   lambda f: [("z", PromptInput(ids), SamplingParams(n=3, max_new_tokens=1))])
+
+    def broken(finished):
+        raise KeyError("a tool's bug")
+
+    engine._llm = _FakeLLM([])
+    with pytest.raises(KeyError):
+        engine.generate_continuing([("x", PromptInput(ids), SamplingParams(max_new_tokens=1)),
+                                    ("y", PromptInput(ids), SamplingParams(max_new_tokens=5))], broken)
+    assert engine._llm.aborted == [(["1-abcd0001"], True)]  # y, by its internal id
+    engine._asleep = {"weights"}
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate_continuing([], lambda f: [])

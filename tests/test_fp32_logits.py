@@ -222,8 +222,6 @@ def test_vllm_gets_head_dtype_float32_in_its_hf_overrides(monkeypatch):
 
 
 def test_a_callable_family_override_runs_first_then_head_dtype_is_set(monkeypatch):
-    import pickle
-
     def family(config):  # as Gemma4's vllm_hf_config: changes the config and returns it
         config.update({"global_head_dim": 64})
         return config
@@ -233,9 +231,14 @@ def test_a_callable_family_override_runs_first_then_head_dtype_is_set(monkeypatc
     config = overrides(PretrainedConfig())
     assert config.global_head_dim == 64 and config.head_dtype == "float32"
     assert _vllm_kwargs(monkeypatch, {"hf_overrides": family}, fp32=False)["hf_overrides"] is family
-    from rollout.vllm_engine import with_head_dtype
+    import functools
 
-    pickle.dumps(with_head_dtype({"hf_overrides": pickle.loads}, "float32")["hf_overrides"])  # a module function
+    from rollout.vllm_engine import _then_head_dtype, with_head_dtype
+
+    # a partial of module-level functions, which vLLM's config can copy and send to its workers
+    wrapped = with_head_dtype({"hf_overrides": types.SimpleNamespace}, "float32")["hf_overrides"]
+    assert isinstance(wrapped, functools.partial) and wrapped.func is _then_head_dtype
+    assert wrapped.args == (types.SimpleNamespace, "float32")
 
 
 def test_the_vllm_engine_refuses_it_in_exact_mode(monkeypatch):

@@ -174,8 +174,8 @@ class Rollouts:
             turn_params = replace(params, max_new_tokens=self.agree_max(top) if together else top)
             if params.seed is not None:
                 turn_params.seed = params.seed + turn * TURN_SEED_STRIDE
-            if turn == 0:
-                inputs = [e.engine_input(pixels) for e in episodes[::params.n]] if live else []
+            if turn == 0:  # one n-sample request per prompt still live (a prompt's n episodes live or end together)
+                inputs = [e.engine_input(pixels) for e in live[::params.n]]
                 gens = self.generate(engine, inputs, turn_params)
             else:
                 gens = self.generate(engine, [e.engine_input(pixels) for e in live], replace(turn_params, n=1))

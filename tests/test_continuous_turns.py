@@ -174,6 +174,32 @@ def test_continuous_turns_give_the_turn_synchronous_episodes(tiny_model):
     assert rollouts.breakdowns == [{"steps_s": 0.5, "add_s": 0.25}]
 
 
+def test_a_prompt_without_room_leaves_the_others_their_own_answers(tiny_model):
+    """A prompt that leaves no room in the context ends at once (max_tokens) and the engine does not see it; the
+    prompt after it gets its own generations, turn by turn and continuous alike."""
+    processor = load_processor(str(tiny_model))
+    image = Image.new("RGB", (56, 56), (10, 20, 30))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Count them. " * 30}]}]
+    images = processor.prepare_images([image])
+    enc = processor(render_chat(processor, messages, True, None), images)
+    long_ = EncodedPrompt(0, enc["input_ids"], enc["pixel_values"], enc["image_grid_thw"], images, "3")
+    room = long_.input_ids.numel()
+    probe = HashEngine(processor.tokenizer)
+    # a prompt whose answer differs from the long prompt's within the room it has
+    short = next(p for p in _prompts(processor) if probe._tokens(p.input_ids.tolist(), room).token_ids[:8]
+                 != probe._tokens(long_.input_ids.tolist(), room).token_ids[:8])
+    params = SamplingParams(n=2, max_new_tokens=200, stop_token_ids=[])
+    for extra in ([], ["rollout.continuous_turns=true"]):
+        engine = HashEngine(processor.tokenizer)
+        cfg = _cfg(tiny_model, f"data.max_prompt_tokens={short.input_ids.numel()}",
+                   f"rollout.max_context_tokens={room}", *extra)
+        episodes, _ = _run(cfg, processor, engine, [long_, short], params)
+        assert [e.finish_reason for e in episodes[:2]] == ["max_tokens"] * 2 and not episodes[0].turns
+        own = engine._tokens(short.input_ids.tolist(), room - short.input_ids.numel()).token_ids
+        for e in episodes[2:]:
+            assert e.token_ids[short.input_ids.numel():][:8] == own[:8]
+
+
 def test_later_turns_join_while_other_episodes_still_decode(tiny_model):
     processor = load_processor(str(tiny_model))
     prompts = _prompts(processor)

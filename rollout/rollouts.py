@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 from dataclasses import replace
 from typing import Callable
 
@@ -40,6 +41,8 @@ from models.family import FamilyAdapter, require_tool_format
 from rollout.base import Generation, SamplingParams
 from rollout.episode import FINISH_REASONS, Episode, ToolResultEncoder
 from rollout.tools import ERROR_KINDS, ToolContext, ToolRunner, build_tools, tool_schema
+
+log = logging.getLogger(__name__)
 
 TURN_SEED_STRIDE = 7919  # later turns sample with seed + turn · stride
 
@@ -210,8 +213,14 @@ class Rollouts:
     def _continuous(self, engine) -> bool:
         """Whether this call's episodes run continuously: asked for, and an engine that continues requests
         (vLLM) serving this rank alone (a tensor-parallel group's members generate together, turn by turn)."""
-        return (self.cfg.rollout.continuous_turns and hasattr(engine, "generate_continuing")
-                and self.engine_group.size == 1)
+        if not self.cfg.rollout.continuous_turns:
+            return False
+        why = ("the engine continues no requests (vLLM does)" if not hasattr(engine, "generate_continuing")
+               else "a tensor-parallel engine group generates together" if self.engine_group.size > 1 else None)
+        if why is not None and not getattr(self, "_told_turn_by_turn", False):
+            log.info("rollout.continuous_turns=true: episodes run turn by turn here: %s", why)
+            self._told_turn_by_turn = True
+        return why is None
 
     def _run_continuous(self, engine, prompts, episodes: list[Episode], params: SamplingParams) -> None:
         """Run `episodes` (prompt-major, n per prompt) in one `engine.generate_continuing` call: an episode whose

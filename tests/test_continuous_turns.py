@@ -241,7 +241,8 @@ def test_later_turns_join_while_other_episodes_still_decode(tiny_model):
     assert {p.seed for _, _, p in engine.requests} == {None}
 
 
-def test_continuous_turns_apply_only_where_they_can(tiny_model):
+def test_continuous_turns_apply_only_where_they_can(tiny_model, caplog):
+    caplog.set_level("INFO", logger="rollout.rollouts")
     processor = load_processor(str(tiny_model))
     prompts = _prompts(processor)[:2]
     params = SamplingParams(n=2, max_new_tokens=200, seed=0, stop_token_ids=[])
@@ -253,6 +254,7 @@ def test_continuous_turns_apply_only_where_they_can(tiny_model):
     engine = TurnEngine(processor.tokenizer)
     _run(cfg, processor, engine, prompts, params)
     assert engine.calls and not hasattr(engine, "generate_continuing")
+    assert "episodes run turn by turn here: the engine continues no requests" in caplog.text
     # a tensor-parallel engine group: its members generate together, turn by turn
     group = EngineGroup(size=2)
     group.gather = lambda inputs, p: (inputs, p, 0)
@@ -262,6 +264,7 @@ def test_continuous_turns_apply_only_where_they_can(tiny_model):
     try:
         rollouts.run_episodes(engine, prompts, params)
         assert engine.calls and engine.requests == []
+        assert "a tensor-parallel engine group generates together" in caplog.text
         # without tools for this call (evaluate's use_tools=False): one turn through generate
         rollouts.engine_group = EngineGroup()
         engine = HashEngine(processor.tokenizer)

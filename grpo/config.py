@@ -102,6 +102,10 @@ class ModelConfig:
     # step on one H200: 8.56 -> 5.80 s (docs/benchmarks.md)
     shared_prompts: Literal["auto", "on", "off"] = "auto"
     trust_remote_code: bool = False
+    # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and
+    # GLM families its merger too, a separate projector such as LLaVA's still trains) keeps its weights, gets no
+    # optimizer state and runs no backward (EasyR1's and veRL's freeze_vision_tower)
+    freeze_vision_tower: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     # MoE families: weight of the routers' load-balancing loss (Switch Transformer's, as the family's
     # transformers model defines it), added to the update's loss; 0: off
@@ -922,6 +926,9 @@ def _lora_errors(cfg: Config) -> Iterator[str]:
         yield f"config key 'model.lora.alpha' must be > 0, got {lora.alpha}"
     if not lora.targets and not lora.vision_targets:
         yield "config keys 'model.lora.targets' and 'model.lora.vision_targets' are both empty: LoRA would train nothing"
+    if lora.vision_targets and cfg.model.freeze_vision_tower:
+        yield ("config keys 'model.lora.vision_targets' and 'model.freeze_vision_tower' disagree: adapters in a frozen "
+               "vision tower would not train; empty one of them")
     for key in ("targets", "vision_targets"):
         bad = [t for t in getattr(lora, key) if not t or t != t.strip() or t.startswith(".") or t.endswith(".")]
         if bad:

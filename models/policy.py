@@ -646,12 +646,30 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         raise RuntimeError(f"{len(left)} tensors still on the meta device after loading, e.g. {left[:3]}")
     if not trainable:
         model.requires_grad_(False)
+    elif getattr(cfg_model, "freeze_vision_tower", False):
+        frozen = freeze_vision_tower(model, adapter)
+        if dims.is_main:
+            log.info("model.freeze_vision_tower: %d vision tower tensors (%.1fM weights) keep their values", *frozen)
     policy = Policy(model, adapter, dims, cfg_model.path, dtype, shared_prompts=shared, liger_kernel=liger,
                     fp32_logits=bool(getattr(cfg_model, "fp32_logits", False)))
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)
     return policy
+
+
+def freeze_vision_tower(model: nn.Module, adapter: FamilyAdapter) -> tuple[int, float]:
+    """model.freeze_vision_tower: the vision tower's parameters stop requiring gradients, so the tower runs no
+    backward and the optimizer (`build_optimizer` takes what requires grad) keeps no state for them. Returns
+    (tensors, millions of weights) frozen; a family whose adapter finds no tower is an error."""
+    tower = adapter.vision_tower(model)
+    params = list(tower.parameters()) if tower is not None else []
+    if not params:
+        raise ValueError(f"config key 'model.freeze_vision_tower' is true, but model family '{adapter.name}' has no "
+                         "vision tower parameters to freeze")
+    for p in params:
+        p.requires_grad_(False)
+    return len(params), sum(p.numel() for p in params) / 1e6
 
 
 def shares_prompts(setting: str | bool, adapter: FamilyAdapter, attn_implementation: str, device_type: str) -> bool:

@@ -170,7 +170,7 @@ class RolloutConfig:
     # vLLM with one engine rank (tensor_parallel_size 1): an episode whose turn finished gets its tool results
     # and its next turn's request while the other episodes keep decoding, instead of every turn waiting for
     # its longest generation (rollout/rollouts.py `_run_continuous`; docs/agents.md, "Continuous turns").
-    # Tools then run inside the engine's loop. Off until measured on a GPU
+    # Tool calls run in the pool while decoding goes on. Off until measured on a GPU
     continuous_turns: bool = False
     # exact on-policy mode (docs/fidelity.md, "Exact mode"): vLLM batch-invariant, and the policy's scoring
     # forward through the engine's kernels, so engine and trainer logprobs are bitwise equal (GPU, vLLM)

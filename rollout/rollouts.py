@@ -19,14 +19,16 @@ all (a tool result that would leave no room for another model token ends the epi
 (a stop token) or max_tokens: exactly the single-turn rollout.
 
 `rollout.continuous_turns` (vLLM, one engine rank): the episodes run in one engine call instead of
-one per turn; an episode whose turn finished gets its tool results and its next request while the
-others keep decoding (`_run_continuous`). The same turn logic and limits, each episode's turn cut at
-its own budget by the engine; an episode's turns are seeded by its own index.
+one per turn; an episode whose turn finished has its tool calls run in the pool while the others keep
+decoding, and its next request joins once they are done (`_run_continuous`). The same turn logic and
+limits, each episode's turn cut at its own budget by the engine; an episode's turns are seeded by its
+own index.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import logging
 from dataclasses import replace
@@ -223,16 +225,21 @@ class Rollouts:
         return why is None
 
     def _run_continuous(self, engine, prompts, episodes: list[Episode], params: SamplingParams) -> None:
-        """Run `episodes` (prompt-major, n per prompt) in one `engine.generate_continuing` call: an episode whose
-        turn finished gets its tool results and its next request while the others keep decoding. The turn
-        logic, limits and finish reasons are the turn-synchronous loop's, applied to each batch of episodes
-        that finished together; tool calls run inside the engine's loop (a slow one stalls generation for up
-        to rollout.tool_timeout_s). Seeds (with params.seed): episode k's turn t (from 0) samples with
-        seed + t · TURN_SEED_STRIDE + k, so turn 0 samples as an n-sample request of the prompt does."""
+        """Run `episodes` (prompt-major, n per prompt) in one `engine.generate_continuing` call. The turn logic,
+        limits and finish reasons are the turn-synchronous loop's: `follow` ends the turns of each batch of
+        episodes that finished together and submits their tool calls to the pool, returning no request for
+        them; `poll` collects the episodes whose calls are all done (in index order), appends their results
+        (encoded together) and returns their next requests. So decoding goes on while tools run, and the
+        engine waits on them only when no request is left running. An episode's tokens depend only on its
+        own turns and tools' results, never on which episodes finished or were collected with it.
+        Seeds (with params.seed): episode k's turn t (from 0) samples with seed + t · TURN_SEED_STRIDE + k, so
+        turn 0 samples as an n-sample request of the prompt does."""
         budget = params.max_new_tokens
         pixels = getattr(engine, "reads_pixel_values", True)
         turns = [0] * len(episodes)  # model turns each episode has had
         allowed = [0] * len(episodes)  # the model tokens episode k's current turn may take
+        index = {id(e): k for k, e in enumerate(episodes)}
+        calls_out = _CallsInFlight()
 
         def request(k: int):
             e = episodes[k]
@@ -243,6 +250,9 @@ class Rollouts:
             seed = None if params.seed is None else params.seed + turns[k] * TURN_SEED_STRIDE + k
             return k, e.engine_input(pixels), replace(params, n=1, max_new_tokens=allowed[k], seed=seed)
 
+        def requests(ks) -> list:
+            return [r for r in (request(k) for k in ks if not episodes[k].done) if r is not None]
+
         def follow(finished: list[tuple[int, Generation]]) -> list:
             ks = [k for k, _ in finished]
             for k in ks:
@@ -251,13 +261,23 @@ class Rollouts:
             calls = self._end_turn(batch, [g for _, g in finished], [allowed[k] for k in ks],
                                    [turns[k] for k in ks], budget, True)
             if calls:
-                self._run_tools(prompts, calls)
-            return [r for r in (request(k) for k in ks if not episodes[k].done) if r is not None]
+                calls_out.add([index[id(e)] for e, _ in calls], calls, self._submit_tools(prompts, calls))
+            return requests(k for k in ks if k not in calls_out)
 
-        first = [r for r in (request(k) for k in range(len(episodes))) if r is not None]
-        if first:
-            engine.generate_continuing(first, follow)
-            self._note_call(engine)
+        def poll(wait: bool) -> tuple[list, bool]:
+            ready, calls, outcomes = calls_out.take_done(wait)
+            if ready:
+                self._append_outcomes(calls, outcomes)
+            return requests(ready), bool(calls_out)
+
+        first = requests(range(len(episodes)))
+        if not first:
+            return
+        try:
+            engine.generate_continuing(first, follow, poll)
+        finally:  # after an error: calls no worker has taken yet never start
+            calls_out.cancel()
+        self._note_call(engine)
 
     def _end_turn(self, live: list[Episode], gens: list[Generation], allowed: list[int], turns: list[int],
                   budget: int, tools: bool) -> list[tuple[Episode, str]]:
@@ -287,8 +307,11 @@ class Rollouts:
         return calls
 
     def _run_tools(self, prompts, calls: list[tuple[Episode, str]]) -> None:
-        """Run every call of the turn in the pool; append each episode's results as one delta, the turn's
-        episodes encoded together."""
+        """Run every call of the turn in the pool and append their results (`_append_outcomes`)."""
+        self._append_outcomes(calls, [f.result() for f in self._submit_tools(prompts, calls)])
+
+    def _submit_tools(self, prompts, calls: list[tuple[Episode, str]]) -> list:
+        """Start every call in the pool, each with its episode's images so far; their futures, in order."""
         d = self.cfg.data
         contexts = {}
         for e, _ in calls:
@@ -296,7 +319,11 @@ class Rollouts:
                 originals = list(getattr(prompts[e.prompt_index], "originals", None) or [])
                 contexts[id(e)] = ToolContext(images=list(e.images), min_pixels=d.min_pixels, max_pixels=d.max_pixels,
                                               originals=originals)
-        outcomes = self.runner.run([(raw, contexts[id(e)]) for e, raw in calls])
+        return self.runner.submit([(raw, contexts[id(e)]) for e, raw in calls])
+
+    def _append_outcomes(self, calls: list[tuple[Episode, str]], outcomes: list) -> None:
+        """Count the calls and their errors; append each episode's results as one delta, the episodes encoded
+        together."""
         results: dict[int, list] = {}
         order: list[Episode] = []
         for (e, _), out in zip(calls, outcomes):
@@ -356,6 +383,45 @@ class Rollouts:
         out.update({f"agent/tool_errors_{k}": x for k, x in zip(ERROR_KINDS, errors)})
         out.update({f"agent/finish_{f}": x / n for f, x in zip(FINISH_REASONS, v[8 + len(ERROR_KINDS):])})
         return out
+
+
+class _CallsInFlight:
+    """The tool calls that episodes wait on in continuous turns, by episode index: an episode is done when
+    every call of its turn is."""
+
+    def __init__(self):
+        self.calls: dict[int, list] = {}  # k -> [(call, future)], in the order the turn made them
+
+    def add(self, ks: list[int], calls: list, futures: list) -> None:
+        for k, call, future in zip(ks, calls, futures):
+            self.calls.setdefault(k, []).append((call, future))
+
+    def __contains__(self, k: int) -> bool:
+        return k in self.calls
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+    def take_done(self, wait: bool) -> tuple[list[int], list, list]:
+        """(indices, calls, outcomes) of the episodes whose calls are all done, in index order; with `wait`,
+        blocks until there is one or nothing is in flight."""
+        while True:
+            # one look at the futures decides both what is ready and what to wait on, so a call that ends in
+            # between wakes the wait at once
+            undone = {k: [f for _, f in calls if not f.done()] for k, calls in self.calls.items()}
+            ready = sorted(k for k, fs in undone.items() if not fs)
+            if ready or not wait or not undone:
+                break
+            concurrent.futures.wait([f for fs in undone.values() for f in fs],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        taken = [pair for k in ready for pair in self.calls.pop(k)]
+        return ready, [call for call, _ in taken], [f.result() for _, f in taken]
+
+    def cancel(self) -> None:
+        """Cancel the calls no worker has taken yet (after an error, so they never start)."""
+        for calls in self.calls.values():
+            for _, f in calls:
+                f.cancel()
 
 
 @contextlib.contextmanager

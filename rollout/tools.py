@@ -13,6 +13,8 @@ runs the call in a small pool of worker processes. It never raises for a bad cal
 becomes a `ToolOutcome` with one of five kinds and a one-line message for the model. A call that
 runs past `timeout_s` is stopped: its worker process (and anything it started) is killed and a
 fresh one takes its place, so a stuck tool never holds a worker or a CPU after its turn.
+`ToolRunner.submit` starts the same calls and returns their futures at once, for a caller that goes
+on while they run (continuous turns).
 
 Workers are plain `python -c` subprocesses that import this module (not the trainer's main
 script, as multiprocessing's spawn would), so one starts in about a tenth of a second; calls and
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -623,7 +625,8 @@ def _import_tools(modules: dict) -> dict:
 
 class ToolRunner:
     """Runs tool calls in at most `max_workers` worker processes; a call past `timeout_s` is
-    stopped (its worker killed and replaced). `run` never raises for a bad call."""
+    stopped (its worker killed and replaced). `run` never raises for a bad call; `submit` starts the
+    same calls and returns their futures."""
 
     def __init__(self, tools: dict, max_workers: int = 4, timeout_s: float = 10.0):
         if max_workers < 1:
@@ -640,8 +643,14 @@ class ToolRunner:
 
     def run(self, calls: list[tuple[str, ToolContext]]) -> list[ToolOutcome]:
         """One outcome per (raw call text, context), in order."""
-        futures = [self._pool.submit(self._run_one, raw, ctx) for raw, ctx in calls]
-        return [f.result() for f in futures]
+        return [f.result() for f in self.submit(calls)]
+
+    def submit(self, calls: list[tuple[str, ToolContext]]) -> list[Future]:
+        """`run` without waiting: one future per (raw call text, context), in order, each giving the call's
+        ToolOutcome. A call's timeout runs from when a pool thread sends it to a worker, which that thread
+        kills at the timeout whether or not anyone is waiting on the future, so collecting the outcomes
+        late changes none of them."""
+        return [self._pool.submit(self._run_one, raw, ctx) for raw, ctx in calls]
 
     def _run_one(self, raw: str, ctx: ToolContext) -> ToolOutcome:
         start = time.monotonic()

@@ -93,8 +93,9 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   trainer logs a step's sums as perf/gen_*.
 - Continuous turns (`rollout.continuous_turns`): `generate_continuing` adds requests through vLLM's own
   `_add_completion_requests` and runs `llm_engine.step()` itself, so requests that follow from the ones that
-  finished in a step join the running batch at once; each finished request is checked and converted as in
-  `generate`.
+  finished in a step join the running batch at once, as do those its `poll` hands over once their tool calls
+  are done (the loop waits on `poll` only when no request is left running); each finished request is
+  checked and converted as in `generate`.
 """
 
 from __future__ import annotations
@@ -421,7 +422,7 @@ class _ContinuingRun:
         self.waiting: dict[str, tuple[str, int, object, PromptInput]] = {}
         self.added = 0
         self.prompt_tokens = self.cached_tokens = 0
-        self.times = {"add_s": 0.0, "steps_s": 0.0, "follow_s": 0.0}
+        self.times = {"add_s": 0.0, "steps_s": 0.0, "follow_s": 0.0, "poll_s": 0.0, "tool_wait_s": 0.0}
 
     def add(self, requests) -> None:
         requests = list(requests)
@@ -464,6 +465,16 @@ class _ContinuingRun:
         finally:
             self.times["follow_s"] += time.perf_counter() - start
 
+    def poll(self, poll: Callable, wait: bool) -> bool:
+        """Add the requests `poll(wait)` returns; whether the caller still has some pending."""
+        start = time.perf_counter()
+        try:
+            requests, pending = poll(wait)
+        finally:
+            self.times["tool_wait_s" if wait else "poll_s"] += time.perf_counter() - start
+        self.add(requests or [])
+        return bool(pending)
+
     def abort(self) -> None:
         """Abort this call's unfinished requests (after an error), so the next call starts with none."""
         internal = [v[0] for v in self.waiting.values()]
@@ -477,11 +488,12 @@ class _ContinuingRun:
 
     def breakdown(self, report: dict) -> dict:
         """The probe's report with this call's own add and step seconds where the probe has none (it times
-        `_run_engine`, which this call does not run), and follow_s."""
+        `_run_engine`, which this call does not run), follow_s, poll_s and tool_wait_s."""
         for key in ("add_s", "steps_s"):
             if not report.get(key):
                 report[key] = round(self.times[key], 3)
-        report["follow_s"] = round(self.times["follow_s"], 3)
+        for key in ("follow_s", "poll_s", "tool_wait_s"):
+            report[key] = round(self.times[key], 3)
         return report
 
 
@@ -1197,14 +1209,24 @@ class VLLMEngine(Engine):
             generations.append(Generation(index, tokens, logprobs, _finish_reason(c.finish_reason), routes))
         return generations
 
-    def generate_continuing(self, first, follow: Callable) -> None:
+    def generate_continuing(self, first, follow: Callable, poll: Callable | None = None) -> None:
         """Requests that continue while others decode. `first` is [(key, PromptInput, SamplingParams with n=1)];
         after each engine step `follow([(key, Generation), ...])` gets the requests that finished in it and
         returns the requests to add next in the same form (possibly none): they join the running batch at once.
-        Runs until no request is left. Each request samples with its own params and seed, as one prompt of
-        `generate` does. The whole loop is one call for last_stats and last_breakdown, whose add_s and steps_s
-        are timed here where the probe (which wraps `_run_engine`, not called here) has none, and whose
-        follow_s is the seconds spent in `follow`."""
+        Each request samples with its own params and seed, as one prompt of `generate` does.
+
+        `poll(wait) -> (requests, pending)` serves requests that become ready outside the loop (an episode whose
+        tool calls, started by `follow`, have finished): the requests ready since the last call, and whether
+        more are still pending. It is called without waiting after every step; when no request is left running
+        but some are pending it is called with `wait=True`, and then blocks until something became ready or
+        nothing is pending (its requests may still be none: an episode that ended there). The loop runs while
+        a request is running or, with `poll`, while the last poll said some are pending; without `poll` it
+        runs until no request is left.
+
+        The whole loop is one call for last_stats and last_breakdown, whose add_s and steps_s are timed here
+        where the probe (which wraps `_run_engine`, not called here) has none; follow_s is the seconds spent
+        in `follow`, poll_s in polls that do not wait and tool_wait_s in those that wait (no request left to
+        decode). After an error in the loop, `follow` and `poll` included, this call's requests are aborted."""
         if self._asleep:
             raise RuntimeError("VLLMEngine.generate_continuing: the engine is asleep; call wake() first")
         first = list(first)
@@ -1222,10 +1244,16 @@ class VLLMEngine(Engine):
         with _sampling_rng(call_seed, self._device):
             try:
                 run.add(first)
-                while self._llm.llm_engine.has_unfinished_requests():
-                    finished = run.step()
-                    if finished:
-                        run.add(run.follow(follow, finished))
+                pending = False
+                while (running := self._llm.llm_engine.has_unfinished_requests()) or pending:
+                    if running:
+                        finished = run.step()
+                        if finished:
+                            run.add(run.follow(follow, finished))
+                        if poll is not None:
+                            pending = run.poll(poll, wait=False)
+                    else:
+                        pending = run.poll(poll, wait=True)
             except BaseException:
                 run.abort()  # leave the engine without requests of this call
                 raise

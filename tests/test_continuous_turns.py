@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import textwrap
 import time
 import types
 from types import SimpleNamespace as NS
@@ -51,6 +52,7 @@ class TurnEngine:
     runs to the request's max_new_tokens. `generate` is the Engine contract (n per prompt, prompt-major)."""
 
     reads_pixel_values = False
+    calculator = "calculator"  # the tool a calculator call names
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -64,7 +66,7 @@ class TurnEngine:
         kind, think = h % 7, "ok " * ((h // 7) % 9)
         zoom = _call(ZOOM)
         out_of_range = _call({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 500, 500]}})
-        calc = _call({"name": "calculator", "arguments": {"expression": "2+1"}})
+        calc = _call({"name": self.calculator, "arguments": {"expression": "2+1"}})
         text = think + [zoom, zoom, zoom, out_of_range, calc, "<answer>3</answer><|im_end|>",
                         "the answer may be three or four, "][kind]
         tokens = self.tokenizer.encode(text, add_special_tokens=False)
@@ -94,10 +96,15 @@ class TurnEngine:
 
 class HashEngine(TurnEngine):
     """TurnEngine with `generate_continuing`, which simulates engine steps (a request finishes after as many
-    steps as it has tokens) and records when each request was added and finished."""
+    steps as it has tokens; a step takes `step_s` seconds) and follows VLLMEngine's loop: `follow` after a step
+    in which requests finished, `poll(False)` after every step, `poll(True)` when no request is running but
+    some are pending. It records when each request was added and finished, and each step's time."""
 
-    def generate_continuing(self, first, follow):
+    step_s = 0.0
+
+    def generate_continuing(self, first, follow, poll=None):
         running, step, added = [], 0, []  # running: [steps left, order added, key, Generation]
+        self.steps = []  # (step, time.monotonic() at its end)
 
         def add(requests):
             for key, prompt, params in requests:
@@ -109,16 +116,27 @@ class HashEngine(TurnEngine):
                 self.events.append(("add", key, step))
 
         add(first)
-        while running:
+        pending = False
+        while running or pending:
+            if not running:
+                self.events.append(("wait", None, step))
+                requests, pending = poll(True)
+                add(requests)
+                continue
             step += 1
+            time.sleep(self.step_s)
             for r in running:
                 r[0] -= 1
             done = sorted((r for r in running if r[0] <= 0), key=lambda r: r[1])
             running[:] = [r for r in running if r[0] > 0]
+            self.steps.append((step, time.monotonic()))
             for _, _, key, _ in done:
                 self.events.append(("finish", key, step))
             if done:
                 add(follow([(key, g) for _, _, key, g in done]))
+            if poll is not None:
+                requests, pending = poll(False)
+                add(requests)
         self._stats(added)
 
 
@@ -205,18 +223,21 @@ def test_later_turns_join_while_other_episodes_still_decode(tiny_model):
     prompts = _prompts(processor)
     params = SamplingParams(n=2, max_new_tokens=200, seed=100, stop_token_ids=[])
     engine = HashEngine(processor.tokenizer)
+    engine.step_s = 0.002  # steps slower than a zoom, so most tool results come back while others decode
     episodes, _ = _run(_cfg(tiny_model, "rollout.continuous_turns=true"), processor, engine, prompts, params)
     finished_at = {}
     overlaps = 0
     for kind, key, step in engine.events:
         if kind == "finish":
             finished_at.setdefault(key, []).append(step)
-    adds = [(key, step) for kind, key, step in engine.events if kind == "add" and step > 0]
-    assert adds, "no episode had a second turn"
+    # a request added after the engine waited on tools (none left running) joins no one
+    waits = {step for kind, _, step in engine.events if kind == "wait"}
+    adds = [(key, step) for kind, key, step in engine.events if kind == "add" and step > 0 and step not in waits]
+    assert adds, "no episode had a second turn while others decoded"
     for key, step in adds:
         # a request of another episode that was added before this one and finished after it was added
         overlaps += any(s > step for k, steps in finished_at.items() if k != key for s in steps)
-    assert overlaps == len(adds)  # every later turn started while another episode was decoding
+    assert overlaps == len(adds)  # every later turn added between steps started while another episode decoded
     # turn 1: one request per episode, prompt-major, seeded as vLLM seeds the children of an n-sample request
     first = [(key, params_.seed) for key, _, params_ in engine.requests[:len(episodes)]]
     assert first == [(k, 100 + k) for k in range(len(episodes))]
@@ -239,6 +260,67 @@ def test_later_turns_join_while_other_episodes_still_decode(tiny_model):
     _run(_cfg(tiny_model, "rollout.continuous_turns=true"), processor, engine, prompts[:2],
          SamplingParams(n=2, max_new_tokens=200, stop_token_ids=[]))
     assert {p.seed for _, _, p in engine.requests} == {None}
+
+
+SLOW_TOOLS = '''
+import os, time
+from rollout.tools import Calculator, register_tool
+
+class SlowCalculator(Calculator):
+    """The calculator, after a sleep; each call's (start, end) in time.monotonic() goes to $VLRL_SLOW_LOG."""
+    name = "slow_calculator"
+    def __call__(self, arguments, ctx):
+        start = time.monotonic()
+        time.sleep(0.3)
+        result = super().__call__(arguments, ctx)
+        with open(os.environ["VLRL_SLOW_LOG"], "a") as f:
+            f.write(f"{start} {time.monotonic()}\\n")
+        return result
+
+register_tool(SlowCalculator())
+'''
+
+
+@pytest.fixture(scope="module")
+def slow_tools(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("slow_tools")
+    (folder / "vlrl_slow_tools.py").write_text(textwrap.dedent(SLOW_TOOLS))
+    sys.path.insert(0, str(folder))
+    yield "vlrl_slow_tools"
+    sys.path.remove(str(folder))
+
+
+class SlowHashEngine(HashEngine):
+    """HashEngine whose calculator calls name the slow calculator, and whose steps take 2 ms."""
+
+    calculator = "slow_calculator"
+    step_s = 0.002
+
+
+def test_decoding_goes_on_while_a_slow_tool_runs(tiny_model, slow_tools, tmp_path, monkeypatch):
+    """A tool call that takes 0.3 s runs in the pool while the engine keeps stepping: other episodes' requests
+    finish and later turns join during it, and the episodes are still the turn-synchronous path's."""
+    log = tmp_path / "slow.log"
+    monkeypatch.setenv("VLRL_SLOW_LOG", str(log))  # the tool workers start after this and inherit it
+    processor = load_processor(str(tiny_model))
+    prompts = _prompts(processor)
+    params = SamplingParams(n=2, max_new_tokens=200, seed=100, stop_token_ids=[])
+    extra = ["rollout.tools=[image_zoom_in_tool,calculator,slow_calculator]", f"rollout.tools_module={slow_tools}"]
+    expected, _ = _run(_cfg(tiny_model, *extra), processor, SlowHashEngine(processor.tokenizer), prompts, params)
+    log.unlink()
+    engine = SlowHashEngine(processor.tokenizer)
+    episodes, _ = _run(_cfg(tiny_model, *extra, "rollout.continuous_turns=true"), processor, engine, prompts, params)
+    for a, b in zip(episodes, expected, strict=True):
+        _same_episode(a, b)
+    calls = [tuple(map(float, line.split())) for line in log.read_text().splitlines()]
+    assert calls and sum(e.tool_calls for e in episodes) > len(calls)  # some calls were slow, not all
+    # the engine's steps while a slow call slept (a blocking call would leave none): requests finished and later
+    # turns were added in them
+    during = [[step for step, at in engine.steps if start < at < end] for start, end in calls]
+    assert max(map(len, during)) >= 20, [len(steps) for steps in during]
+    busy = {step for steps in during for step in steps}
+    assert any(kind == "finish" and step in busy for kind, _, step in engine.events)
+    assert any(kind == "add" and step in busy for kind, _, step in engine.events)
 
 
 def test_continuous_turns_apply_only_where_they_can(tiny_model, caplog):
@@ -376,6 +458,49 @@ def test_vllm_generate_continuing_adds_requests_as_others_finish(monkeypatch, ti
     # the probe times the adds; the steps (no _run_engine to wrap) and follow are timed by the call itself
     assert out["add_s"] is not None and out["steps_s"] is not None and out["follow_s"] >= 0.04
     assert out["prep_s"] >= 0 and engine._llm.aborted == []
+
+
+def test_vllm_generate_continuing_polls_for_requests_that_were_waiting(monkeypatch, tiny_model):
+    """With `poll`: it is asked after every step without waiting; once no request runs but some are pending, it
+    is asked to wait; the loop ends when nothing runs and the last poll said nothing is pending."""
+    log = []
+    engine, processor = _vllm_engine(monkeypatch, tiny_model, log)
+    ids = processor.tokenizer.encode("hello there")
+    pending = []  # follow-ups of finished requests, handed over by poll
+
+    def follow(finished):
+        log.append(("follow", [key for key, _ in finished]))
+        pending.extend(f"{key}+" for key, _ in finished if not key.endswith("+"))
+        return []
+
+    def poll(wait):
+        log.append(("poll", wait))
+        if not wait:
+            return [], bool(pending)
+        time.sleep(0.05)
+        ready, pending[:] = list(pending), []
+        return [(key, PromptInput(ids), SamplingParams(max_new_tokens=1)) for key in ready], False
+
+    engine._install_probe()
+    try:
+        engine.generate_continuing([("x", PromptInput(ids), SamplingParams(max_new_tokens=1)),
+                                    ("y", PromptInput(ids), SamplingParams(max_new_tokens=2))], follow, poll)
+    finally:
+        engine._probe.close()
+    assert log == [("add", 2), ("follow", ["x"]), ("poll", False), ("follow", ["y"]), ("poll", False),
+                   ("poll", True), ("add", 2), ("follow", ["x+", "y+"]), ("poll", False)]
+    out = engine.last_breakdown
+    assert out["tool_wait_s"] >= 0.05 and out["poll_s"] < 0.05 and out["follow_s"] < 0.05
+    assert engine.last_stats["prompt_tokens"] == 4 * len(ids) and engine._llm.aborted == []
+
+    def broken(wait):
+        raise KeyError("a tool's bug")
+
+    engine._llm = _FakeLLM([])
+    with pytest.raises(KeyError):  # an error in poll aborts what is still running, as one in follow does
+        engine.generate_continuing([("x", PromptInput(ids), SamplingParams(max_new_tokens=1)),
+                                    ("y", PromptInput(ids), SamplingParams(max_new_tokens=5))], lambda f: [], broken)
+    assert engine._llm.aborted == [(["1-abcd0001"], True)]
 
 
 def test_vllm_generate_continuing_refuses_n_and_cleans_up_after_an_error(monkeypatch, tiny_model):

@@ -188,6 +188,32 @@ def test_a_sleeping_tool_is_stopped_at_the_timeout(user_module, tmp_path):
         assert after.result.text == "awake" and runner.workers_started == 2
 
 
+def test_submit_returns_at_once_and_its_futures_give_runs_outcomes(user_module, tmp_path):
+    """`submit` starts the calls and returns their futures before they finish; each gives what `run` gives, and a
+    call past the timeout is stopped (its worker killed) even when its future is read long after."""
+    tools = build_tools(["sleepy", "calculator", "broken"], user_module)
+    ctx = ctx_for(coordinate_image())
+    pid_file = tmp_path / "pid"
+    calls = [(call("sleepy", seconds=120, pid_file=str(pid_file)), ctx), (call("sleepy", seconds=0.3), ctx),
+             (call("calculator", expression="6 * 7"), ctx), (call("broken"), ctx), ("{", ctx)]
+    with ToolRunner(tools, max_workers=5, timeout_s=1.0) as runner:
+        runner.run([(call("sleepy", seconds=0), ctx)] * 5)  # start the workers first
+        start = time.monotonic()
+        futures = runner.submit(calls)
+        assert time.monotonic() - start < 0.2 and not futures[0].done() and not futures[1].done()
+        time.sleep(2.0)  # past the timeout before anyone reads the futures
+        assert all(f.done() for f in futures)
+        submitted = [f.result() for f in futures]
+        with pytest.raises(ProcessLookupError):  # the timed-out call's worker is gone, not left sleeping
+            os.kill(int(pid_file.read_text()), 0)
+        ran = runner.run(calls[1:])
+    assert submitted[0].error_kind == "timeout" and "1 s" in submitted[0].error and submitted[0].name == "sleepy"
+    assert [(o.error_kind, o.error, o.result and o.result.text) for o in submitted[1:]] == \
+        [(o.error_kind, o.error, o.result and o.result.text) for o in ran]
+    assert submitted[1].result.text == "awake" and submitted[2].result.text == "42"
+    assert [o.error_kind for o in submitted[3:]] == ["tool_exception", "malformed_json"]
+
+
 def test_workers_see_the_right_images_across_calls(user_module):
     """A worker keeps images it was sent and is later sent only their keys; past its cache size it
     drops the oldest. Every call must still see exactly its own images, in order."""

@@ -40,7 +40,10 @@ STEP_COUNTS = ("steps", "images_encoded", "encoder_embeds", "prefill_steps", "sc
 # perf/<metric> summed over a step's generate calls -> the breakdown's key (`breakdown_metrics`)
 SUMMED_METRICS = {"gen_prep_s": "prep_s", "gen_add_s": "add_s", "gen_steps_s": "steps_s", "gen_gc_s": "gc_s",
                   "gen_steps": "steps", "gen_prefill_steps": "prefill_steps", "gen_preempted": "preempted",
-                  "gen_images_processed": "images_processed"}
+                  "gen_images_processed": "images_processed",
+                  # continuous turns (VLLMEngine.generate_continuing): finished turns handled between steps, polls
+                  # for tool results while requests run, and the wait on tools when none runs
+                  "gen_follow_s": "follow_s", "gen_poll_s": "poll_s", "gen_tool_wait_s": "tool_wait_s"}
 # every perf/<metric> breakdown_metrics may write
 METRICS = (*SUMMED_METRICS, "gen_mm_processor_s", "gen_slowest_step_s")
 

@@ -171,7 +171,8 @@ def _breakdown(**overrides):
 
 def test_breakdown_metrics_of_one_call():
     m = breakdown_metrics(_breakdown())
-    assert set(m) == {f"perf/{k}" for k in METRICS}
+    continuous = {"gen_follow_s", "gen_poll_s", "gen_tool_wait_s"}  # a generate_continuing call's alone
+    assert set(m) == {f"perf/{k}" for k in METRICS if k not in continuous}
     assert m["perf/gen_prep_s"] == 0.1 and m["perf/gen_steps"] == 100.0 and m["perf/gen_preempted"] == 0.0
     assert m["perf/gen_mm_processor_s"] == pytest.approx(0.3) and m["perf/gen_slowest_step_s"] == 0.05
     assert m["perf/gen_images_processed"] == 2.0 and m["perf/gen_prefill_steps"] == 2.0
@@ -193,6 +194,12 @@ def test_breakdown_metrics_leave_out_what_reads_null():
     assert set(m) == {"perf/gen_prep_s", "perf/gen_add_s", "perf/gen_steps_s", "perf/gen_gc_s"}
     assert breakdown_metrics([]) == {} and breakdown_metrics(None) == {}
     assert breakdown_metrics([_breakdown(slowest_steps_s=[])])["perf/gen_slowest_step_s"] == 0.0
+
+
+def test_breakdown_metrics_carry_a_continuous_call_s_tool_times():
+    m = breakdown_metrics([_breakdown(follow_s=0.25, poll_s=0.5, tool_wait_s=1.0)])
+    assert (m["perf/gen_follow_s"], m["perf/gen_poll_s"], m["perf/gen_tool_wait_s"]) == (0.25, 0.5, 1.0)
+    assert "perf/gen_tool_wait_s" not in breakdown_metrics([_breakdown()])  # turn by turn: none
 
 
 def test_rollouts_keep_each_call_s_breakdown_for_the_step():

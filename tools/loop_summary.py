@@ -16,7 +16,8 @@ which `first_gen_extra_s` in generation (`first_update_extra_s`: the first refer
 beyond steady ones, always reported). Where the steps logged where generation's time went (vLLM under
 `rollout.gen_breakdown`, rollout/gen_probe.py) it adds the mean of each of those parts over the steps that
 logged it (`gen_prep_s`, `gen_add_s`, `gen_mm_processor_s`, `gen_steps_s`, `gen_gc_s`,
-`gen_slowest_step_s`, `gen_steps`, `gen_prefill_steps`, `gen_preempted`, `gen_images_processed`), and
+`gen_slowest_step_s`, `gen_steps`, `gen_prefill_steps`, `gen_preempted`, `gen_images_processed`; with
+continuous turns `gen_follow_s`, `gen_poll_s`, `gen_tool_wait_s`), and
 `gen_slowest_step_s_max`, the longest step of any of them. With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
@@ -57,7 +58,8 @@ STARTUP = ("policy_build_s", "reference_build_s", "data_build_s", "init_s", "eng
 # where generation's time went, per step as perf/<name> (rollout/gen_probe.py METRICS): means over the steps
 # that logged each
 GEN_BREAKDOWN = ("gen_prep_s", "gen_add_s", "gen_mm_processor_s", "gen_steps_s", "gen_gc_s", "gen_slowest_step_s",
-                 "gen_steps", "gen_prefill_steps", "gen_preempted", "gen_images_processed")
+                 "gen_steps", "gen_prefill_steps", "gen_preempted", "gen_images_processed", "gen_follow_s", "gen_poll_s",
+                 "gen_tool_wait_s")
 
 
 def read_rows(path: Path) -> list[dict]:

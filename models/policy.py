@@ -184,14 +184,24 @@ def _has_meta(model: nn.Module) -> list[str]:
     return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
 
 
-def resolve_attn_implementation(name: str, device_type: str, varlen_ok: bool = False) -> str:
+# The compute dtypes the flash kernels (torch's varlen, flash-attn 2, vLLM's) take.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def resolve_attn_implementation(name: str, device_type: str, varlen_ok: bool = False,
+                                dtype: torch.dtype = torch.bfloat16) -> str:
     """The attention implementation to build with. `auto`: on CUDA, the varlen kernel where the
     family is validated with it (`varlen_ok`) and torch has it, else flash-attn 2 if installed,
-    else sdpa; sdpa on CPU. "varlen" is registered with transformers here."""
+    else sdpa; sdpa on CPU and for an fp32 forward (the flash kernels take bf16/fp16 only).
+    "varlen" is registered with transformers here."""
     from models.attention import kernel_available, register
 
+    if device_type == "cuda" and dtype not in HALF_DTYPES and name in ("varlen", "flash_attention_2", "vllm_paged"):
+        raise ValueError(f"config key 'model.attn_implementation' is {name} with model.dtype "
+                         f"{str(dtype).removeprefix('torch.')}, but its CUDA kernel takes bfloat16 or float16 only; "
+                         "set it to auto or sdpa, or model.dtype to bfloat16")
     if name == "auto":
-        if device_type != "cuda":
+        if device_type != "cuda" or dtype not in HALF_DTYPES:
             name = "sdpa"
         elif varlen_ok and kernel_available():
             name = "varlen"
@@ -611,10 +621,10 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         apply_liger_kernels(config.model_type, dims.device_type)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
     attn_name = cfg_model.attn_implementation
-    shared = shares_prompts(getattr(cfg_model, "shared_prompts", "off"), adapter, attn_name, dims.device_type)
+    shared = shares_prompts(getattr(cfg_model, "shared_prompts", "off"), adapter, attn_name, dims.device_type, dtype)
     if shared:
         attn_name = "varlen"  # the attention that reads the row's segments (SDPA per segment off CUDA)
-    attn = resolve_attn_implementation(attn_name, dims.device_type, adapter.varlen_attention)
+    attn = resolve_attn_implementation(attn_name, dims.device_type, adapter.varlen_attention, dtype)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(
             config, attn_implementation=attn, dtype=torch.float32, trust_remote_code=cfg_model.trust_remote_code
@@ -672,19 +682,25 @@ def freeze_vision_tower(model: nn.Module, adapter: FamilyAdapter) -> tuple[int, 
     return len(params), sum(p.numel() for p in params) / 1e6
 
 
-def shares_prompts(setting: str | bool, adapter: FamilyAdapter, attn_implementation: str, device_type: str) -> bool:
+def shares_prompts(setting: str | bool, adapter: FamilyAdapter, attn_implementation: str, device_type: str,
+                   dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether GRPO's training rows hold each prompt once (model.shared_prompts, after the config's checks).
 
-    `on` (or True) needs a family whose attention a shared row reproduces; `auto` takes it where that
-    holds and the varlen kernel runs (CUDA, attention auto or varlen): elsewhere the row would fall back
-    to SDPA per segment, which saves nothing. `off` (or False) never."""
+    `on` (or True) needs a family whose attention a shared row reproduces, and on CUDA a bf16/fp16
+    forward (the varlen kernel's); `auto` takes it where that holds and the varlen kernel runs (CUDA,
+    attention auto or varlen, bf16/fp16): elsewhere the row would fall back to SDPA per segment, which
+    saves nothing. `off` (or False) never."""
     setting = {True: "on", False: "off"}.get(setting, setting)
     if setting == "on" and not adapter.shares_prompts:
         raise ValueError(f"config key 'model.shared_prompts' is on, but model family '{adapter.name}' has "
                          "attention a shared prompt's row cannot reproduce (its own masks or recurrent layers); "
                          "set it to auto or off")
+    if setting == "on" and device_type == "cuda" and dtype not in HALF_DTYPES:
+        raise ValueError(f"config key 'model.shared_prompts' is on with model.dtype {str(dtype).removeprefix('torch.')}, "
+                         "but the varlen kernel it runs on CUDA takes bfloat16 or float16 only; set it to auto or off")
     if setting == "auto":
-        return adapter.shares_prompts and device_type == "cuda" and attn_implementation in ("auto", "varlen")
+        return (adapter.shares_prompts and device_type == "cuda" and dtype in HALF_DTYPES
+                and attn_implementation in ("auto", "varlen"))
     return setting == "on"
 
 

@@ -841,3 +841,24 @@ def test_fla_guard_self_check_numerics():
     with pytest.raises(DeltaRuleBackwardError, match=refused) as err:
         check_backward(wrong, torch_delta_rule_packed, shape, torch.device("cpu"))
     assert "out " not in str(err.value) and "Triton to >= 3.7.1" in str(err.value)
+
+
+def test_torch_rule_gets_key_heads_repeated_over_value_heads(monkeypatch):
+    """Qwen3.5-4B has 16 key heads to 32 value heads. transformers 5.17's torch rule takes q/k already
+    repeated to the value heads (later versions repeat inside), so the packed path repeats them itself:
+    without it the H200's self-check failed at 16 against 32 heads."""
+    import models.families.qwen3_5 as q35
+
+    seen = []
+
+    def strict_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel):
+        assert q.shape[2] == k.shape[2] == v.shape[2] == g.shape[2] == beta.shape[2]
+        seen.append(q.shape)
+        return v.clone(), None
+
+    monkeypatch.setattr(q35, "_torch_rule", lambda: strict_rule)
+    length, cu = 10, torch.tensor([0, 4, 10], dtype=torch.int32)
+    q, k = torch.randn(1, length, 2, 8), torch.randn(1, length, 2, 8)
+    v, g, beta = torch.randn(1, length, 4, 8), -torch.rand(1, length, 4), torch.rand(1, length, 4)
+    out = q35.torch_delta_rule_packed(q, k, v, g, beta, cu)
+    assert out.shape == (1, length, 4, 8) and seen and seen[0][2] == 4

@@ -137,6 +137,24 @@ def test_the_family_and_the_device_settle_auto(tiny_model):
     assert not shares_prompts("auto", cannot, "auto", "cuda")
     with pytest.raises(ValueError, match="model.shared_prompts' is on, but model family"):
         shares_prompts("on", cannot, "auto", "cuda")
+    # an fp32 forward on CUDA: the varlen kernel takes bf16/fp16 only, so auto does not share and on is refused
+    assert not shares_prompts("auto", adapter, "auto", "cuda", torch.float32)
+    assert shares_prompts("on", adapter, "auto", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="shared_prompts' is on with model.dtype float32"):
+        shares_prompts("on", adapter, "auto", "cuda", torch.float32)
+
+
+def test_an_fp32_forward_on_cuda_settles_attention_to_sdpa():
+    """model.dtype=float32 on CUDA: auto builds with SDPA (the flash kernels take bf16/fp16 only, and failed
+    at the first vision block on an H200); a flash implementation named outright is refused at build."""
+    from models.policy import resolve_attn_implementation
+
+    assert resolve_attn_implementation("auto", "cuda", True, torch.float32) == "sdpa"
+    assert resolve_attn_implementation("sdpa", "cuda", True, torch.float32) == "sdpa"
+    assert resolve_attn_implementation("auto", "cpu", True, torch.float32) == "sdpa"
+    for name in ("varlen", "flash_attention_2", "vllm_paged"):
+        with pytest.raises(ValueError, match=f"attn_implementation' is {name} with model.dtype float32"):
+            resolve_attn_implementation(name, "cuda", True, torch.float32)
 
 
 def test_activation_checkpointing_recomputes_a_shared_row(tiny_model, batch):

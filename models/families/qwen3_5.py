@@ -110,11 +110,18 @@ def delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
     return torch_delta_rule_packed(q, k, v, g, beta, cu)
 
 
+def _heads_as_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k with each key head repeated over its group of value heads, as the layer does before
+    either rule (Qwen3.5-4B has 16 key heads to 32 value heads)."""
+    if k.shape[2] == v.shape[2]:
+        return q, k
+    rep = v.shape[2] // k.shape[2]
+    return q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+
+
 def fla_delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
     """`delta_rule_packed` through flash-linear-attention's varlen kernel (CUDA)."""
-    if k.shape[2] != v.shape[2]:
-        rep = v.shape[2] // k.shape[2]
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q, k = _heads_as_values(q, k, v)
     out, _ = _fla_rule()(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                          cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=True)
     return out
@@ -123,6 +130,7 @@ def fla_delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
 def torch_delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
     """`delta_rule_packed` through transformers' torch rule on the row's sequences as one right-padded
     batch (exact: the rule is causal, so padding after a sequence never reaches it)."""
+    q, k = _heads_as_values(q, k, v)
     bounds = host_bounds(cu)  # the packer's, on the host: not read back from the device in every layer
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if len(lengths) == 1:

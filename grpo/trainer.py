@@ -406,6 +406,8 @@ class Trainer:
         gen_detail = dict(self.colocation.timings)
         # where the step's engine calls spent their time (rollout.gen_breakdown, vLLM): perf/gen_*
         gen_detail.update(breakdown_metrics(self.rollouts.breakdowns))
+        # the parts of perf/gen_s outside the engine, every engine: the data feed and scoring (Rollouts.times)
+        gen_detail.update({f"perf/gen_{k}": v for k, v in self.rollouts.times.items()})
 
         reuse = self._old_logprobs_from_update()
         with self.colocation.peak.training():

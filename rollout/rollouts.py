@@ -23,6 +23,11 @@ one per turn; an episode whose turn finished has its tool calls run in the pool 
 decoding, and its next request joins once they are done (`_run_continuous`). The same turn logic and
 limits, each episode's turn cut at its own budget by the engine; an episode's turns are seeded by its
 own index.
+
+`Rollouts.times` holds the seconds of the step's `collect` spent outside the engine, over all its rounds:
+`data_s` in `feeder.next` (reading rows, decoding images, the processor) and `score_s` in `score`
+(decoding each episode's last turn, the rewards); the trainer logs them as perf/gen_data_s and
+perf/gen_score_s, parts of perf/gen_s.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import time
 from dataclasses import replace
 from typing import Callable
 
@@ -47,6 +53,7 @@ from rollout.tools import ERROR_KINDS, ToolContext, ToolRunner, build_tools, too
 log = logging.getLogger(__name__)
 
 TURN_SEED_STRIDE = 7919  # later turns sample with seed + turn · stride
+TIMES = ("data_s", "score_s")  # Rollouts.times: a step's seconds outside the engine (module docstring)
 
 
 def tool_prompt(cfg, adapter: FamilyAdapter, processor) -> ToolPrompt | None:
@@ -98,6 +105,7 @@ class Rollouts:
         self.context = context_tokens(cfg)
         self.prefix = [0, 0]  # prompt tokens the engine got this step, and those its prefix cache served
         self.breakdowns: list[dict] = []  # the engine's last_breakdown of each of this step's calls (vLLM)
+        self.times = dict.fromkeys(TIMES, 0.0)  # this step's seconds in feeder.next and score
 
     def close(self) -> None:
         if self.runner is not None:
@@ -111,8 +119,9 @@ class Rollouts:
         G = params.n
         self.prefix = [0, 0]
         self.breakdowns = []
+        self.times = dict.fromkeys(TIMES, 0.0)
         with self.generating() as engine:
-            prompts, episodes, infos = self.generate_and_score(engine, feeder.next(per_rank), params)
+            prompts, episodes, infos = self.generate_and_score(engine, self._next(feeder, per_rank), params)
             if not cfg.algorithm.dynamic_sampling:
                 return prompts, episodes, infos
             keep_p, keep_e, keep_i = [], [], []
@@ -132,18 +141,35 @@ class Rollouts:
                 rounds += 1
                 if self.agree_max(need) == 0 or rounds > cfg.algorithm.max_refill_rounds:
                     return keep_p, keep_e, keep_i
-                prompts, episodes, infos = self.generate_and_score(engine, feeder.next(need), params)
+                prompts, episodes, infos = self.generate_and_score(engine, self._next(feeder, need), params)
 
     def evaluate(self, prompts, params: SamplingParams, use_tools: bool = True):
         """(prompts, episodes, reward infos) of one round, the engine awake for it; `use_tools=False`
         answers in one turn even when tools are configured (for comparing with and without them)."""
         self.breakdowns = []
+        self.times = dict.fromkeys(TIMES, 0.0)
         with self.generating() as engine:
             return self.generate_and_score(engine, prompts, params, use_tools)
 
     def generate_and_score(self, engine, prompts, params: SamplingParams, use_tools: bool = True):
         episodes = self.run_episodes(engine, prompts, params, use_tools)
-        return prompts, episodes, self.score(prompts, episodes)
+        with self._timed("score_s"):
+            infos = self.score(prompts, episodes)
+        return prompts, episodes, infos
+
+    def _next(self, feeder, k: int):
+        """The feeder's next k prompts, its seconds added to times["data_s"]."""
+        with self._timed("data_s"):
+            return feeder.next(k)
+
+    @contextlib.contextmanager
+    def _timed(self, key: str):
+        """Add the block's seconds to times[key] (host time only: no device sync)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[key] += time.perf_counter() - start
 
     def score(self, prompts, episodes: list[Episode]) -> list:
         """The reward of each episode's final answer: the text of its last model turn."""

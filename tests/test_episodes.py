@@ -402,6 +402,9 @@ def test_grpo_step_with_tools_through_the_trainer(tiny_model, clevr_parquet, tmp
     assert 1.0 <= m["fidelity/token_mult_prob_error"] <= 1.0001, m["fidelity/token_mult_prob_error"]
     assert m["reward/std"] > 0 and m["loss/grad_norm"] > 0
     assert (m["perf/row_token_share"] < 0.9) if shared else (m["perf/row_token_share"] == 1.0), m["perf/row_token_share"]
+    # the data feed and scoring, every engine: parts of generation's seconds
+    assert m["perf/gen_data_s"] > 0 and m["perf/gen_score_s"] > 0
+    assert m["perf/gen_data_s"] + m["perf/gen_score_s"] <= m["perf/gen_s"]
 
 
 def test_vllm_gets_an_episode_with_several_images_and_its_limit(tiny_model, monkeypatch):
@@ -464,6 +467,47 @@ def test_dynamic_sampling_refills_inside_one_wake(tiny_model):
     assert [e.prompt_index for e in episodes] == [0, 0, 1, 1]
     assert [r.accuracy for r in infos] == [1.0, 0.0, 0.0, 1.0]
     assert len(single[0].turns) == 1
+
+
+def test_collect_times_the_data_feed_and_scoring_of_every_round(tiny_model, monkeypatch):
+    """Rollouts.times: the seconds in feeder.next and in scoring over all of collect's rounds (refills
+    included), within collect's own; evaluate starts its own."""
+    import time
+
+    import rollout.rollouts as rollouts_module
+
+    processor = load_processor(str(tiny_model))
+    cfg = _cfg(tiny_model, "algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2")
+    texts = ["<answer>3</answer><|im_end|>", "<answer>4</answer><|im_end|>"]
+    engine = ScriptedEngine(processor.tokenizer, [texts] * 4)
+    rollouts = _rollouts(cfg, processor, engine)
+    scored = []
+    real_score = rollouts_module.score
+
+    def slow_score(task, text, answer):
+        time.sleep(0.01)
+        scored.append(text)
+        return real_score(task, text, answer)
+
+    class SlowFeeder(ListFeeder):
+        def next(self, k):
+            time.sleep(0.05)
+            return super().next(k)
+
+    monkeypatch.setattr(rollouts_module, "score", slow_score)
+    feeder = SlowFeeder([_prompt(processor, i, answer=a) for i, a in enumerate(["5", "3", "5", "4"])])
+    try:
+        start = time.perf_counter()
+        rollouts.collect(feeder, 2, rollouts_params(n=2))
+        elapsed = time.perf_counter() - start
+        times = dict(rollouts.times)
+        rollouts.evaluate([_prompt(processor)], rollouts_params(n=1), use_tools=False)
+    finally:
+        rollouts.close()
+    assert feeder.taken == 4 and len(scored) == 9  # three rounds: 2 + 1 + 1 prompts, 8 episodes; evaluate's 1
+    assert times["data_s"] >= 3 * 0.05 and times["score_s"] >= 8 * 0.01
+    assert times["data_s"] + times["score_s"] <= elapsed
+    assert rollouts.times["data_s"] == 0.0 and 0.01 <= rollouts.times["score_s"] < times["score_s"]
 
 
 def test_qwen3_vl_tool_results_use_its_tool_role(tmp_path):

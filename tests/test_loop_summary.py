@@ -101,3 +101,34 @@ def test_summary_averages_where_generation_s_time_went(tmp_path):
                    for k in summarize([_row(3, 9.0)]))  # a run without them: none
     metrics, config = _write(tmp_path, ["rollout.gen_breakdown=false"])
     assert read_settings(config)["gen_breakdown"] is False
+
+
+def test_summary_sets_generation_without_its_data_feed_and_scoring_against_a_standalone_run(tmp_path, capsys):
+    """perf/gen_data_s and perf/gen_score_s: means over the steady steps that logged them, and the loop's
+    tokens over gen_s less both against the standalone's tokens/s (loop_gen_vs_standalone as before)."""
+    from rollout.rollouts import TIMES
+    from tools.loop_summary import GEN_OUTSIDE
+
+    assert set(GEN_OUTSIDE) == {f"gen_{k}" for k in TIMES}  # every part the trainer logs
+    rows = [_row(s, t) for s, t in [(1, 50.0), (2, 12.0), (3, 9.0), (4, 10.0), (5, 11.0)]]
+    for r, data_s, score_s in zip(rows, (9.0, 9.0, 0.2, 0.4, 0.6), (0.1, 0.1, 0.3, 0.1, 0.2)):
+        r.update({"perf/gen_data_s": data_s, "perf/gen_score_s": score_s})
+    # each steady step: 1.8e4 tokens/s over gen_s 2.0, so 3.6e4 tokens; engine seconds 1.5, 1.5, 1.2
+    rates = [3.6e4 / 1.5, 3.6e4 / 1.5, 3.6e4 / 1.2]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    s = summarize(read_rows(metrics))
+    assert s["gen_data_s"] == pytest.approx(0.4) and s["gen_score_s"] == pytest.approx(0.2)
+    assert s["gen_engine_tokens_per_s"] == pytest.approx(sum(rates) / 3)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"standalone_gen_tokens_per_s": 2.5e4}))
+    main([str(metrics), "--standalone", str(bench)])
+    out = json.loads(capsys.readouterr().out)
+    assert out["loop_gen_vs_standalone"] == pytest.approx(1.8e4 / 2.5e4)
+    assert out["loop_engine_vs_standalone"] == pytest.approx(sum(rates) / 3 / 2.5e4)
+    # a run from before them: neither the means nor the engine's share
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps(_row(3, 9.0)) + "\n")
+    main([str(old), "--standalone", str(bench)])
+    out = json.loads(capsys.readouterr().out)
+    assert "gen_data_s" not in out and "loop_engine_vs_standalone" not in out and "loop_gen_vs_standalone" in out

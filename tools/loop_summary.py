@@ -18,14 +18,19 @@ beyond steady ones, always reported). Where the steps logged where generation's 
 logged it (`gen_prep_s`, `gen_add_s`, `gen_mm_processor_s`, `gen_steps_s`, `gen_gc_s`,
 `gen_slowest_step_s`, `gen_steps`, `gen_prefill_steps`, `gen_preempted`, `gen_images_processed`; with
 continuous turns `gen_follow_s`, `gen_poll_s`, `gen_tool_wait_s`), and
-`gen_slowest_step_s_max`, the longest step of any of them. With
+`gen_slowest_step_s_max`, the longest step of any of them. Where the steps logged the parts of generation
+outside the engine (every engine: rollout/rollouts.py `Rollouts.times`) it adds their means, `gen_data_s`
+(the data feed: reading rows, decoding images, the processor) and `gen_score_s` (scoring), and
+`gen_engine_tokens_per_s`, the mean over those steps of the step's generation tokens over gen_s less both. With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
 `model.liger_kernel` settled (`auto` resolved for the family and device) as the words true/false, which
 read back as booleans, like the booleans that runs before `auto` wrote. With `--standalone` (the JSON of
 `tools/bench.py --phases engine`: a standalone vLLM on the loop's requests) it adds
-`standalone_gen_tokens_per_s` and `loop_gen_vs_standalone`, the loop's generation tokens/s over it.
+`standalone_gen_tokens_per_s` and `loop_gen_vs_standalone`, the loop's generation tokens/s over it, and
+(with `gen_engine_tokens_per_s`) `loop_engine_vs_standalone`, the loop's tokens/s without the data feed and
+scoring over it: the standalone times `llm.generate` alone.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ STARTUP = ("policy_build_s", "reference_build_s", "data_build_s", "init_s", "eng
 GEN_BREAKDOWN = ("gen_prep_s", "gen_add_s", "gen_mm_processor_s", "gen_steps_s", "gen_gc_s", "gen_slowest_step_s",
                  "gen_steps", "gen_prefill_steps", "gen_preempted", "gen_images_processed", "gen_follow_s", "gen_poll_s",
                  "gen_tool_wait_s")
+# the parts of generation outside the engine, per step as perf/<name> (rollout/rollouts.py TIMES, every engine):
+# means over the steps that logged each
+GEN_OUTSIDE = ("gen_data_s", "gen_score_s")
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -118,15 +126,31 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
 
 
 def gen_breakdown(steady: list[dict]) -> dict:
-    """GEN_BREAKDOWN means over the steps that logged each (none: left out), and gen_slowest_step_s_max."""
+    """GEN_BREAKDOWN and GEN_OUTSIDE means over the steps that logged each (none: left out),
+    gen_slowest_step_s_max, and gen_engine_tokens_per_s (`engine_tokens_per_s`)."""
     out = {}
-    for name in GEN_BREAKDOWN:
+    for name in GEN_BREAKDOWN + GEN_OUTSIDE:
         values = [r[f"perf/{name}"] for r in steady if r.get(f"perf/{name}") is not None]
         if values:
             out[name] = statistics.mean(values)
             if name == "gen_slowest_step_s":
                 out["gen_slowest_step_s_max"] = max(values)
+    rates = [rate for rate in map(engine_tokens_per_s, steady) if rate is not None]
+    if rates:
+        out["gen_engine_tokens_per_s"] = statistics.mean(rates)
     return out
+
+
+def engine_tokens_per_s(row: dict) -> float | None:
+    """A step's generation tokens over its gen_s less the data feed and scoring (GEN_OUTSIDE); None where
+    the step lacks any of those metrics or they leave no seconds."""
+    keys = ("perf/gen_tokens_per_s", "perf/gen_s", *(f"perf/{name}" for name in GEN_OUTSIDE))
+    if any(row.get(k) is None for k in keys):
+        return None
+    engine_s = row["perf/gen_s"] - sum(row[f"perf/{name}"] for name in GEN_OUTSIDE)
+    if engine_s <= 0:
+        return None
+    return row["perf/gen_tokens_per_s"] * row["perf/gen_s"] / engine_s
 
 
 def startup(rows: list[dict]) -> dict:
@@ -169,7 +193,10 @@ def read_standalone(path: Path, loop: dict) -> dict:
     rate = bench.get("standalone_gen_tokens_per_s") if isinstance(bench, dict) else None
     if not rate:
         raise SystemExit(f"{path}: no standalone_gen_tokens_per_s (run tools/bench.py with --phases engine)")
-    return {"standalone_gen_tokens_per_s": rate, "loop_gen_vs_standalone": loop["gen_tokens_per_s"] / rate}
+    out = {"standalone_gen_tokens_per_s": rate, "loop_gen_vs_standalone": loop["gen_tokens_per_s"] / rate}
+    if "gen_engine_tokens_per_s" in loop:  # the loop's generation without its data feed and scoring
+        out["loop_engine_vs_standalone"] = loop["gen_engine_tokens_per_s"] / rate
+    return out
 
 
 def main(argv=None) -> int:
@@ -178,7 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--from-step", type=int, default=3)
     p.add_argument("--config", type=Path, default=None, help="the run's config.yaml: add its settings")
     p.add_argument("--standalone", type=Path, default=None,
-                   help="tools/bench.py's JSON with standalone_gen_tokens_per_s: add loop_gen_vs_standalone")
+                   help="tools/bench.py's JSON with standalone_gen_tokens_per_s: add loop_gen_vs_standalone "
+                        "(and loop_engine_vs_standalone)")
     args = p.parse_args(argv)
     out = summarize(read_rows(args.metrics), args.from_step)
     if args.config is not None:

@@ -154,6 +154,12 @@ class RolloutConfig:
     # earlier images; false: vLLM's own per-request hashing. Off until measured on a GPU (tools/bench_turns.py
     # --mm-uuids 1 against 0)
     mm_uuids: bool = False
+    # vLLM 0.26: no HF processor call for a request whose images all hit the processor cache (the engine's
+    # `skip_empty_hf_calls`); where this vLLM's processor lacks the method it changes, a logged no-op
+    skip_empty_hf_calls: bool = True
+    # vLLM 0.26: its placeholder search jumps to the positions where an image's run can start (the engine's
+    # `fast_placeholder_search`); where this vLLM's processor lacks the method it changes, a logged no-op
+    fast_placeholder_search: bool = True
     # Multi-turn episodes with tools (docs/agents.md). No tools: single-turn, one model turn per episode.
     tools: list[str] = field(default_factory=list)  # names from the tool registry (rollout/tools.py)
     tools_module: str = ""  # a module that registers user tools; importing it runs the user's code

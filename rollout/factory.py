@@ -65,6 +65,7 @@ def build_engine(cfg, policy, *, gpu_memory_utilization: float | None = None, ma
         gpu_memory_utilization=gpu_memory_utilization or r.gpu_memory_utilization or 0.5,
         enforce_eager=r.enforce_eager, max_num_seqs=max_num_seqs, sleep_level=r.sleep_level,
         processor_cache_gb=r.processor_cache_gb, mm_uuids=r.mm_uuids,
+        skip_empty_hf_calls=r.skip_empty_hf_calls, fast_placeholder_search=r.fast_placeholder_search,
         max_model_len=context_tokens(cfg), seed=cfg.trainer.seed,
         # a prompt's image plus what the tools may add to its episode
         max_images_per_prompt=1 + (r.max_tool_images if r.tools else 0),

@@ -40,12 +40,12 @@ Written against vLLM 0.26.0. vLLM is imported only when an engine is built, so t
   earlier image of an episode again on every turn; vLLM uses the key wherever it would use its own
   hash (processor cache, encoder cache, prefix-cache block keys). Prompts get no joined pixel rows
   (`reads_pixel_values`): vLLM processes the images itself.
-- Full processor-cache hits (`skip_empty_hf_calls`, off by default until measured on a GPU): where a
+- Full processor-cache hits (`rollout.skip_empty_hf_calls`, on by default): where a
   family's vLLM processor overrides `_call_hf_processor` (Qwen2/2.5-VL), vLLM 0.26 calls the HF
   processor on dummy text even when every image of a request is cached, only to drop its output; a
   later turn pays that call for every episode. The engine can skip the call when no image is missing
   (`skip_empty_hf_calls`): vLLM's prompt ids, pixels, hashes and placeholders stay the same.
-- Placeholder search (`fast_placeholder_search`, off by default until measured on a GPU): after
+- Placeholder search (`rollout.fast_placeholder_search`, on by default): after
   expanding a prompt, vLLM 0.26 finds each image's run by comparing a slice of the image's length at
   every position of the prompt (`_iter_placeholders`), a cost that grows with every turn; the engine
   can make it jump to the positions holding a run's first token, where only a match can start.
@@ -1068,7 +1068,8 @@ class VLLMEngine(Engine):
         processors = [getattr(renderer, attr, None) for attr in ("mm_processor", "_readonly_mm_processor")]
         for name, change in MM_PROCESSOR_CHANGES:
             if getattr(self, name) and not any([change(p) for p in processors if p is not None]):
-                log.warning("VLLMEngine: %s found no vLLM multimodal processor to change", name)
+                log.warning("VLLMEngine: rollout.%s does nothing here: no multimodal processor of this vLLM has "
+                            "the method it changes (written against vLLM 0.26)", name)
 
     def _build_llm(self, path, tp, gpu_memory_utilization, enforce_eager, max_model_len, seed, dtype,
                    min_pixels, max_pixels):

@@ -356,6 +356,15 @@ def test_factory_passes_mm_uuids(monkeypatch, tiny_model):
     assert _factory_kwargs(monkeypatch, tiny_model, "rollout.mm_uuids=true")[0]["mm_uuids"] is True
 
 
+def test_factory_passes_the_processor_switches(monkeypatch, tiny_model):
+    switches = ("skip_empty_hf_calls", "fast_placeholder_search")
+    built = _factory_kwargs(monkeypatch, tiny_model)[0]
+    assert all(built[name] is True for name in switches)  # on by default (docs/agents.md, the H200 turns run)
+    for name in switches:
+        built = _factory_kwargs(monkeypatch, tiny_model, f"rollout.{name}=false")[0]
+        assert built[name] is False and all(built[other] is True for other in switches if other != name)
+
+
 def test_generation_probe_reads_the_engine_s_vllm_objects(tiny_model):
     """rollout/gen_probe.py's GenerationProbe (train.py's rollout.gen_breakdown, tools/bench_turns.py's per-turn
     breakdown) on stand-ins shaped like vLLM 0.26's in-process objects."""
@@ -776,3 +785,19 @@ def test_engine_applies_its_processor_switches_to_vllm_s_processors():
     engine._change_mm_processors()
     assert processor._apply_hf_processor_mm_only is not original
     assert dict(processor._apply_hf_processor_mm_only(NS(get_all_counts=lambda: {"image": 0}), {}, {})) == {}
+
+
+def test_engine_logs_a_processor_switch_that_changes_nothing(caplog):
+    """A switch that is on where vLLM's processors lack the method it changes (another vLLM) warns once,
+    naming the config key; a switch that is off says nothing."""
+    from types import SimpleNamespace as NS
+
+    from rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._llm = NS(llm_engine=NS(renderer=NS(mm_processor=NS(), _readonly_mm_processor=NS())))
+    engine.skip_empty_hf_calls, engine.fast_placeholder_search = True, False
+    with caplog.at_level("WARNING", logger="rollout.vllm_engine"):
+        engine._change_mm_processors()
+    warned = [r.getMessage() for r in caplog.records if "does nothing" in r.getMessage()]
+    assert len(warned) == 1 and "rollout.skip_empty_hf_calls" in warned[0]

@@ -433,6 +433,7 @@ class _BenchStandIn:
         self.calls.append((prompts, params))
         self.last_stats = {"prompt_tokens": sum(len(p.input_ids) for p in prompts), "cached_prompt_tokens": 0}
         torch.ones(8).mul(2).sum()  # an op for the profiler to see
+        self.last_breakdown = {"call": len(self.calls)}  # as the engine's probe leaves it
         return [Generation(i, [11] * params.max_new_tokens, [-0.1] * params.max_new_tokens, "length")
                 for i, _ in enumerate(prompts) for _ in range(params.n)]
 
@@ -462,6 +463,7 @@ class _BenchStandIn:
                 self.events.append({**r[2], "ended": step, "call": self.continuing_calls})
             add(follow([(r[0], Generation(0, [11] * r[2]["tokens"], [-0.1] * r[2]["tokens"], "length"))
                         for r in done]))
+        self.last_breakdown = {"steps": step, "continuing_call": self.continuing_calls}
 
 
 def _bench_stand_in(monkeypatch) -> list:
@@ -523,6 +525,10 @@ def test_bench_turns_varied_lengths_turn_by_turn_and_continuous(monkeypatch, tin
     assert synced["single_turn_tokens"] == synced["multi_turn_tokens"] == sum(map(sum, lengths))
     turns = engine.calls[1:]  # after the warm-up: one call per turn at its longest length
     assert [c[1].max_new_tokens for c in turns] == [max(row[t] for row in lengths) for t in range(3)]
+    # the engine's own breakdown (rollout.gen_breakdown) of every call: the single-turn call and each turn's
+    assert engine.kwargs["gen_breakdown"] is True
+    assert synced["breakdowns"]["single_turn"] == {"steps": max(map(sum, lengths)), "continuing_call": 1}
+    assert [synced["breakdowns"][f"turn_{t}"] for t in (1, 2, 3)] == [{"call": 2}, {"call": 3}, {"call": 4}]
     built.clear()
     continuous = bench_turns.main(args + ["--continuous", "1"])
     (engine,) = built
@@ -533,6 +539,7 @@ def test_bench_turns_varied_lengths_turn_by_turn_and_continuous(monkeypatch, tin
     # a later turn was added while a request of an earlier one was still running
     assert any(a["added"] < b["ended"] and a["images"] > b["images"] for a in multi for b in multi)
     assert len({e["seed"] for e in multi}) == 12
+    assert continuous["breakdowns"]["continuous"]["continuing_call"] == 2  # the continuous call's, not the single's
 
 
 def test_bench_turns_profiles_the_single_call_turn_1_and_the_last(monkeypatch, tiny_model, tmp_path):

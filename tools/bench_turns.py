@@ -477,6 +477,7 @@ def varied_turns(args, engine, prompts, encoder, end_id: int, banned) -> dict:
     engine.generate_continuing(single, lambda finished: [])
     torch.cuda.synchronize()
     single_s = time.perf_counter() - start
+    breakdowns = {"single_turn": dict(getattr(engine, "last_breakdown", None) or {})}
     single_tokens = sum(total)
 
     tool_s, turn_s = 0.0, []
@@ -506,6 +507,8 @@ def varied_turns(args, engine, prompts, encoder, end_id: int, banned) -> dict:
                                     for k, e in enumerate(episodes)], follow)
         torch.cuda.synchronize()
         multi_s = time.perf_counter() - start - tool_s
+        # engine steps against prefill (mixed) steps, adds, follow: where continuous turns spend their time
+        breakdowns["continuous"] = dict(getattr(engine, "last_breakdown", None) or {})
     else:
         multi_s = 0.0
         for t in range(args.turns):
@@ -515,6 +518,7 @@ def varied_turns(args, engine, prompts, encoder, end_id: int, banned) -> dict:
                                                           seed=1 + TURN_SEED_STRIDE * t))
             multi_s += s
             turn_s.append(round(s, 3))
+            breakdowns[f"turn_{t + 1}"] = dict(getattr(engine, "last_breakdown", None) or {})
             for k, (e, g) in enumerate(zip(episodes, gens)):
                 cap = lengths[k][t]
                 e.add_model_turn(type(g)(g.prompt_index, g.token_ids[:cap], g.logprobs[:cap], "length",
@@ -533,6 +537,7 @@ def varied_turns(args, engine, prompts, encoder, end_id: int, banned) -> dict:
         "ratio": round((multi_tokens / multi_s) / (single_tokens / single_s), 3),
         "turn_s": turn_s, "tool_message_s": round(tool_s, 3), "tool_images": not args.text_tools,
         "episode_tokens_max": max(len(e.token_ids) for e in episodes),
+        "breakdowns": breakdowns,
     }
 
 
@@ -600,7 +605,9 @@ def main(argv=None) -> dict:
                         processor_cache_gb=args.processor_cache_gb, mm_uuids=bool(args.mm_uuids),
                         skip_empty_hf_calls=bool(args.skip_empty_hf),
                         fast_placeholder_search=bool(args.fast_placeholders),
-                        gen_breakdown=False)  # the benchmark's own probe below, synchronized around the encoder
+                        # the fixed-length runs: the benchmark's own probe below, synchronized around the encoder;
+                        # varied lengths and continuous turns: the engine's own (train.py's rollout.gen_breakdown)
+                        gen_breakdown=args.lengths == "varied" or bool(args.continuous))
     banned = adapter.banned_token_ids
     whole = SamplingParams(n=args.n, max_new_tokens=args.turns * args.turn_tokens, banned_token_ids=banned, seed=1)
     turn = SamplingParams(n=args.n, max_new_tokens=args.turn_tokens, banned_token_ids=banned, seed=1)

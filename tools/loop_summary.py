@@ -21,7 +21,8 @@ continuous turns `gen_follow_s`, `gen_poll_s`, `gen_tool_wait_s`), and
 `gen_slowest_step_s_max`, the longest step of any of them. Where the steps logged the parts of generation
 outside the engine (every engine: rollout/rollouts.py `Rollouts.times`) it adds their means, `gen_data_s`
 (the data feed: reading rows, decoding images, the processor) and `gen_score_s` (scoring), and
-`gen_engine_tokens_per_s`, the mean over those steps of the step's generation tokens over gen_s less both. With
+`gen_engine_tokens_per_s`, the mean over those steps of the step's generation tokens over gen_s less both and
+less the engine's wake, sleep and offload (`wake_s`, `sleep_s`, `offload_s`, timed inside gen_s). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
@@ -29,8 +30,8 @@ outside the engine (every engine: rollout/rollouts.py `Rollouts.times`) it adds 
 read back as booleans, like the booleans that runs before `auto` wrote. With `--standalone` (the JSON of
 `tools/bench.py --phases engine`: a standalone vLLM on the loop's requests) it adds
 `standalone_gen_tokens_per_s` and `loop_gen_vs_standalone`, the loop's generation tokens/s over it, and
-(with `gen_engine_tokens_per_s`) `loop_engine_vs_standalone`, the loop's tokens/s without the data feed and
-scoring over it: the standalone times `llm.generate` alone.
+(with `gen_engine_tokens_per_s`) `loop_engine_vs_standalone`, the loop's tokens/s without the data feed,
+scoring, wake and sleep over it: the standalone times `llm.generate` alone.
 """
 
 from __future__ import annotations
@@ -141,13 +142,19 @@ def gen_breakdown(steady: list[dict]) -> dict:
     return out
 
 
+# the engine's sleep, wake and offload, timed inside gen_s (the colocation's, where logged): not generation
+GEN_COLOCATION = ("wake_s", "sleep_s", "offload_s")
+
+
 def engine_tokens_per_s(row: dict) -> float | None:
-    """A step's generation tokens over its gen_s less the data feed and scoring (GEN_OUTSIDE); None where
-    the step lacks any of those metrics or they leave no seconds."""
+    """A step's generation tokens over its gen_s less the data feed and scoring (GEN_OUTSIDE) and the
+    engine's wake, sleep and offload (GEN_COLOCATION, those logged); None where the step lacks any of
+    GEN_OUTSIDE or they leave no seconds."""
     keys = ("perf/gen_tokens_per_s", "perf/gen_s", *(f"perf/{name}" for name in GEN_OUTSIDE))
     if any(row.get(k) is None for k in keys):
         return None
-    engine_s = row["perf/gen_s"] - sum(row[f"perf/{name}"] for name in GEN_OUTSIDE)
+    engine_s = (row["perf/gen_s"] - sum(row[f"perf/{name}"] for name in GEN_OUTSIDE)
+                - sum(row.get(f"perf/{name}") or 0.0 for name in GEN_COLOCATION))
     if engine_s <= 0:
         return None
     return row["perf/gen_tokens_per_s"] * row["perf/gen_s"] / engine_s

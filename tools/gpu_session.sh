@@ -143,10 +143,13 @@ loop)
   build_3b
   recipe_loop $M loop "3B" ${STEPS:-8}
   if [ "${STANDALONE:-0}" = 1 ]; then
-    # a standalone vLLM on the loop's requests (16 prompts x 8 responses x 256 new tokens, 448x448 images):
-    # the loop's generation against it (loop_gen_vs_standalone in loop_summary.json)
+    # a standalone vLLM on the loop's requests (16 prompts x 8 responses x the run's new tokens, 448x448
+    # images): the loop's generation against it (loop_gen_vs_standalone in loop_summary.json). The length is
+    # the run's rollout.max_new_tokens (LOOP_ARGS may change it), read from its resolved config.
+    gen_tokens=$($PY -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['rollout']['max_new_tokens'])" \
+      "$OUT/loop_config.yaml" 2>/dev/null || echo 256)
     timeout ${STANDALONE_S:-240} $PY tools/bench.py --size 3b --phases engine --group 8 --gen-prompts 16 \
-      --gen-tokens 256 --image-size 448 --json-out "$OUT/standalone.json" > "$OUT/standalone.log" 2>&1
+      --gen-tokens $gen_tokens --image-size 448 --json-out "$OUT/standalone.json" > "$OUT/standalone.log" 2>&1
     echo "standalone vLLM rc=$?"
     $PY tools/loop_summary.py "$OUT/loop_metrics.jsonl" --config "$OUT/loop_config.yaml" \
       --standalone "$OUT/standalone.json" | tee "$OUT/loop_summary.json" | grep standalone

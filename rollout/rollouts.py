@@ -300,7 +300,7 @@ class Rollouts:
         if not first:
             return
         try:
-            engine.generate_continuing(first, follow, poll)
+            engine.generate_continuing(first, follow, poll, add_batch=self.cfg.rollout.continuous_add_batch)
         finally:  # after an error: calls no worker has taken yet never start
             calls_out.cancel()
         self._note_call(engine)

@@ -420,6 +420,7 @@ class _ContinuingRun:
         self.engine = engine
         # external request id -> (internal id, index, key, prompt) of each request not finished yet
         self.waiting: dict[str, tuple[str, int, object, PromptInput]] = {}
+        self.ready: list = []  # requests follow or poll returned, held until `flush` adds them
         self.added = 0
         self.prompt_tokens = self.cached_tokens = 0
         self.times = {"add_s": 0.0, "steps_s": 0.0, "follow_s": 0.0, "poll_s": 0.0, "tool_wait_s": 0.0}
@@ -440,6 +441,16 @@ class _ContinuingRun:
             self.waiting[internal.split("-", 1)[0]] = (internal, self.added, key, prompt)
             self.added += 1
             self.prompt_tokens += len(prompt.input_ids)
+
+    def hold(self, requests) -> None:
+        self.ready += list(requests)
+
+    def flush(self, add_batch: int, force: bool = False) -> None:
+        """Add the held requests when there are `add_batch` of them, when they are at least as many as the
+        requests still running (the batch would otherwise drain while they wait), or with `force`."""
+        if self.ready and (force or len(self.ready) >= min(add_batch, max(len(self.waiting), 1))):
+            requests, self.ready = self.ready, []
+            self.add(requests)
 
     def step(self) -> list[tuple[object, Generation]]:
         """One engine step; the requests that finished in it as (key, Generation), in vLLM's order."""
@@ -466,13 +477,13 @@ class _ContinuingRun:
             self.times["follow_s"] += time.perf_counter() - start
 
     def poll(self, poll: Callable, wait: bool) -> bool:
-        """Add the requests `poll(wait)` returns; whether the caller still has some pending."""
+        """Hold the requests `poll(wait)` returns; whether the caller still has some pending."""
         start = time.perf_counter()
         try:
             requests, pending = poll(wait)
         finally:
             self.times["tool_wait_s" if wait else "poll_s"] += time.perf_counter() - start
-        self.add(requests or [])
+        self.hold(requests or [])
         return bool(pending)
 
     def abort(self) -> None:
@@ -1210,10 +1221,12 @@ class VLLMEngine(Engine):
             generations.append(Generation(index, tokens, logprobs, _finish_reason(c.finish_reason), routes))
         return generations
 
-    def generate_continuing(self, first, follow: Callable, poll: Callable | None = None) -> None:
+    def generate_continuing(self, first, follow: Callable, poll: Callable | None = None, add_batch: int = 1) -> None:
         """Requests that continue while others decode. `first` is [(key, PromptInput, SamplingParams with n=1)];
         after each engine step `follow([(key, Generation), ...])` gets the requests that finished in it and
-        returns the requests to add next in the same form (possibly none): they join the running batch at once.
+        returns the requests to add next in the same form (possibly none): they join the running batch at once,
+        or with `add_batch` > 1 once that many are waiting to join (or at least as many as still run, or none
+        runs), so that fewer engine steps mix a prefill into the decode batch (`rollout.continuous_add_batch`).
         Each request samples with its own params and seed, as one prompt of `generate` does.
 
         `poll(wait) -> (requests, pending)` serves requests that become ready outside the loop (an episode whose
@@ -1236,6 +1249,8 @@ class VLLMEngine(Engine):
         self.last_stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0}
         if not first:
             return
+        if add_batch < 1:
+            raise ValueError(f"VLLMEngine.generate_continuing: add_batch must be >= 1, got {add_batch}")
         probe = self._probe
         if probe is not None:
             probe.begin()
@@ -1246,15 +1261,19 @@ class VLLMEngine(Engine):
             try:
                 run.add(first)
                 pending = False
-                while (running := self._llm.llm_engine.has_unfinished_requests()) or pending:
+                while (running := self._llm.llm_engine.has_unfinished_requests()) or pending or run.ready:
                     if running:
                         finished = run.step()
                         if finished:
-                            run.add(run.follow(follow, finished))
+                            run.hold(run.follow(follow, finished))
                         if poll is not None:
                             pending = run.poll(poll, wait=False)
+                        run.flush(add_batch)
+                    elif run.ready:  # nothing decodes: whatever waits to join starts now
+                        run.flush(add_batch, force=True)
                     else:
                         pending = run.poll(poll, wait=True)
+                        run.flush(add_batch, force=True)
             except BaseException:
                 run.abort()  # leave the engine without requests of this call
                 raise

@@ -17,7 +17,7 @@ from PIL import Image
 
 from data.processing import EncodedPrompt, load_processor
 from data.trajectories import render_chat
-from grpo.config import load_config
+from grpo.config import ConfigError, load_config
 from models.family import FAMILIES
 from rollout.base import Generation, PromptInput, SamplingParams
 from rollout.groups import EngineGroup
@@ -102,7 +102,8 @@ class HashEngine(TurnEngine):
 
     step_s = 0.0
 
-    def generate_continuing(self, first, follow, poll=None):
+    def generate_continuing(self, first, follow, poll=None, add_batch=1):
+        self.add_batch = add_batch  # rollout.continuous_add_batch, as Rollouts passes it
         running, step, added = [], 0, []  # running: [steps left, order added, key, Generation]
         self.steps = []  # (step, time.monotonic() at its end)
 
@@ -190,6 +191,13 @@ def test_continuous_turns_give_the_turn_synchronous_episodes(tiny_model):
     prompt_tokens = sum(len(ids) for _, ids, _ in engine.requests)
     assert rollouts.prefix == [prompt_tokens, sum(len(ids) // 2 for _, ids, _ in engine.requests)]
     assert rollouts.breakdowns == [{"steps_s": 0.5, "add_s": 0.25}]
+    assert engine.add_batch == 1  # rollout.continuous_add_batch's default: requests join at once
+    held = HashEngine(processor.tokenizer)
+    _run(_cfg(tiny_model, "rollout.continuous_turns=true", "rollout.continuous_add_batch=3"), processor, held,
+         prompts, params)
+    assert held.add_batch == 3
+    with pytest.raises(ConfigError, match="rollout.continuous_add_batch"):
+        _cfg(tiny_model, "rollout.continuous_add_batch=0")
 
 
 def test_a_prompt_without_room_leaves_the_others_their_own_answers(tiny_model):
@@ -460,6 +468,36 @@ def test_vllm_generate_continuing_adds_requests_as_others_finish(monkeypatch, ti
     # the probe times the adds; the steps (no _run_engine to wrap) and follow are timed by the call itself
     assert out["add_s"] is not None and out["steps_s"] is not None and out["follow_s"] >= 0.04
     assert out["prep_s"] >= 0 and engine._llm.aborted == []
+
+
+def test_vllm_generate_continuing_holds_requests_until_add_batch_wait(monkeypatch, tiny_model):
+    """add_batch=2: a finished request's follow-up waits until a second one is ready (or as many wait as still
+    run, or none runs), then both join in one add; the requests and their samples are the same as at once."""
+    results = {}
+    for add_batch in (1, 2):
+        log = []
+        engine, processor = _vllm_engine(monkeypatch, tiny_model, log)
+        a = processor.tokenizer.encode("hello there")
+
+        def follow(finished):
+            log.append(("follow", [key for key, _ in finished]))
+            return [(f"{key}+", PromptInput(a + g.token_ids), SamplingParams(max_new_tokens=3, seed=5))
+                    for key, g in finished if not key.endswith("+")]
+
+        engine.generate_continuing([("x", PromptInput(a), SamplingParams(max_new_tokens=1, seed=1)),
+                                    ("z", PromptInput(a), SamplingParams(max_new_tokens=2, seed=2)),
+                                    ("y", PromptInput(a), SamplingParams(max_new_tokens=6, seed=3))], follow,
+                                   add_batch=add_batch)
+        results[add_batch] = (log, sorted((s.max_tokens, s.seed) for s in engine._llm.sampling))
+    at_once, held = results[1][0], results[2][0]
+    assert at_once[:4] == [("add", 3), ("follow", ["x"]), ("add", 1), ("follow", ["z"])]
+    # x's follow-up waits for z's: one add of two
+    assert held[:4] == [("add", 3), ("follow", ["x"]), ("follow", ["z"]), ("add", 2)]
+    assert results[1][1] == results[2][1]  # the same requests either way
+    # every follow-up joins (x+ and z+ together, then y+ alone once nothing else runs): none is left out
+    assert sum(n for kind, n in held if kind == "add") == 6 and ("follow", ["y"]) in held
+    with pytest.raises(ValueError, match="add_batch must be >= 1"):
+        engine.generate_continuing([("q", PromptInput(a), SamplingParams(max_new_tokens=1))], follow, add_batch=0)
 
 
 def test_vllm_generate_continuing_polls_for_requests_that_were_waiting(monkeypatch, tiny_model):

@@ -437,7 +437,7 @@ class _BenchStandIn:
         return [Generation(i, [11] * params.max_new_tokens, [-0.1] * params.max_new_tokens, "length")
                 for i, _ in enumerate(prompts) for _ in range(params.n)]
 
-    def generate_continuing(self, first, follow):
+    def generate_continuing(self, first, follow, add_batch=1):
         """Steps of one token for every running request; a request ends after its max_new_tokens, the step's
         ended ones go to `follow` together and what it returns joins the next step. `events` records each
         request's (step added, step ended, tokens, seed, images)."""
@@ -463,6 +463,7 @@ class _BenchStandIn:
                 self.events.append({**r[2], "ended": step, "call": self.continuing_calls})
             add(follow([(r[0], Generation(0, [11] * r[2]["tokens"], [-0.1] * r[2]["tokens"], "length"))
                         for r in done]))
+        self.add_batch = add_batch
         self.last_breakdown = {"steps": step, "continuing_call": self.continuing_calls}
 
 
@@ -530,8 +531,9 @@ def test_bench_turns_varied_lengths_turn_by_turn_and_continuous(monkeypatch, tin
     assert synced["breakdowns"]["single_turn"] == {"steps": max(map(sum, lengths)), "continuing_call": 1}
     assert [synced["breakdowns"][f"turn_{t}"] for t in (1, 2, 3)] == [{"call": 2}, {"call": 3}, {"call": 4}]
     built.clear()
-    continuous = bench_turns.main(args + ["--continuous", "1"])
+    continuous = bench_turns.main(args + ["--continuous", "1", "--continuous-add-batch", "4"])
     (engine,) = built
+    assert engine.add_batch == 4 and continuous["continuous_add_batch"] == 4
     multi = [e for e in engine.events if e["call"] == 2]
     assert continuous["multi_turn_tokens"] == sum(map(sum, lengths)) and continuous["continuous"] is True
     assert sorted(e["tokens"] for e in multi) == sorted(x for row in lengths for x in row)

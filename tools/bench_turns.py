@@ -2,7 +2,8 @@
 
     python tools/bench_turns.py --model DIR [--prompts 16 --n 8 --turns 3 --turn-tokens 128] [--json-out F]
         [--crops same|distinct] [--mm-uuids 1|0] [--skip-empty-hf 0|1] [--fast-placeholders 0|1] [--text-tools]
-        [--processor-cache-gb 4] [--profile-turns 0|1 [--trace-dir DIR]] [--lengths fixed|varied] [--continuous 0|1]
+        [--processor-cache-gb 4] [--profile-turns 0|1 [--trace-dir DIR]] [--lengths fixed|varied]
+        [--continuous 0|1 [--continuous-add-batch N]]
     python tools/bench_turns.py --summarize F     # one line of a result: ratio, per turn where the time went
     python tools/bench_turns.py --encode-only --model DIR [--crops same|distinct] [--text-tools] [--repeats 5]
     PYTHONPATH=<vLLM 0.26 source> python tools/bench_turns.py --add-only --model DIR [--crops ...] [--mm-uuids 1|0]
@@ -504,7 +505,7 @@ def varied_turns(args, engine, prompts, encoder, end_id: int, banned) -> dict:
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.generate_continuing([(k, e.engine_input(pixels_in), params(lengths[k][0], 1 + k))
-                                    for k, e in enumerate(episodes)], follow)
+                                    for k, e in enumerate(episodes)], follow, add_batch=args.continuous_add_batch)
         torch.cuda.synchronize()
         multi_s = time.perf_counter() - start - tool_s
         # engine steps against prefill (mixed) steps, adds, follow: where continuous turns spend their time
@@ -529,7 +530,8 @@ def varied_turns(args, engine, prompts, encoder, end_id: int, banned) -> dict:
     return {
         "multi_turn": True, "model": Path(args.model).name, "prompts": args.prompts, "n": args.n, "turns": args.turns,
         "turn_tokens": args.turn_tokens, "image_side": args.side, "lengths": args.lengths,
-        "continuous": bool(args.continuous), "crops": args.crops, "mm_uuids": bool(args.mm_uuids),
+        "continuous": bool(args.continuous), "continuous_add_batch": args.continuous_add_batch,
+        "crops": args.crops, "mm_uuids": bool(args.mm_uuids),
         "single_turn_tokens": single_tokens, "single_turn_s": round(single_s, 3),
         "single_turn_tokens_per_s": round(single_tokens / single_s, 1),
         "multi_turn_tokens": multi_tokens, "multi_turn_s": round(multi_s, 3),
@@ -575,6 +577,8 @@ def main(argv=None) -> dict:
     p.add_argument("--continuous", type=int, choices=(0, 1), default=0,
                    help="1: episodes run through the engine's generate_continuing (rollout.continuous_turns): an "
                         "episode's next turn is added when its own turn ends")
+    p.add_argument("--continuous-add-batch", type=int, default=1,
+                   help="with --continuous 1: next-turn requests join once this many wait (rollout.continuous_add_batch)")
     p.add_argument("--json-out", default="")
     p.add_argument("--summarize", default="", help="print the summary line of this result file and exit")
     args = p.parse_args(argv)

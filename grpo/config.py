@@ -129,6 +129,8 @@ class DataConfig:
     video_max_pixels: int = 2048 * 28 * 28
     max_video_bytes: int = 256 << 20  # a larger video file is skipped (video_too_large) before it is read
     max_source_frames: int = 36_000  # frames a video's header may list; more is skipped (video_too_long)
+    # GRPO: encode the next step's prompts on a thread while this step trains (off until measured on a GPU)
+    prefetch: bool = False
 
 
 @dataclass

@@ -262,6 +262,7 @@ class Trainer:
             return self._train(guard)
         finally:
             guard.close()
+            self.feeder.drop_prefetch()  # a stop before trainer.max_steps leaves the next step's prefetch
 
     def _train(self, guard: PreemptionGuard) -> dict:
         cfg = self.cfg
@@ -403,6 +404,11 @@ class Trainer:
         timings = {}
         with timed(timings, "perf/gen_s"):
             _, episodes, rewards_info = self.rollouts.collect(self.feeder, per_rank, self.sampling_params())
+        if self.cfg.data.prefetch and self.step < self.cfg.trainer.max_steps:
+            # collective, like the next step's first feeder.next(per_rank), which takes it: the next step's
+            # prompts are read, decoded and encoded on a thread while this step's logprobs, update and refit run
+            with timed(timings, "perf/prefetch_s"):  # the first round's gather, on this thread
+                self.feeder.prefetch(per_rank)
         gen_detail = dict(self.colocation.timings)
         # where the step's engine calls spent their time (rollout.gen_breakdown, vLLM): perf/gen_*
         gen_detail.update(breakdown_metrics(self.rollouts.breakdowns))
@@ -632,6 +638,7 @@ class Trainer:
         `use_tools=False` the model answers in one turn even when rollout.tools is set."""
         if self.eval_feeder is None:
             return {}
+        self.feeder.wait_prefetch()  # the processor is not safe to share across threads (data.prefetch)
         n = min(max_samples or self.cfg.trainer.eval_samples, len(self.eval_feeder.dataset))
         self.eval_feeder.stream.position, self.eval_feeder.stream.epoch = 0, 0
         per_rank = max(n // self.dims.dp, 1)

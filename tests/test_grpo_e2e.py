@@ -1,9 +1,12 @@
-"""GRPO end to end on CPU: a 2-rank smoke run with every knob on, and resume exactness."""
+"""GRPO end to end on CPU: a 2-rank smoke run with every knob on, resume exactness, and data.prefetch."""
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from data.sampler import IndexStream
 from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.slow
@@ -77,3 +80,27 @@ def test_grpo_two_ranks_with_shared_prompts(tiny_model, clevr_parquet, tmp_path)
         assert 1.0 <= b["fidelity/token_mult_prob_error"] <= 1.0001  # the torch engine's logprobs, shared rows
         for k in ("loss/total", "loss/grad_norm", "loss/kl", "reward/mean"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+
+
+def test_grpo_data_prefetch_changes_no_step(tiny_model, clevr_parquet, tmp_path):
+    """data.prefetch=true: steps 2 and 3 take prompts encoded on a thread during the step before (an evaluation
+    in between); with rows to skip, every step's metrics and skip count are the run's without it."""
+    table = pq.read_table(clevr_parquet)
+    order = IndexStream(table.num_rows, 0, shuffle=True)  # the rows' order under demo.yaml's trainer.seed 0
+    bad = {order.peek(i) for i in (1, 5, 6, 12)}  # in the first round of steps 1, 2 (two) and 3 (4 rows each)
+    answers = [None if i in bad else a for i, a in enumerate(table.column("answer").to_pylist())]
+    data = tmp_path / "some_bad.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("answer"), "answer", pa.array(answers, pa.string())),
+                   data)
+    knobs = ["algorithm.kl_coef=0.01", "trainer.eval_every=2"]
+    plain, ahead = tmp_path / "plain", tmp_path / "ahead"
+    run_torchrun(grpo_args(tiny_model, data, plain, 3, knobs), nproc=2)
+    run_torchrun(grpo_args(tiny_model, data, ahead, 3, [*knobs, "data.prefetch=true"]), nproc=2)
+    a, b = rows(plain), rows(ahead)
+    assert [x["step"] for x in b] == [1, 2, 3]
+    assert ["perf/prefetch_s" in x for x in b] == [True, True, False]  # none after the last step
+    assert not any("perf/prefetch_s" in x for x in a)
+    assert [x["data/skipped_samples"] for x in a] == [1, 3, 4] and "eval/accuracy" in b[1]
+    for x, y in zip(a, b):
+        for k in (*DETERMINISTIC, "data/skipped_samples"):
+            assert x[k] == y[k], (x["step"], k, x[k], y[k])

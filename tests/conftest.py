@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,5 +53,10 @@ def run_torchrun(args: list[str], nproc: int = 2, timeout: int = 600, env: dict 
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
     if proc.returncode != 0:
-        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        # the first rank to fail often reports above the tail the others fill with their own errors: its lines
+        # that name an error or a signal, wherever they are
+        first = [line for line in proc.stderr.splitlines()
+                 if re.search(r"error|exception|terminate called|what\(\)|fatal|signal|exitcode", line, re.I)][:40]
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\nerror lines:\n"
+                             + "\n".join(first) + f"\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from models.flops import peak_tflops, row_flops
 from models.lora import adapters_off
 from models.parallel import build_parallel_dims
 from models.policy import Policy, build_policy
-from rollout.base import Generation, PromptInput, SamplingParams
+from rollout.base import Generation, PromptInput, SamplingParams, timed
 from rollout.episode import Episode, episode_batch
 from rollout.colocation import (
     KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, kv_bytes_per_token, tensor_bytes,
@@ -56,16 +56,6 @@ OBJECTIVE_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
 # The phases a GRPO step's time splits into (perf/other_s is what none of them covers). Generation
 # includes waking and putting the engine to sleep (perf/wake_s, perf/sleep_s, perf/offload_s).
 STEP_PHASES = ("perf/gen_s", "perf/logprob_s", "perf/score_s", "perf/train_s", "perf/refit_s")
-
-
-@contextmanager
-def timed(times: dict, key: str):
-    """Add the block's wall-clock seconds to `times[key]`."""
-    start = time.monotonic()
-    try:
-        yield
-    finally:
-        times[key] = times.get(key, 0.0) + time.monotonic() - start
 
 
 def _seconds(times: dict) -> str:

@@ -9,12 +9,24 @@ top-p/top-k truncation), and a finish reason.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
 import torch
 
+
+
+@contextmanager
+def timed(times: dict, key: str):
+    """Add the block's wall-clock seconds to `times[key]` (host time only: no device sync)."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        times[key] = times.get(key, 0.0) + time.monotonic() - start
 
 @dataclass
 class SamplingParams:

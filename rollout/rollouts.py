@@ -36,7 +36,6 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
-import time
 from dataclasses import replace
 from typing import Callable
 
@@ -46,7 +45,7 @@ import torch.distributed as dist
 from data.rewards import score
 from data.trajectories import ToolPrompt, build_tool_prompt
 from models.family import FamilyAdapter, require_tool_format
-from rollout.base import Generation, SamplingParams
+from rollout.base import Generation, SamplingParams, timed
 from rollout.episode import FINISH_REASONS, Episode, ToolResultEncoder
 from rollout.tools import ERROR_KINDS, ToolContext, ToolRunner, build_tools, tool_schema
 
@@ -153,23 +152,14 @@ class Rollouts:
 
     def generate_and_score(self, engine, prompts, params: SamplingParams, use_tools: bool = True):
         episodes = self.run_episodes(engine, prompts, params, use_tools)
-        with self._timed("score_s"):
+        with timed(self.times, "score_s"):
             infos = self.score(prompts, episodes)
         return prompts, episodes, infos
 
     def _next(self, feeder, k: int):
         """The feeder's next k prompts, its seconds added to times["data_s"]."""
-        with self._timed("data_s"):
+        with timed(self.times, "data_s"):
             return feeder.next(k)
-
-    @contextlib.contextmanager
-    def _timed(self, key: str):
-        """Add the block's seconds to times[key] (host time only: no device sync)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[key] += time.perf_counter() - start
 
     def score(self, prompts, episodes: list[Episode]) -> list:
         """The reward of each episode's final answer: the text of its last model turn."""

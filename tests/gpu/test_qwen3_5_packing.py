@@ -19,7 +19,8 @@ if importlib.util.find_spec("fla") is None:
     pytest.skip("flash-linear-attention (fla-core) is not installed", allow_module_level=True)
 
 from models import fla_guard  # noqa: E402
-from models.families.qwen3_5 import _torch_rule, fla_delta_rule_packed, torch_delta_rule_packed  # noqa: E402
+from models.families.qwen3_5 import (  # noqa: E402
+    _heads_as_values, _torch_rule, fla_delta_rule_packed, torch_delta_rule_packed)
 
 SHAPE_4B = fla_guard.RuleShape(k_heads=16, v_heads=32, k_dim=128, v_dim=128, dtype=torch.bfloat16)
 
@@ -38,7 +39,9 @@ def plan():
 
 
 def _per_sequence_rule(q, k, v, g, beta, cu):
-    """transformers' rule on each sequence of the packed row alone, the outputs joined again."""
+    """transformers' rule on each sequence of the packed row alone, the outputs joined again (key heads
+    repeated over their value heads first, as the layer does: transformers 5.17's rule takes them so)."""
+    q, k = _heads_as_values(q, k, v)
     outs = []
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         out, _ = _torch_rule()(*(t[:, start:end] for t in (q, k, v)), g=g[:, start:end], beta=beta[:, start:end],

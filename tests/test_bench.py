@@ -63,3 +63,6 @@ def test_current_table_reads_the_recipe_as_shipped():
     step_line = next(line for line in table.splitlines() if "GRPO step through train.py" in line)
     assert "| 11.00 |" in step_line and "7.00" not in table
     assert "25.0%" in table and "40.0%" not in table
+    slow = {"loop_step_s": 14.0, "mfu_llm": 0.12, "command": "loop", "date": "d3", "device": "H200", "current": False}
+    table = current_table([shipped, variant, slow])
+    assert "| 11.00 |" in table and "14.00" not in table and "12.0%" not in table

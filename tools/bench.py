@@ -447,12 +447,13 @@ CURRENT_START, CURRENT_END = "<!-- current numbers: tools/bench.py regenerates t
 def current_table(rows: list[dict]) -> str:
     """Markdown: target, value, met, command, date and machine, from the newest `train.py` loop row
     (one with loop_step_s) of the recipe as shipped (no `overrides`) that carries each key: the user's
-    path is the number that counts."""
+    path is the number that counts. A row with `"current": false` (a machine that ran well below the
+    others, its note says by how much) stays in the record but out of this table."""
     lines = [CURRENT_START, "## Current numbers", "",
              "| target | goal | value | met | command | date | machine |", "|---|---|---|---|---|---|---|"]
     for label, key, op, goal, fmt in CURRENT:
         row = next((r for r in reversed(rows) if "loop_step_s" in r and not r.get("overrides")
-                    and isinstance(r.get(key), (int, float))), None)
+                    and r.get("current", True) and isinstance(r.get(key), (int, float))), None)
         if row is None:
             lines.append(f"| {label} | {op} {goal} | not measured | | | | |")
             continue

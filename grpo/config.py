@@ -129,7 +129,8 @@ class DataConfig:
     video_max_pixels: int = 2048 * 28 * 28
     max_video_bytes: int = 256 << 20  # a larger video file is skipped (video_too_large) before it is read
     max_source_frames: int = 36_000  # frames a video's header may list; more is skipped (video_too_long)
-    # GRPO: encode the next step's prompts on a thread while this step trains (off until measured on a GPU)
+    # GRPO: encode the next step's prompts on a thread while this step trains. Off: on an H200 it took the data
+    # feed out of generation but made no step faster (the update ran longer beside the thread; docs/benchmarks.md)
     prefetch: bool = False
 
 
@@ -280,6 +281,11 @@ class OptimConfig:
     # rather than per micro-batch). The 3B update on one H200: 5.74 -> 5.15 s, peak 110.3 -> 110.4 GiB
     # (docs/benchmarks.md). Ignored with more than one data-parallel rank.
     unsharded_accumulation: bool = True
+    # AdamW's moments made at start, before any activation, instead of by the first step: made lazily they are
+    # cut from the first update's cached activation blocks, which then cannot go back to the device (the
+    # suspected cause of the 3B recipe's full device and allocator retries). The same numbers either way.
+    # Off until measured on a GPU
+    allocate_state_at_start: bool = False
 
 
 @dataclass

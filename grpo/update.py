@@ -253,9 +253,43 @@ def lr_at(step: int, cfg_optim, max_steps: int) -> float:
 
 def build_optimizer(policy: Policy, cfg_optim) -> torch.optim.Optimizer:
     """AdamW over the parameters that train: all of them, or only the adapters with LoRA (frozen
-    weights get no optimizer state)."""
+    weights get no optimizer state); its state made now with `optim.allocate_state_at_start`."""
     kwargs = dict(lr=cfg_optim.lr, betas=(cfg_optim.beta1, cfg_optim.beta2), eps=cfg_optim.eps,
                   weight_decay=cfg_optim.weight_decay)
     if policy.device.type == "cuda":
         kwargs["fused"] = True
-    return torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], **kwargs)
+    optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], **kwargs)
+    if getattr(cfg_optim, "allocate_state_at_start", False):
+        allocate_state(optimizer)
+    return optimizer
+
+
+def allocate_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make the optimizer's state now, as its first step would, and leave it as that step finds it.
+
+    One step with zero gradients at a learning rate of 0 makes every moment (zeros) in the optimizer's
+    own layout, dtype and placement (sharded like its parameter) and moves no parameter (AdamW's decay
+    and update both scale with the rate); the step counts go back to 0, so the first real step is
+    step 1 as without. A checkpoint loaded later overwrites all of it. On CUDA the zero gradients'
+    blocks go back to the device."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer.state or not params or any(p.grad is not None for p in params):
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
+        optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+    if any(p.is_cuda for p in params):
+        torch.cuda.empty_cache()

@@ -495,8 +495,16 @@ def test_bench_turns_runs_end_to_end_on_a_stand_in_engine(monkeypatch, tiny_mode
     assert engine.kwargs["skip_empty_hf_calls"] is True and result["skip_empty_hf"] is True
     assert engine.kwargs["fast_placeholder_search"] is True and result["fast_placeholders"] is True
     assert engine.kwargs["gen_breakdown"] is False  # the benchmark's own probe, synchronized around the encoder
-    turns = engine.calls[2:]  # after the warm-up and the single-turn call
+    turns = engine.calls[2:5]  # after the warm-up and the single-turn call
     assert [len(c[0]) for c in turns] == [2, 4, 4] and [len(c[0][0].images) for c in turns] == [1, 2, 3]
+    # the same-total baseline: each episode's prompt and tool messages (its 3 images), its 12 model tokens in one turn
+    (flat_prompts, flat_params), last = engine.calls[5][:2], turns[2][0]
+    assert len(engine.calls) == 6 and len(flat_prompts) == 4 and flat_params.max_new_tokens == 12
+    assert all(len(f.images) == 3 and f.pixel_values is None for f in flat_prompts)
+    assert all(len(f.input_ids) == len(p.input_ids) - 8 for f, p in zip(flat_prompts, last))  # less turns 1-2's model tokens
+    assert result["same_total_tokens"] == result["multi_turn_tokens"] == 4 * 12
+    assert result["same_total_prompt_tokens"] == sum(len(f.input_ids) for f in flat_prompts)
+    assert result["ratio_same_total"] > 0 and "same-total ratio" in bench_turns.summary_line(result)
     assert all(p.pixel_values is None for c in turns for p in c[0])  # built as Rollouts builds them for vLLM
     assert len({p.images[2].tobytes() for p in turns[2][0]}) == 4  # distinct crops: one per episode
     assert result["crops"] == "distinct" and result["mm_uuids"] is False and len(result["turn_s"]) == 3

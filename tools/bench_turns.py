@@ -3,7 +3,7 @@
     python tools/bench_turns.py --model DIR [--prompts 16 --n 8 --turns 3 --turn-tokens 128] [--json-out F]
         [--crops same|distinct] [--mm-uuids 1|0] [--skip-empty-hf 0|1] [--fast-placeholders 0|1] [--text-tools]
         [--processor-cache-gb 4] [--profile-turns 0|1 [--trace-dir DIR]] [--lengths fixed|varied]
-        [--continuous 0|1 [--continuous-add-batch N]]
+        [--continuous 0|1 [--continuous-add-batch N]] [--same-total 1|0]
     python tools/bench_turns.py --summarize F     # one line of a result: ratio, per turn where the time went
     python tools/bench_turns.py --encode-only --model DIR [--crops same|distinct] [--text-tools] [--repeats 5]
     PYTHONPATH=<vLLM 0.26 source> python tools/bench_turns.py --add-only --model DIR [--crops ...] [--mm-uuids 1|0]
@@ -22,6 +22,13 @@ appends it), and the next turn sends each whole episode to the engine in one cal
 full length (no stop tokens) so both sides generate the same number of tokens. Tokens/s count
 generated tokens over the engine's generate calls only. Weights are vLLM's dummy ones: throughput
 does not depend on their values.
+
+Two baselines (fixed lengths). `ratio` is against single-turn generation of the same generated tokens from the
+bare prompts: the multi-turn side also prefills every tool message (~300 tokens an episode a turn at the
+default shape) and decodes over longer contexts, GPU work the baseline never does. `ratio_same_total`
+(`--same-total 1`, the default) is against single-turn generation at the same total tokens: each finished
+episode's prompt and tool messages up front (`same_total_inputs`), its model tokens in one turn, so both
+sides process the same tokens and the ratio shows what running them as turns costs.
 
 Tool messages: a turn's are encoded together, as `Rollouts` encodes them (`ToolResultEncoder.encode_many`);
 `tool_message_s` is that encoding over all turns, `crop_s` the making of the crops before it.
@@ -116,6 +123,25 @@ def tool_results(images: list, args, turn: int) -> list[list[tuple[str, list]]]:
     distinct = args.crops == "distinct"
     return [[("zoomed", [] if args.text_tools else [zoom_crop(image, args.side, k, turn, distinct)])]
             for k, image in enumerate(images)]
+
+
+def same_total_inputs(episodes, pixels: bool) -> list:
+    """The same-total baseline's single-turn prompts: each finished episode without its model turns (its
+    prompt, then every tool message with its images, in order). Generating the episode's model tokens in
+    one turn after such a prompt processes the episode's whole length, as the multi-turn episode did,
+    prefill of the tool messages included; the tool tokens come first, so its decode steps attend over
+    the longer context from the start (no less work than the episode's)."""
+    import dataclasses
+
+    from rollout.episode import MODEL
+
+    out = []
+    for e in episodes:
+        keep = [i for i, source in enumerate(e.sources) if source != MODEL]
+        flat = dataclasses.replace(e, token_ids=[e.token_ids[i] for i in keep], sources=[e.sources[i] for i in keep],
+                                   logprobs=[], turns=[], routed_experts=None)
+        out.append(flat.engine_input(pixels))
+    return out
 
 
 def bitwise_equal(a, b) -> bool:
@@ -342,7 +368,9 @@ def summary_line(result: dict) -> str:
     head = (f"ratio {result['ratio']} single {result['single_turn_tokens_per_s']} multi "
             f"{result['multi_turn_tokens_per_s']} tok/s crops {result.get('crops')} keys {result.get('mm_uuids')} "
             f"skip_empty_hf {result.get('skip_empty_hf')} fast_placeholders {result.get('fast_placeholders')} "
-            f"tool_message_s {result['tool_message_s']}")
+            f"tool_message_s {result['tool_message_s']}"
+            + (f" same-total ratio {result['ratio_same_total']} ({result['same_total_tokens_per_s']} tok/s, "
+               f"{result['same_total_prompt_tokens']} prompt tokens)" if "ratio_same_total" in result else ""))
     def prof(name: str, p: dict) -> str:
         if "error" in p and "wall_s" not in p:
             return f"prof {name} error {p['error']}"
@@ -579,6 +607,9 @@ def main(argv=None) -> dict:
                         "episode's next turn is added when its own turn ends")
     p.add_argument("--continuous-add-batch", type=int, default=1,
                    help="with --continuous 1: next-turn requests join once this many wait (rollout.continuous_add_batch)")
+    p.add_argument("--same-total", type=int, choices=(0, 1), default=1,
+                   help="1 (fixed lengths): also single-turn at the same total tokens: each episode's prompt and tool "
+                        "messages up front, its model tokens in one turn (ratio_same_total)")
     p.add_argument("--json-out", default="")
     p.add_argument("--summarize", default="", help="print the summary line of this result file and exit")
     args = p.parse_args(argv)
@@ -665,8 +696,22 @@ def main(argv=None) -> dict:
                 e.token_ids[-1] = end_id
                 e.add_tool_tokens(ids, pix, grid, images)
             tool_s += time.perf_counter() - start
-    probe.close()
     hit = engine.last_stats.get("cached_prompt_tokens", 0) / max(engine.last_stats.get("prompt_tokens", 1), 1)
+    same_total = {}
+    if args.same_total:
+        # single-turn at the same total tokens: the episodes' prompts and tool messages up front, their model
+        # tokens in one turn (as a model that got every image at once would generate)
+        flat = same_total_inputs(episodes, pixels_in)
+        probe.begin()
+        gens, s = _timed(engine, flat, SamplingParams(n=1, max_new_tokens=args.turns * args.turn_tokens,
+                                                      banned_token_ids=banned, seed=1))
+        tokens = sum(len(g.token_ids) for g in gens)
+        same_total = {"same_total_tokens": tokens, "same_total_s": round(s, 3),
+                      "same_total_tokens_per_s": round(tokens / s, 1),
+                      "same_total_prompt_tokens": sum(len(f.input_ids) for f in flat),
+                      "ratio_same_total": round((multi_tokens / multi_s) / (tokens / s), 3),
+                      "same_total_breakdown": probe.report(engine.last_stats)}
+    probe.close()
     result = {
         "multi_turn": True, "model": Path(args.model).name, "prompts": args.prompts, "n": args.n,
         "turns": args.turns, "turn_tokens": args.turn_tokens, "image_side": args.side,
@@ -682,7 +727,7 @@ def main(argv=None) -> dict:
         "crops": args.crops, "mm_uuids": bool(args.mm_uuids), "skip_empty_hf": bool(args.skip_empty_hf),
         "fast_placeholders": bool(args.fast_placeholders),
         "single_turn_breakdown": single_breakdown, "turn_breakdown": turns,
-        "profile_turns": bool(args.profile_turns),
+        "profile_turns": bool(args.profile_turns), **same_total,
     }
     if args.profile_turns:
         per_step(profiles, {"single_turn": single_breakdown, **{f"turn_{b['turn']}": b for b in turns}})

@@ -37,7 +37,8 @@ from models.policy import Policy, build_policy
 from rollout.base import Generation, PromptInput, SamplingParams, timed
 from rollout.episode import Episode, episode_batch
 from rollout.colocation import (
-    KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, kv_bytes_per_token, tensor_bytes,
+    KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, fsdp_unit_sizes, kv_bytes_per_token,
+    tensor_bytes,
 )
 from rollout.exact import build_exact, prepare_process
 from rollout.factory import build_engine
@@ -194,13 +195,26 @@ class Trainer:
         return per_rank * self.engine_group.size * self.cfg.rollout.n
 
     def _memory_needs(self) -> MemoryNeeds:
-        """What the colocated step needs on this rank's GPU (the memory plan's inputs)."""
+        """What the colocated step needs on this rank's GPU (the memory plan's inputs).
+
+        The compute copy: with one data-parallel rank every FSDP unit keeps its copy from forward to
+        backward (models/parallel.py), so all of it (this rank's tensor-parallel part); with more, a
+        unit reshards after forward and backward: the unit at work and the one prefetched. Gradients
+        are the fp32 gradient of every trainable parameter, sharded or (optim.unsharded_accumulation)
+        not; beside them in backward one unit's gradient in the compute dtype and its fp32 reduce
+        buffer (rollout/colocation.py's module docstring says what lives when)."""
         cfg = self.cfg
-        params = tensor_bytes(self.policy.model.parameters())
-        trainable = tensor_bytes(p for p in self.policy.model.parameters() if p.requires_grad)  # LoRA: adapters
-        count = sum(p.numel() for p in self.policy.model.parameters())  # full (unsharded) sizes
-        config = self.policy.model.config
+        model = self.policy.model
+        params = tensor_bytes(model.parameters())
+        trainable = tensor_bytes(p for p in model.parameters() if p.requires_grad)  # LoRA: adapters
+        count = sum(p.numel() for p in model.parameters())  # full (unsharded) sizes
+        config = model.config
         engine_dtype = 2 if self.policy.dtype != torch.float32 else 4
+        units = fsdp_unit_sizes(model)
+        if self.dims.dp == 1:
+            compute_copy = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+        else:
+            compute_copy = 2 * max(n for n, _ in units)
         tp = cfg.rollout.tensor_parallel_size
         seq_tokens = context_tokens(cfg)  # the engine's max_model_len: a whole episode
         free, total = torch.cuda.mem_get_info(self.policy.device)
@@ -209,8 +223,10 @@ class Trainer:
             device=torch.cuda.get_device_properties(self.policy.device).total_memory,
             parameters=params, gradients=trainable, optimizer=2 * trainable,
             reference=0 if self.ref is None or self.ref is self.policy else tensor_bytes(self.ref.model.parameters()),
-            compute_copy=count * engine_dtype if self.dims.world_size == 1 else 0,
+            compute_copy=compute_copy * engine_dtype,
+            grad_buffers=max(n for _, n in units) * (engine_dtype + 4),
             activations=activation_bytes(config, cfg.optim.max_tokens_per_microbatch, cfg.model.activation_checkpointing),
+            microbatch_tokens=cfg.optim.max_tokens_per_microbatch,
             engine_weights=count * engine_dtype // tp,
             # the most KV the engine's scheduler can ever hold: max_num_seqs full-length sequences
             engine_kv_wanted=int(KV_HEADROOM * -(-self._rollout_sequences() // 8) * 8 * seq_tokens
@@ -267,7 +283,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if cfg.trainer.mode == "sft":
-                with self.colocation.peak.training():
+                with self.colocation.peak.training("update"):
                     metrics = self.sft_step(per_rank)
             else:
                 metrics = self.grpo_step(per_rank)
@@ -277,6 +293,7 @@ class Trainer:
             metrics["perf/other_s"] = metrics["perf/step_s"] - phases if phases else 0.0
             metrics["memory/peak_gb"] = self.colocation.peak.end()
             metrics["memory/alloc_retries"] = self.colocation.peak.alloc_retries()
+            metrics.update(self.colocation.peak.phase_metrics())  # per pass, on a GPU: memory/*_logprob, *_update
             metrics["data/skipped_samples"] = self._skipped_total()
             metrics.update(self._startup)  # start-up and engine-build seconds, once (the step that built the engine)
             self._startup = {}
@@ -406,13 +423,15 @@ class Trainer:
         gen_detail.update({f"perf/gen_{k}": v for k, v in self.rollouts.times.items()})
 
         reuse = self._old_logprobs_from_update()
-        with self.colocation.peak.training():
+        peak = self.colocation.peak  # two labelled passes; the step's peak is the same as over one
+        with peak.training("logprob"):
             with timed(timings, "perf/logprob_s"):
                 step = self._experience(episodes, old_logprobs=not reuse)
             with timed(timings, "perf/score_s"):
                 rewards = self._advantages(step, episodes, rewards_info)
                 if not reuse:  # the mismatch mask needs the old logprobs before the update
                     fidelity = self._fidelity(step)
+        with peak.training("update"):
             with timed(timings, "perf/train_s"):
                 train = self._ppo_update(step, old_from_update=reuse)
             if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now

@@ -17,6 +17,30 @@ micro-batch. During generation gradients do not exist (the update frees them), s
 gets what the resident state leaves; only what does not fit beside the engine leaves the GPU,
 optimizer state before parameters. During training the engine sleeps and the policy has the
 device, so the plan also checks the training peak fits then.
+
+What lives when, with one data-parallel rank and optim.unsharded_accumulation (grpo/update.py
+`optimizer_step`, torch's FSDP2 `FSDPParamGroup.post_backward` and `foreach_reduce`, as read in
+torch 2.13):
+- micro-batches before the last (`set_requires_gradient_sync(False)`,
+  `set_reshard_after_backward(False)`): every unit keeps its low-precision compute copy
+  (`compute_copy`) and an fp32 unsharded gradient, `FSDPParam.unsharded_accumulated_grad`, made by
+  `to_accumulated_grad_if_needed` from the bf16 gradient and summed into by
+  `accumulate_unsharded_grad_if_needed` (as large as the fp32 parameters: `gradients`);
+- the last micro-batch reduces and reshards unit by unit: the unit's fp32 gradient is copied into
+  a reduce buffer of the unit's size and dropped (`unsharded_grads.clear()`), the sharded gradient
+  is a new fp32 buffer (one rank: the unit's size again) and the compute copy is freed. So beyond
+  `gradients` the update holds one unit's gradient in the compute dtype and its reduce buffer
+  (`grad_buffers`), never a second full copy of the gradients;
+- after the step `optimizer.zero_grad(set_to_none=True)` drops the sharded gradients; every unit
+  is resharded; `Colocation.generating` reshards again (a forward without backward keeps the copy)
+  and empties torch's cache before the engine wakes. Between steps only the parameters, the
+  optimizer state and the reference live (tests/test_unsharded_accumulation.py counts the live
+  tensors after a held step on CPU).
+The device may still show more than that during generation: `torch.cuda.empty_cache` returns only
+segments with no live block, and a segment holding one keeps its free part (AdamW's state made by the
+first step is cut from blocks the update cached, unless optim.allocate_state_at_start). `DevicePeak`
+reports that part (`memory/inactive_split_gb_generation`) and, per pass, the allocator's retries and
+growth.
 """
 
 from __future__ import annotations
@@ -55,7 +79,10 @@ class MemoryNeeds:
     optimizer: int  # AdamW: two moments as large as the parameters
     reference: int = 0  # a frozen reference policy, if any
     compute_copy: int = 0  # unsharded low-precision parameters held during forward/backward
+    # one FSDP unit's gradient in the compute dtype and its fp32 reduce buffer, beside `gradients` in backward
+    grad_buffers: int = 0
     activations: int = 0  # peak activations of one micro-batch (training only)
+    microbatch_tokens: int = 0  # optim.max_tokens_per_microbatch, the size `activations` is for
     engine_weights: int = 0
     engine_kv_wanted: int = 0  # the most KV the engine can use: max_num_seqs full-length sequences
     reserve: int = RESERVE_BYTES
@@ -92,7 +119,8 @@ class MemoryPlan:
     @property
     def training_peak(self) -> int:
         n = self.needs
-        return n.parameters + n.gradients + n.optimizer + n.reference + n.compute_copy + n.activations
+        return (n.parameters + n.gradients + n.optimizer + n.reference + n.compute_copy + n.grad_buffers
+                + n.activations)
 
     def lines(self) -> list[str]:
         """One line per item, for the start-up log."""
@@ -110,6 +138,8 @@ class MemoryPlan:
             out.append(f"  reference model          {g(n.reference)}  {where_par}")
         if n.compute_copy:
             out.append(f"  unsharded compute copy   {g(n.compute_copy)}  training only")
+        if n.grad_buffers:
+            out.append(f"  gradient reduce buffers  {g(n.grad_buffers)}  training only (the largest FSDP unit's)")
         out += [
             f"  activations (peak)       {g(n.activations)}  training only (estimate for one micro-batch)",
             f"  reserve                  {g(n.reserve)}  CUDA context, communication buffers, fragmentation",
@@ -173,29 +203,108 @@ def plan_memory(needs: MemoryNeeds, *, offload: Literal["auto", "on", "off"] = "
         )
     room = needs.device - ENGINE_ASLEEP_BYTES - needs.reserve
     if plan.training_peak > room:
+        state = plan.training_peak - needs.activations
+        if state >= room:
+            fix = ("the policy's state alone does not fit: set model.lora.rank, or spread the policy over more "
+                   "GPUs")
+        else:
+            fits = ""
+            if needs.activations and needs.microbatch_tokens:  # activations grow with the micro-batch's tokens
+                tokens = needs.microbatch_tokens * (room - state) // needs.activations // 256 * 256
+                fits = f" (about {tokens} fits)" if tokens > 0 else ""
+            fix = f"lower optim.max_tokens_per_microbatch{fits} or set model.activation_checkpointing=true"
         plan.warnings.append(
             f"training needs ~{plan.training_peak / _GIB:.1f} GiB but ~{room / _GIB:.1f} GiB is free while the "
-            "engine sleeps: lower optim.max_tokens_per_microbatch or set model.activation_checkpointing=true"
+            f"engine sleeps: {fix}"
         )
     return plan
 
 
 # --- estimates from the model's shape -------------------------------------------------------------
+LOGIT_CHUNK_TOKENS = 1024  # models/policy.py LOGPROB_CHUNK: scored tokens per lm_head chunk
+DELTA_RULE_CHUNK = 64  # flash-linear-attention's chunk: the gated delta rule keeps a chunk-local matrix per token
+
+
+def _mlp_values(t) -> int:
+    """Values per token an MLP block keeps for backward: gate, up, activation and product (a MoE block:
+    those of each routed expert and the shared expert, and the router's fp32 logits)."""
+    experts = getattr(t, "num_experts", 0) or 0
+    if experts and getattr(t, "moe_intermediate_size", 0):
+        shared = getattr(t, "shared_expert_intermediate_size", 0) or 0
+        return 4 * (t.moe_intermediate_size * t.num_experts_per_tok + shared) + 2 * experts
+    return 4 * (getattr(t, "intermediate_size", None) or 4 * t.hidden_size)
+
+
+def layer_activation_values(t, kind: str) -> int:
+    """Values per token one decoder layer of a hybrid (linear + full attention) text config keeps for backward.
+
+    Both kinds: the two norms' inputs and outputs, and the MLP. A full-attention layer (Qwen3.5 /
+    Qwen3-Next: q/k norms, a partial rotary, and q_proj twice as wide for the output gate) keeps q in
+    fp32 for its norm, normed and rotated, the attention output, and the gate's sigmoid and product;
+    k the same with its own heads, and v. A Gated DeltaNet layer keeps the q/k/v projection (the
+    convolution's input), the packed path's K-1 shifted copies of it (`restarting_causal_conv`), the
+    convolution's output and activation, q and k repeated to the value heads and l2-normed, the delta
+    rule's chunk-local matrix and gates, and the gated norm's fp32 copies of the core output and of
+    z, the silu of z, and its normed, weighted and gated outputs.
+    """
+    h = t.hidden_size
+    common = 4 * h + _mlp_values(t)
+    if kind == "linear_attention":
+        nk, nv = t.linear_num_key_heads, t.linear_num_value_heads
+        dk, dv = t.linear_key_head_dim, t.linear_value_head_dim
+        conv = 2 * nk * dk + nv * dv
+        width = getattr(t, "linear_conv_kernel_dim", 4)
+        return (common + conv * (width + 2) + 2 * nv * dk + DELTA_RULE_CHUNK * nv + 6 * nv
+                + 9 * nv * dv)
+    heads = t.num_attention_heads
+    head = getattr(t, "head_dim", None) or h // heads
+    q, kv = heads * head, (getattr(t, "num_key_value_heads", None) or heads) * head
+    gated = getattr(t, "attn_output_gate", True)  # Qwen3.5 and Qwen3-Next gate every full-attention output
+    return common + q * (7 if gated else 5) + 5 * kv
+
+
 def activation_bytes(config, tokens: int, checkpointing: bool, dtype_bytes: int = 2) -> int:
     """Peak activation bytes of a forward/backward over a packed row of `tokens` tokens.
 
     Per token and decoder layer, a SwiGLU block with FlashAttention keeps about (8·hidden +
     4·intermediate) values for backward (norm inputs and outputs, q/k/v, attention output,
-    gate/up/activation/product); with activation checkpointing only each layer's input stays,
-    plus one layer recomputed at a time. The lm_head runs in chunks (models/policy.py), so logits
-    add little. An estimate that errs high.
+    gate/up/activation/product); a config whose `layer_types` name linear-attention layers counts
+    each layer by its kind (`layer_activation_values`: Gated DeltaNet layers keep several times
+    more). With activation checkpointing only each layer's input stays, plus one layer recomputed
+    at a time. The lm_head runs in checkpointed chunks (models/policy.py): one chunk's fp32 logits,
+    their gradient and two fp32 working copies. An estimate that errs high.
     """
     t = text_config(config)
-    h, inter, layers = t.hidden_size, getattr(t, "intermediate_size", 4 * t.hidden_size), t.num_hidden_layers
-    per_layer = (8 * h + 4 * inter) * dtype_bytes
+    h, layers = t.hidden_size, t.num_hidden_layers
+    kinds = list(getattr(t, "layer_types", None) or [])
+    if "linear_attention" in kinds:
+        per_layer = [layer_activation_values(t, kind) * dtype_bytes for kind in kinds[:layers]]
+    else:
+        inter = getattr(t, "intermediate_size", None) or 4 * h
+        per_layer = [(8 * h + 4 * inter) * dtype_bytes] * layers
+    logits = min(tokens, LOGIT_CHUNK_TOKENS) * (getattr(t, "vocab_size", 0) or 0) * 16
     if checkpointing:
-        return tokens * (layers * h * dtype_bytes + per_layer)
-    return tokens * layers * per_layer
+        return tokens * (layers * h * dtype_bytes + max(per_layer)) + logits
+    return tokens * sum(per_layer) + logits
+
+
+def fsdp_unit_sizes(model) -> list[tuple[int, int]]:
+    """(parameters, trainable parameters) of each FSDP unit's own parameters (those of no unit inside
+    it), full sizes; a model without units is one unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)] or [model]
+    owner: dict[int, int] = {}
+    for i, unit in enumerate(units):  # outer units come first in modules(): inner ones claim theirs after
+        for p in unit.parameters():
+            owner[id(p)] = i
+    sizes = [[0, 0] for _ in units]
+    for p in model.parameters():
+        i = owner.get(id(p))
+        if i is not None:
+            sizes[i][0] += p.numel()
+            sizes[i][1] += p.numel() if p.requires_grad else 0
+    return [(a, b) for a, b in sizes]
 
 
 def kv_heads(text: dict) -> int:
@@ -242,7 +351,7 @@ def tensor_bytes(tensors) -> int:
 
 # --- the device's peak ---------------------------------------------------------------------------
 class DevicePeak:
-    """This process's peak device memory over a step, in GiB.
+    """This process's peak device memory over a step, in GiB, and where torch's allocator struggled.
 
     torch's allocator statistics alone overstate it: a sleeping vLLM engine's tensors stay in
     torch's books while their memory is unmapped, and its memory pool comes and goes with sleep
@@ -253,6 +362,15 @@ class DevicePeak:
     the growth of allocated bytes instead counted the allocator's cached blocks twice: they are
     in the used memory already, and a pass allocates from them first; it read 140.2 GiB on a
     139.8 GiB H200.)
+
+    A labelled pass also records, as `phase_metrics` (for the same reason, as growth over the pass's
+    start where the sleeping engine's tensors would count): the allocator's retries during it (each
+    frees the whole cache and waits for the device), how far its reserved and its allocated bytes
+    grew (reserved beyond allocated is what the cache kept and could not reuse), and the most
+    bytes held in free pieces of segments with live blocks (`inactive_split`: the allocator can
+    neither return them nor serve a larger block from them). `before_wake` records that last
+    measure once the cache is emptied for the engine: what training leaves stranded during
+    generation.
     """
 
     def __init__(self, device: torch.device):
@@ -260,18 +378,23 @@ class DevicePeak:
         self._cuda = device.type == "cuda"
         self._peak = 0
         self._retries = 0
+        self._phases: dict[str, float] = {}
 
     def _used(self) -> int:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
 
+    def _stats(self) -> dict:
+        return torch.cuda.memory_stats(self.device)
+
     def begin(self) -> None:
         self._peak = self._used() if self._cuda else 0
         self._retries = self._retry_count()
+        self._phases = {}
 
     def _retry_count(self) -> int:
-        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)) if self._cuda else 0
+        return int(self._stats().get("num_alloc_retries", 0)) if self._cuda else 0
 
     def alloc_retries(self) -> float:
         """How often torch's allocator found the device full since `begin`, freed its cached blocks and tried
@@ -282,19 +405,51 @@ class DevicePeak:
         if self._cuda:
             self._peak = max(self._peak, self._used())
 
+    def before_wake(self) -> None:
+        """After the cache is emptied for the engine: the bytes torch still holds in free pieces of segments
+        that live blocks keep (`memory/inactive_split_gb_generation`)."""
+        if self._cuda:
+            self._phases["memory/inactive_split_gb_generation"] = \
+                self._stats().get("inactive_split_bytes.all.current", 0) / _GIB
+
     @contextmanager
-    def training(self) -> Iterator[None]:
-        """Around passes that allocate only through torch's caching allocator (the engine asleep)."""
+    def training(self, label: str | None = None) -> Iterator[None]:
+        """Around passes that allocate only through torch's caching allocator (the engine asleep); with a
+        `label` ("logprob", "update"), the pass's allocator metrics too."""
         if not self._cuda:
             yield
             return
-        used, reserved = self._used(), torch.cuda.memory_reserved(self.device)
+        used, start = self._used(), self._stats()
         torch.cuda.reset_peak_memory_stats(self.device)
         try:
             yield
         finally:
-            grown = max(torch.cuda.max_memory_reserved(self.device) - reserved, 0)
+            end = self._stats()
+            reserved = start.get("reserved_bytes.all.current", 0)
+            grown = max(end.get("reserved_bytes.all.peak", 0) - reserved, 0)
             self._peak = max(self._peak, used + grown)
+            if label:
+                self._record(label, start, end, grown)
+
+    def _record(self, label: str, start: dict, end: dict, grown: int) -> None:
+        """A pass's allocator metrics; a label seen again in the step adds its retries and keeps the larger
+        growth."""
+        allocated = max(end.get("allocated_bytes.all.peak", 0) - start.get("allocated_bytes.all.current", 0), 0)
+        values = {
+            f"memory/alloc_retries_{label}": float(end.get("num_alloc_retries", 0) - start.get("num_alloc_retries", 0)),
+            f"memory/reserved_growth_gb_{label}": grown / _GIB,
+            f"memory/allocated_growth_gb_{label}": allocated / _GIB,
+            f"memory/inactive_split_gb_{label}": end.get("inactive_split_bytes.all.peak", 0) / _GIB,
+        }
+        for key, value in values.items():
+            before = self._phases.get(key)
+            if before is not None:
+                value = before + value if key.startswith("memory/alloc_retries_") else max(before, value)
+            self._phases[key] = value
+
+    def phase_metrics(self) -> dict[str, float]:
+        """The labelled passes' allocator metrics since `begin` (none on CPU)."""
+        return dict(self._phases)
 
     def end(self) -> float:
         """The step's peak in GiB (on CPU: the process's peak resident memory)."""
@@ -372,6 +527,7 @@ class Colocation:
             if self.reference is not None:
                 self.reference.reshard()
             torch.cuda.empty_cache()  # what training cached goes back before the engine wakes
+            self.peak.before_wake()
         offload_s = time.monotonic() - t
         t = time.monotonic()
         if time_slice:

@@ -234,3 +234,166 @@ def test_expandable_segments_join_the_allocator_settings_unless_named(monkeypatc
     monkeypatch.setenv(ALLOC_CONF, "expandable_segments:False")  # the user's own setting wins
     allocator_settings(True)
     assert os.environ[ALLOC_CONF] == "expandable_segments:False"
+
+
+class _FakeAllocator:
+    """torch.cuda's allocator statistics as DevicePeak reads them, driven by hand."""
+
+    def __init__(self, engine_asleep: int):
+        self.reserved = self.allocated = engine_asleep  # a sleeping engine's tensors stay in torch's books
+        self.peaks = {"reserved": self.reserved, "allocated": self.allocated, "inactive": 0}
+        self.inactive = self.retries = 0
+        self.outside = 2 * GIB  # CUDA context: on the device, not in torch's books
+
+    def grow(self, allocated: int, reserved: int = 0, inactive: int = 0, retries: int = 0):
+        self.allocated += allocated
+        self.reserved += reserved
+        self.inactive, self.retries = inactive, self.retries + retries
+        for key, value in (("reserved", self.reserved), ("allocated", self.allocated), ("inactive", inactive)):
+            self.peaks[key] = max(self.peaks[key], value)
+
+    def memory_stats(self, device=None):
+        return {"reserved_bytes.all.current": self.reserved, "reserved_bytes.all.peak": self.peaks["reserved"],
+                "allocated_bytes.all.current": self.allocated, "allocated_bytes.all.peak": self.peaks["allocated"],
+                "inactive_split_bytes.all.current": self.inactive,
+                "inactive_split_bytes.all.peak": self.peaks["inactive"], "num_alloc_retries": self.retries}
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peaks = {"reserved": self.reserved, "allocated": self.allocated, "inactive": self.inactive}
+
+    def mem_get_info(self, device=None):
+        return 140 * GIB - self.reserved - self.outside, 140 * GIB
+
+
+def _fake_cuda(monkeypatch, engine_asleep=80 * GIB) -> _FakeAllocator:
+    fake = _FakeAllocator(engine_asleep)
+    for name in ("memory_stats", "reset_peak_memory_stats", "mem_get_info"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return fake
+
+
+def test_labelled_passes_report_the_allocator_per_pass(monkeypatch):
+    from rollout.colocation import DevicePeak
+
+    fake = _fake_cuda(monkeypatch)
+    fake.grow(allocated=50 * GIB, reserved=60 * GIB)  # the policy's state and a cache; the engine's 80 GiB asleep
+    peak = DevicePeak(torch.device("cuda", 0))
+    peak.begin()
+    fake.grow(0, inactive=3 * GIB)
+    peak.before_wake()
+    with peak.training("logprob"):
+        fake.grow(allocated=8 * GIB, reserved=4 * GIB, inactive=1 * GIB)
+        fake.grow(allocated=-8 * GIB)
+    with peak.training("update"):
+        fake.grow(allocated=40 * GIB, reserved=30 * GIB, inactive=6 * GIB, retries=2)
+        fake.grow(allocated=-40 * GIB, inactive=2 * GIB)
+    with peak.training("update"):  # a second update pass (another PPO epoch, say) in the same step
+        fake.grow(allocated=10 * GIB, reserved=0, retries=1)
+        fake.grow(allocated=-10 * GIB)
+    m = peak.phase_metrics()
+    assert m["memory/inactive_split_gb_generation"] == pytest.approx(3.0)
+    assert m["memory/alloc_retries_logprob"] == 0.0 and m["memory/alloc_retries_update"] == 3.0
+    assert m["memory/reserved_growth_gb_logprob"] == pytest.approx(4.0)
+    assert m["memory/allocated_growth_gb_logprob"] == pytest.approx(8.0)  # not the engine's 80 GiB
+    assert m["memory/reserved_growth_gb_update"] == pytest.approx(30.0)  # the larger of the two passes
+    assert m["memory/allocated_growth_gb_update"] == pytest.approx(40.0)
+    assert m["memory/inactive_split_gb_update"] == pytest.approx(6.0)
+    # the step's peak: the device's used memory at the fullest pass start plus its reserved growth
+    assert peak.end() * GIB == pytest.approx(fake.outside + 80 * GIB + 60 * GIB + 4 * GIB + 30 * GIB)
+    peak.begin()
+    assert peak.phase_metrics() == {}
+
+
+def test_device_peak_on_cpu_reports_no_allocator_metrics():
+    from rollout.colocation import DevicePeak
+
+    peak = DevicePeak(torch.device("cpu"))
+    peak.begin()
+    peak.before_wake()
+    with peak.training("update"):
+        pass
+    assert peak.phase_metrics() == {} and peak.alloc_retries() == 0.0 and peak.end() > 0
+
+
+def test_gradient_reduce_buffers_count_in_the_training_peak():
+    plain = plan_memory(needs_3b_h200())
+    held = plan_memory(needs_3b_h200(grad_buffers=4 * GIB))
+    assert held.training_peak == plain.training_peak + 4 * GIB
+    assert "gradient reduce buffers" in "\n".join(held.lines())
+    assert "gradient reduce buffers" not in "\n".join(plain.lines())
+    assert held.resident_during_generation == plain.resident_during_generation  # training only
+
+
+def test_a_training_peak_over_the_device_names_tokens_that_fit():
+    n = needs_3b_h200(activations=80 * GIB, microbatch_tokens=8192)
+    plan = plan_memory(n)
+    (warning,) = [w for w in plan.warnings if "max_tokens_per_microbatch" in w]
+    tokens = int(warning.split("about ")[1].split(" fits")[0])
+    assert tokens % 256 == 0 and 0 < tokens < 8192
+    smaller = plan_memory(needs_3b_h200(activations=80 * GIB * tokens // 8192, microbatch_tokens=tokens))
+    assert not any("training needs" in w for w in smaller.warnings)
+    assert "activation_checkpointing" in warning
+    state_only = plan_memory(needs_3b_h200(parameters=60 * GIB, gradients=60 * GIB, optimizer=120 * GIB))
+    assert any("policy's state alone does not fit" in w for w in state_only.warnings)
+
+
+def _qwen3_5_4b_text(**overrides):
+    """Qwen3.5-4B's decoder as transformers configures it: 3 Gated DeltaNet layers to 1 full-attention one."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    shape = dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                 linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320)
+    return Qwen3_5TextConfig(**{**shape, **overrides})
+
+
+def test_linear_attention_layers_count_their_own_widths():
+    from rollout.colocation import layer_activation_values
+
+    cfg = _qwen3_5_4b_text()
+    assert cfg.layer_types.count("linear_attention") == 24 and cfg.layer_types.count("full_attention") == 8
+    est = activation_bytes(cfg, 8192, checkpointing=False)
+    plain = 8192 * 32 * (8 * 2560 + 4 * 9216) * 2  # the plain-decoder formula for the same shape
+    assert est > 1.8 * plain  # the Gated DeltaNet layers keep several times 8·hidden
+    assert 50 * GIB < est < 90 * GIB
+    linear, full = layer_activation_values(cfg, "linear_attention"), layer_activation_values(cfg, "full_attention")
+    assert linear > full > 8 * 2560 + 4 * 9216
+    # wider linear heads, a wider convolution, more query heads: each grows the estimate
+    for wider in (dict(linear_num_value_heads=64), dict(linear_value_head_dim=256), dict(linear_key_head_dim=256),
+                  dict(linear_conv_kernel_dim=8), dict(num_attention_heads=32)):
+        assert activation_bytes(_qwen3_5_4b_text(**wider), 8192, checkpointing=False) > est, wider
+    half = activation_bytes(cfg, 4096, checkpointing=False)
+    assert 2 * half - est == 1024 * 248320 * 16  # linear in tokens, beside one lm_head chunk's fp32 logits
+    ckpt = activation_bytes(cfg, 8192, checkpointing=True)
+    assert ckpt < est / 5 and ckpt > 8192 * linear * 2  # every layer's input and the widest layer recomputed
+
+
+def test_the_tiny_qwen3_5_spec_counts_linear_attention():
+    """tools/make_tiny_model.py's qwen3_5 decoder: its Gated DeltaNet layers count by their widths."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    from models.families.qwen3_5 import tiny_text_config
+    from tools.make_tiny_model import SIZES
+
+    class _Tokenizer:  # what the spec reads of a tokenizer: its length and two ids
+        def __len__(self):
+            return 1500
+
+        def convert_tokens_to_ids(self, token):
+            return 1
+
+    text = tiny_text_config(SIZES["tiny"], _Tokenizer())
+    cfg = Qwen3_5TextConfig(**text)
+    assert "linear_attention" in cfg.layer_types
+    est = activation_bytes(cfg, 1024, checkpointing=False)
+    for wider in (dict(linear_num_value_heads=4), dict(linear_num_key_heads=2), dict(linear_value_head_dim=256)):
+        assert activation_bytes(Qwen3_5TextConfig(**{**text, **wider}), 1024, checkpointing=False) > est, wider
+
+
+def test_fsdp_unit_sizes_of_a_plain_module():
+    from rollout.colocation import fsdp_unit_sizes
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].requires_grad_(False)
+    assert fsdp_unit_sizes(model) == [(15 + 8, 15)]

@@ -37,3 +37,44 @@ def test_unsharded_accumulation_takes_the_same_step(tiny_model):
     assert abs(norm_usual - norm_held) < 1e-6 and norm_usual > 0
     for name, w in usual.items():
         torch.testing.assert_close(held[name], w, rtol=0, atol=1e-6, msg=name)
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every tensor storage Python can reach (a DTensor's local shard; a freed FSDP buffer has none)."""
+    import gc
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # type(): no attribute lookups on proxies
+            continue
+        storage = getattr(obj, "_local_tensor", obj).untyped_storage()
+        if storage.size() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.size()
+    return total
+
+
+def test_a_held_step_leaves_only_parameters_and_optimizer_state(tiny_model):
+    """What the memory plan keeps resident between steps (rollout/colocation.py): after an update that held
+    the compute copy and unsharded gradients over two micro-batches, neither is left, nor the sharded
+    gradients: the live tensors are the parameters (there before) and the optimizer state."""
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from rollout.colocation import tensor_bytes
+
+    init_distributed()
+    torch.manual_seed(0)
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    optimizer = build_optimizer(policy, OptimConfig(lr=1e-2))
+    batch = text_batch(policy, vocab=int(policy.model.config.get_text_config().vocab_size))
+    params = tensor_bytes(policy.model.parameters())
+    before = _live_tensor_bytes()
+    for hold in (True, True):  # the second step: nothing accumulates from one step to the next
+        optimizer_step(policy, optimizer, batch, mean_nll, max_tokens=12, grad_clip=1.0,
+                       denominators={"tokens": 8}, unsharded_accumulation=hold)
+    state = tensor_bytes(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    assert state >= 2 * params
+    assert all(p.grad is None for p in policy.model.parameters())
+    grown = _live_tensor_bytes() - before
+    assert state <= grown < state + 0.05 * params  # a gradient or compute copy would add ~params

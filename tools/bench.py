@@ -384,6 +384,10 @@ def run(args) -> dict:
     init_distributed()
     trainer = Trainer(cfg)
     result["params_b"] = sum(p.numel() for p in trainer.policy.model.parameters()) / 1e9
+    plan = trainer.colocation.make_plan()  # printed with its warnings (on a GPU) before the update can run out
+    if plan is not None:
+        result["plan_training_peak_gb"] = plan.training_peak / 2**30
+        result["plan_warnings"] = plan.warnings
     result["attn_implementation"] = trainer.policy.model.config._attn_implementation
     result["activation_checkpointing"] = args.activation_checkpointing
     result["liger_kernel"] = trainer.policy.liger_kernel  # model.liger_kernel as settled (auto: family and device)

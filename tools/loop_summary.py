@@ -22,7 +22,12 @@ continuous turns `gen_follow_s`, `gen_poll_s`, `gen_tool_wait_s`), and
 outside the engine (every engine: rollout/rollouts.py `Rollouts.times`) it adds their means, `gen_data_s`
 (the data feed: reading rows, decoding images, the processor) and `gen_score_s` (scoring), and
 `gen_engine_tokens_per_s`, the mean over those steps of the step's generation tokens over gen_s less both and
-less the engine's wake, sleep and offload (`wake_s`, `sleep_s`, `offload_s`, timed inside gen_s). With
+less the engine's wake, sleep and offload (`wake_s`, `sleep_s`, `offload_s`, timed inside gen_s). Where the
+steps logged the allocator per pass (on a GPU: rollout/colocation.py `DevicePeak`) it adds the mean of each
+over the steps that logged it: `alloc_retries_logprob` and `alloc_retries_update` (retries per step in the
+reference/old-logprob pass and in the update), `reserved_growth_gb_*` and `allocated_growth_gb_*` (how far
+torch's reserved and allocated bytes grew in the pass), `inactive_split_gb_*` (the most bytes held in free
+pieces of segments with live blocks) and `inactive_split_gb_generation` (those left when the engine wakes). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
@@ -69,6 +74,11 @@ GEN_BREAKDOWN = ("gen_prep_s", "gen_add_s", "gen_mm_processor_s", "gen_steps_s",
 # the parts of generation outside the engine, per step as perf/<name> (rollout/rollouts.py TIMES, every engine):
 # means over the steps that logged each
 GEN_OUTSIDE = ("gen_data_s", "gen_score_s")
+# the allocator per pass, per step as memory/<name> (rollout/colocation.py DevicePeak, GPU only): means over the
+# steps that logged each
+MEMORY_PHASES = tuple(f"{m}_{p}" for p in ("logprob", "update") for m in (
+    "alloc_retries", "reserved_growth_gb", "allocated_growth_gb", "inactive_split_gb")) + (
+    "inactive_split_gb_generation",)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -110,6 +120,10 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
         alloc_retries=sum(r.get("memory/alloc_retries", 0.0) for r in rows),
     )
     out.update(gen_breakdown(steady))
+    for name in MEMORY_PHASES:
+        values = [r[f"memory/{name}"] for r in steady if r.get(f"memory/{name}") is not None]
+        if values:
+            out[name] = statistics.mean(values)
     first = next((r for r in rows if r.get("step") == 1), None)
     if first:
         out["first_step_s"] = first["perf/step_s"]

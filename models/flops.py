@@ -7,8 +7,10 @@ plus 12·Σ seqlen²·head_dim·heads·layers for attention, over the device's d
 Hybrid decoders (Qwen3.5: `layer_types` of linear_attention / full_attention) count each layer's
 own projections: Gated DeltaNet's in_proj_qkvz, in_proj_ba and out_proj for a linear layer (its
 chunked recurrence and short convolution are left out, as veRL leaves them out), and the quadratic
-term for full-attention layers only; `attn_output_gate` doubles q_proj. MoE layers count the experts
-a token goes through (top-k routed plus the shared expert) and the router.
+term for full-attention layers only. A gated output doubles q_proj: `attn_output_gate` where the
+config names it, else gated for hybrids (Qwen3.5's config does not name it; its q_proj always carries
+the gate). MoE layers count the experts a token goes through (top-k routed plus the shared expert and its
+gate) and the router.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def llm_flops(config, seqlens: list[int], attention_pairs: int | None = None) ->
     layers = t.num_hidden_layers
     kinds = list(getattr(t, "layer_types", None) or ["full_attention"] * layers)
     full = sum(1 for k in kinds if k != "linear_attention")
-    q = heads * head_dim * (2 if getattr(t, "attn_output_gate", False) else 1)
+    gated = getattr(t, "attn_output_gate", full < layers)  # hybrids gate every full-attention output
+    q = heads * head_dim * (2 if gated else 1)
     attn_proj = h * (q + 2 * kv * head_dim + heads * head_dim)
     linear_proj = 0
     if full < layers:
@@ -46,7 +49,8 @@ def llm_flops(config, seqlens: list[int], attention_pairs: int | None = None) ->
         linear_proj = h * (2 * nk * kd + 2 * nv * vd) + h * 2 * nv + nv * vd * h
     if getattr(t, "num_experts", 0):
         mlp = 3 * h * t.moe_intermediate_size * t.num_experts_per_tok + h * t.num_experts
-        mlp += 3 * h * (getattr(t, "shared_expert_intermediate_size", 0) or 0)
+        shared = getattr(t, "shared_expert_intermediate_size", 0) or 0
+        mlp += (3 * shared + 1) * h if shared else 0  # the shared expert and its sigmoid gate
     else:
         mlp = 3 * h * t.intermediate_size
     dense = mlp * layers + attn_proj * full + linear_proj * (layers - full) + 2 * t.vocab_size * h

@@ -38,7 +38,7 @@ from rollout.base import Generation, PromptInput, SamplingParams, timed
 from rollout.episode import Episode, episode_batch
 from rollout.colocation import (
     KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, fsdp_unit_sizes, kv_bytes_per_token,
-    tensor_bytes,
+    state_bytes_per_sequence, tensor_bytes,
 )
 from rollout.exact import build_exact, prepare_process
 from rollout.factory import build_engine
@@ -228,9 +228,11 @@ class Trainer:
             activations=activation_bytes(config, cfg.optim.max_tokens_per_microbatch, cfg.model.activation_checkpointing),
             microbatch_tokens=cfg.optim.max_tokens_per_microbatch,
             engine_weights=count * engine_dtype // tp,
-            # the most KV the engine's scheduler can ever hold: max_num_seqs full-length sequences
-            engine_kv_wanted=int(KV_HEADROOM * -(-self._rollout_sequences() // 8) * 8 * seq_tokens
-                                 * kv_bytes_per_token(config.to_dict(), engine_dtype, tp)),
+            # the most KV the engine's scheduler can ever hold: max_num_seqs full-length sequences (and a hybrid's
+            # linear-attention state for each)
+            engine_kv_wanted=int(KV_HEADROOM * -(-self._rollout_sequences() // 8) * 8
+                                 * (seq_tokens * kv_bytes_per_token(config.to_dict(), engine_dtype, tp)
+                                    + state_bytes_per_sequence(config.to_dict(), engine_dtype, tp))),
             reserve=RESERVE_BYTES + outside_torch,
         )
 

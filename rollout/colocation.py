@@ -331,13 +331,33 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int, tensor_parallel_size: int
     """K and V bytes one token takes over all decoder layers (an upper bound for sliding layers), per
     GPU of a tensor-parallel engine: TP splits the KV heads (more GPUs than heads replicate them).
     `config` is config.json's dict. Each layer counts its own head size and KV heads
-    (`layer_kv_shape`); the last `num_kv_shared_layers` read an earlier layer's cache and add none."""
+    (`layer_kv_shape`); the last `num_kv_shared_layers` read an earlier layer's cache and add none;
+    linear-attention layers add none either (their state is per sequence: `state_bytes_per_sequence`)."""
     text = config.get("text_config", config)
+    types = text.get("layer_types") or []
     total = 0
     for index in range(text["num_hidden_layers"] - (text.get("num_kv_shared_layers") or 0)):
+        if index < len(types) and types[index] == "linear_attention":
+            continue
         heads, head = layer_kv_shape(text, index)
         total += 2 * heads * head * dtype_bytes // max(1, min(tensor_parallel_size, heads))
     return total
+
+
+def state_bytes_per_sequence(config: dict, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """The fixed state one sequence keeps in a hybrid's linear-attention layers, per GPU of a tensor-parallel
+    engine (TP splits the heads): the short convolution's last K-1 inputs (2·key heads·key width + value
+    heads·value width channels) and the recurrent state (value heads × key width × value width), both in the
+    model dtype, as vLLM keeps them for Gated DeltaNet. 0 for a config without such layers."""
+    text = config.get("text_config", config)
+    layers = sum(1 for kind in (text.get("layer_types") or []) if kind == "linear_attention")
+    if not layers:
+        return 0
+    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    kd, vd = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    conv = (2 * nk * kd + nv * vd) * (text.get("linear_conv_kernel_dim", 4) - 1)
+    recurrent = nv * kd * vd
+    return layers * (conv + recurrent) * dtype_bytes // max(1, min(tensor_parallel_size, nk))
 
 
 def tensor_bytes(tensors) -> int:

@@ -217,6 +217,24 @@ def test_kv_bytes_read_zero_padded_per_layer_keys():
     assert kv_bytes_per_token({"text_config": text}, 2) == 2 * (9 * 32 + 3 * 2 * 64) * 2
 
 
+def test_a_hybrids_linear_attention_layers_keep_state_per_sequence_not_kv_per_token():
+    """Qwen3.5-4B's shape: 8 full-attention layers of 4 KV heads of 256 keep K and V per token; its 24 Gated
+    DeltaNet layers keep a convolution window and a recurrent state per sequence instead."""
+    from rollout.colocation import state_bytes_per_sequence
+
+    text = {"num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_size": 2560,
+            "head_dim": 256, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+    text["layer_types"] = text["layer_types"] * 8
+    config = {"text_config": text}
+    assert kv_bytes_per_token(config, 2) == 8 * 2 * 4 * 256 * 2
+    per_layer = (2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128
+    assert state_bytes_per_sequence(config, 2) == 24 * per_layer * 2
+    assert state_bytes_per_sequence(config, 2, tensor_parallel_size=2) == 24 * per_layer * 2 // 2
+    assert state_bytes_per_sequence(_CFG, 2) == 0
+
+
 def test_expandable_segments_join_the_allocator_settings_unless_named(monkeypatch):
     from grpo.config import load_config
     from models.parallel import ALLOC_CONF, allocator_settings

@@ -27,7 +27,7 @@ def _write(tmp_path, overrides):
 
 def test_summary_takes_steady_steps_and_the_run_settings(tmp_path, capsys):
     metrics, config = _write(tmp_path, ["rollout.sleep_level=2", "model.lora.rank=16", "model.lora.alpha=32",
-                                        "model.compile=true"])
+                                        "model.compile=true", "optim.allocate_state_at_start=true"])
     s = summarize(read_rows(metrics))
     assert s["steps"] == [3, 4, 5] and s["loop_step_s"] == pytest.approx(10.0)
     assert s["first_step_extra_s"] == pytest.approx(40.0) and s["peak_gb"] == 95.0
@@ -35,6 +35,7 @@ def test_summary_takes_steady_steps_and_the_run_settings(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["sleep_level"], out["compile"], out["lora_rank"], out["lora_alpha"]) == (2, True, 16, 32.0)
     assert (out["max_new_tokens"], out["n"], out["liger_kernel"]) == (512, 8, False)
+    assert (out["allocate_state_at_start"], out["max_tokens_per_microbatch"], out["prefetch"]) == (True, 8192, False)
     assert out["loop_step_s"] == pytest.approx(10.0)
 
 

@@ -57,6 +57,8 @@ SETTINGS = {
     "prompts_per_step": ("data", "prompts_per_step"), "n": ("rollout", "n"),
     "max_new_tokens": ("rollout", "max_new_tokens"),
     "unsharded_accumulation": ("optim", "unsharded_accumulation"),
+    "allocate_state_at_start": ("optim", "allocate_state_at_start"),
+    "max_tokens_per_microbatch": ("optim", "max_tokens_per_microbatch"), "prefetch": ("data", "prefetch"),
     "shared_prompts": ("model", "shared_prompts"), "fp32_logits": ("model", "fp32_logits"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
     "gen_breakdown": ("rollout", "gen_breakdown"),

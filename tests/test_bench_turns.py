@@ -1,6 +1,7 @@
 """tools/bench_turns.py's same-total baseline: each episode without its model turns, so that generating its
 model tokens in one turn processes the episode's whole length."""
 
+import torch
 from PIL import Image
 
 from rollout.base import Generation
@@ -12,7 +13,7 @@ def _episode():
     prompt_image, crop = Image.new("RGB", (28, 28), (1, 2, 3)), Image.new("RGB", (28, 28), (4, 5, 6))
     e = Episode(0, [11, 12, 13], [PROMPT] * 3, images=[prompt_image])
     e.add_model_turn(Generation(0, [21, 22, 23], [-0.1] * 3, "length"))
-    e.add_tool_tokens([31, 32], None, None, [crop])
+    e.add_tool_tokens([31, 32], torch.zeros(4, 3), torch.tensor([[1, 2, 2]]), [crop])
     e.add_model_turn(Generation(0, [24, 25], [-0.2] * 2, "length"))
     e.add_tool_tokens([33], None, None, [])
     e.add_model_turn(Generation(0, [26], [-0.3], "stop"))

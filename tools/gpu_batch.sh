@@ -4,6 +4,7 @@
 #   bash tools/gpu_batch.sh wheels                   # here: vlrl's packages the GPU image lacks, into .whl/
 #   bash tools/gpu_batch.sh setup                    # fresh machine: join /opt/vb/part-*, install vLLM and .whl
 #   bash tools/gpu_batch.sh run OUT JOB [JOB ...]    # after `. /opt/vb/env.sh`
+#   bash tools/gpu_batch.sh caches OUT               # the machine's JIT caches into OUT, for the next session
 # A JOB is NAME:STAGE[:VAR=VALUE,VAR=VALUE...], e.g. base:loop:STEPS=6 or glm:families:FAMS=glm4v; a value
 # may hold spaces written as '+' (sl2:loop:STEPS=6,LOOP_ARGS=rollout.sleep_level=2). Each job runs
 # `bash tools/gpu_session.sh STAGE /tmp/gpu_batch/NAME` with those variables and the time left (BUDGET_S from
@@ -19,6 +20,12 @@
 #        compile:loop:STEPS=6,LOOP_ARGS=model.compile=true lora:loop:STEPS=6,LOOP_ARGS=model.lora.rank=16+model.lora.alpha=32
 #   4. carry .gpu/src:  . /opt/vb/env.sh && cd .gpu/src && bash tools/gpu_batch.sh run $OUT glm:families:FAMS=glm4v,FAM_S=200
 #        standalone:profile:PHASES=engine,PROFILE_S=200 opdiff:op_diff:OPDIFF_S=180
+# JIT caches across sessions: a fresh machine spends minutes building Triton kernels (fla's Gated DeltaNet kernels
+# took over 250 s on 2026-12-03) and compiling vLLM's graphs (~50 s at 3B). End a session's last call with
+# `bash tools/gpu_batch.sh caches $OUT` (it adds up to three files to what the call brings back: keep the call's
+# other files at five or fewer); copy what came back into .gpu/jit/ here, and carry .gpu/jit in the call that runs
+# `setup`, which unpacks them where the kernels' and vLLM's caches look. A stale entry is only a miss: each
+# cache keys its entries by source, versions and device.
 set -u
 T0=$SECONDS
 BUDGET_S=${BUDGET_S:-570}
@@ -43,6 +50,9 @@ setup)
   for part in .gpu/chunk-*/part-*; do [ -f "$part" ] && cp "$part" /opt/vb/; done  # the chunks this call carries
   (cd /opt/vb && cat part-* | tar -x && bash install.sh)
   if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .whl/*.whl; fi
+  for cache in .gpu/jit/jit-*.tgz; do  # an earlier session's JIT caches (see `caches`), where carried
+    [ -f "$cache" ] && tar -xzf "$cache" -C / && echo "unpacked $(basename "$cache")"
+  done
   . /opt/vb/env.sh
   python3 -c "import omegaconf, mathruler, pylatexenc, compressed_tensors, loguru, fla.ops; print('vlrl packages ready')"
   echo "setup took $((SECONDS - T0)) s"
@@ -69,7 +79,24 @@ run)
     tar -czf "$OUT/$name.tgz" -C /tmp/gpu_batch "$name"
   done
   ;;
+caches)
+  # Triton's kernel cache, vLLM's compile cache and inductor's, one file each (absolute paths inside, for `setup`),
+  # each left out if it would pass a call's 16 MiB per file
+  OUT=$2; mkdir -p "$OUT"
+  for entry in triton:${TRITON_CACHE_DIR:-$HOME/.triton/cache} vllm:${VLLM_CACHE_ROOT:-$HOME/.cache/vllm} \
+      inductor:${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}; do
+    name=${entry%%:*}; dir=${entry#*:}
+    [ -d "$dir" ] || { echo "jit-$name: no $dir"; continue; }
+    tar -czf "$OUT/jit-$name.tgz" -C / "${dir#/}"
+    size=$(stat -c %s "$OUT/jit-$name.tgz")
+    if [ "$size" -gt $((16 * 1024 * 1024)) ]; then
+      echo "jit-$name: $((size >> 20)) MiB from $dir, over 16 MiB: left out"; rm -f "$OUT/jit-$name.tgz"
+    else
+      echo "jit-$name: $((size >> 10)) KiB from $dir"
+    fi
+  done
+  ;;
 *)
-  echo "usage: bash tools/gpu_batch.sh wheels | setup | run OUT NAME:STAGE[:VAR=VALUE,...] ..." >&2; exit 2
+  echo "usage: bash tools/gpu_batch.sh wheels | setup | run OUT NAME:STAGE[:VAR=VALUE,...] ... | caches OUT" >&2; exit 2
   ;;
 esac

@@ -93,3 +93,40 @@ def test_a_sharded_policy_trains_the_same_with_state_at_start(tiny_model):
     eager, lazy = results
     assert eager.keys() == lazy.keys()
     assert all(torch.equal(eager[n], lazy[n]) for n in eager)
+
+
+def test_a_checkpoint_loads_into_state_made_at_start(tiny_model, tmp_path):
+    """Resuming: a checkpoint saved after two steps, loaded into an optimizer whose state was made at start,
+    holds the saved step counts and moments, and the next step moves the weights as one resumed into lazily
+    made state does."""
+    from grpo.checkpoint import load_checkpoint, save_checkpoint
+    from grpo.update import optimizer_step
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from tests.test_nonfinite import mean_nll, text_batch
+
+    init_distributed()
+    cfg = ModelConfig(path=str(tiny_model), dtype="float32", attn_implementation="sdpa")
+
+    def one_step(policy, opt):
+        batch = text_batch(policy, vocab=int(policy.model.config.get_text_config().vocab_size))
+        optimizer_step(policy, opt, batch, mean_nll, max_tokens=12, grad_clip=1.0, denominators={"tokens": 8})
+
+    torch.manual_seed(0)
+    policy = build_policy(cfg, build_parallel_dims())
+    opt = build_optimizer(policy, OptimConfig(lr=1e-2))
+    for _ in range(2):
+        one_step(policy, opt)
+    folder = save_checkpoint(tmp_path / "run", 2, policy.model, opt, {"data": {}}, str(tiny_model))
+    results = []
+    for at_start in (True, False):
+        torch.manual_seed(1)  # other initial weights: the checkpoint must bring back the saved ones
+        resumed = build_policy(cfg, build_parallel_dims())
+        resumed_opt = build_optimizer(resumed, OptimConfig(lr=1e-2, allocate_state_at_start=at_start))
+        load_checkpoint(folder, resumed.model, resumed_opt)
+        steps = {float(s["step"]) for s in resumed_opt.state.values()}
+        assert steps == {2.0}
+        one_step(resumed, resumed_opt)
+        results.append({n: t.clone() for n, t in resumed.full_state_dict()})
+    eager, lazy = results
+    assert all(torch.equal(eager[n], lazy[n]) for n in eager)

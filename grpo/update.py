@@ -291,5 +291,5 @@ def allocate_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"].zero_()
         elif "step" in state:
             state["step"] = 0
-    if any(p.is_cuda for p in params):
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()

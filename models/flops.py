@@ -25,6 +25,12 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def output_gated(t) -> bool:
+    """Whether a text config's full-attention layers gate their output (q_proj twice as wide):
+    `attn_output_gate` where the config names it, else hybrids (linear-attention `layer_types`) do."""
+    return getattr(t, "attn_output_gate", "linear_attention" in (getattr(t, "layer_types", None) or []))
+
+
 def llm_flops(config, seqlens: list[int], attention_pairs: int | None = None) -> float:
     """Training FLOPs (forward + backward) of the language model over sequences of these lengths; with
     `attention_pairs` (query-key pairs counted as a sequence of s tokens counts s², e.g. a shared-prompt row's
@@ -39,8 +45,7 @@ def llm_flops(config, seqlens: list[int], attention_pairs: int | None = None) ->
     layers = t.num_hidden_layers
     kinds = list(getattr(t, "layer_types", None) or ["full_attention"] * layers)
     full = sum(1 for k in kinds if k != "linear_attention")
-    gated = getattr(t, "attn_output_gate", full < layers)  # hybrids gate every full-attention output
-    q = heads * head_dim * (2 if gated else 1)
+    q = heads * head_dim * (2 if output_gated(t) else 1)
     attn_proj = h * (q + 2 * kv * head_dim + heads * head_dim)
     linear_proj = 0
     if full < layers:

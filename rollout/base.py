@@ -18,7 +18,6 @@ from typing import Iterable, Literal
 import torch
 
 
-
 @contextmanager
 def timed(times: dict, key: str):
     """Add the block's wall-clock seconds to `times[key]` (host time only: no device sync)."""
@@ -27,6 +26,7 @@ def timed(times: dict, key: str):
         yield
     finally:
         times[key] = times.get(key, 0.0) + time.monotonic() - start
+
 
 @dataclass
 class SamplingParams:

@@ -53,7 +53,8 @@ from typing import Callable, Iterator, Literal
 
 import torch
 
-from models.flops import text_config
+from models.flops import output_gated, text_config
+from models.policy import LOGPROB_CHUNK
 from rollout.base import Engine
 
 log = logging.getLogger("vlrl")
@@ -221,7 +222,6 @@ def plan_memory(needs: MemoryNeeds, *, offload: Literal["auto", "on", "off"] = "
 
 
 # --- estimates from the model's shape -------------------------------------------------------------
-LOGIT_CHUNK_TOKENS = 1024  # models/policy.py LOGPROB_CHUNK: scored tokens per lm_head chunk
 DELTA_RULE_CHUNK = 64  # flash-linear-attention's chunk: the gated delta rule keeps a chunk-local matrix per token
 
 
@@ -259,8 +259,7 @@ def layer_activation_values(t, kind: str) -> int:
     heads = t.num_attention_heads
     head = getattr(t, "head_dim", None) or h // heads
     q, kv = heads * head, (getattr(t, "num_key_value_heads", None) or heads) * head
-    gated = getattr(t, "attn_output_gate", True)  # Qwen3.5 and Qwen3-Next gate every full-attention output
-    return common + q * (7 if gated else 5) + 5 * kv
+    return common + q * (7 if output_gated(t) else 5) + 5 * kv
 
 
 def activation_bytes(config, tokens: int, checkpointing: bool, dtype_bytes: int = 2) -> int:
@@ -282,7 +281,7 @@ def activation_bytes(config, tokens: int, checkpointing: bool, dtype_bytes: int 
     else:
         inter = getattr(t, "intermediate_size", None) or 4 * h
         per_layer = [(8 * h + 4 * inter) * dtype_bytes] * layers
-    logits = min(tokens, LOGIT_CHUNK_TOKENS) * (getattr(t, "vocab_size", 0) or 0) * 16
+    logits = min(tokens, LOGPROB_CHUNK) * (getattr(t, "vocab_size", 0) or 0) * 16
     if checkpointing:
         return tokens * (layers * h * dtype_bytes + max(per_layer)) + logits
     return tokens * sum(per_layer) + logits

@@ -122,10 +122,7 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
         alloc_retries=sum(r.get("memory/alloc_retries", 0.0) for r in rows),
     )
     out.update(gen_breakdown(steady))
-    for name in MEMORY_PHASES:
-        values = [r[f"memory/{name}"] for r in steady if r.get(f"memory/{name}") is not None]
-        if values:
-            out[name] = statistics.mean(values)
+    out.update(logged_means(steady, "memory", MEMORY_PHASES))
     first = next((r for r in rows if r.get("step") == 1), None)
     if first:
         out["first_step_s"] = first["perf/step_s"]
@@ -142,16 +139,23 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
     return out
 
 
+def logged_means(steady: list[dict], prefix: str, names) -> dict:
+    """{name: mean of `prefix/name` over the steps that logged it} (a name no step logged is left out)."""
+    out = {}
+    for name in names:
+        values = [r[f"{prefix}/{name}"] for r in steady if r.get(f"{prefix}/{name}") is not None]
+        if values:
+            out[name] = statistics.mean(values)
+    return out
+
+
 def gen_breakdown(steady: list[dict]) -> dict:
     """GEN_BREAKDOWN and GEN_OUTSIDE means over the steps that logged each (none: left out),
     gen_slowest_step_s_max, and gen_engine_tokens_per_s (`engine_tokens_per_s`)."""
-    out = {}
-    for name in GEN_BREAKDOWN + GEN_OUTSIDE:
-        values = [r[f"perf/{name}"] for r in steady if r.get(f"perf/{name}") is not None]
-        if values:
-            out[name] = statistics.mean(values)
-            if name == "gen_slowest_step_s":
-                out["gen_slowest_step_s_max"] = max(values)
+    out = logged_means(steady, "perf", GEN_BREAKDOWN + GEN_OUTSIDE)
+    slowest = [r["perf/gen_slowest_step_s"] for r in steady if r.get("perf/gen_slowest_step_s") is not None]
+    if slowest:
+        out["gen_slowest_step_s_max"] = max(slowest)
     rates = [rate for rate in map(engine_tokens_per_s, steady) if rate is not None]
     if rates:
         out["gen_engine_tokens_per_s"] = statistics.mean(rates)

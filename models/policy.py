@@ -9,9 +9,11 @@ fp32 logits never exist for the whole pack at once.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
@@ -617,8 +619,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
                          "has no MoE router; set it to 0")
     liger = uses_liger(getattr(cfg_model, "liger_kernel", "false"), config.model_type, dims.device_type,
                        importlib.util.find_spec("liger_kernel") is not None, hint=trainable)
-    if liger:
-        apply_liger_kernels(config.model_type, dims.device_type)
+    if liger:  # before the model is built: liger swaps classes that the decoder layers look up when made
+        apply_liger_kernels(config.model_type, dims.device_type, hint=trainable)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
     attn_name = cfg_model.attn_implementation
     shared = shares_prompts(getattr(cfg_model, "shared_prompts", "off"), adapter, attn_name, dims.device_type, dtype)
@@ -729,12 +731,21 @@ def uses_liger(setting: str | bool, model_type: str, device_type: str, importabl
     return measured and importable
 
 
-def apply_liger_kernels(model_type: str, device_type: str) -> None:
-    """Swap in liger-kernel's fused RMSNorm, rotary embedding and SwiGLU MLP for this family's
-    transformers modules (before the model is built). The lm_head keeps the chunked logprob path."""
+def apply_liger_kernels(model_type: str, device_type: str, hint: bool = False) -> None:
+    """Swap in liger-kernel's fused RMSNorm and SwiGLU MLP, and its rotary embedding where it has one for the
+    family (`liger_patch`), for this family's transformers modules. Runs before the model is built: liger
+    replaces classes in transformers' modeling module. The lm_head keeps the chunked logprob path."""
     if device_type != "cuda":
         raise RuntimeError("model.liger_kernel=true needs CUDA (its kernels are Triton); set it to auto or false "
                            "on CPU")
+    apply, kwargs = liger_patch(model_type, hint)
+    apply(**kwargs)
+
+
+def liger_patch(model_type: str, hint: bool = False) -> tuple[Callable[..., None], dict[str, bool]]:
+    """liger-kernel's apply function for this model type and the arguments to call it with: RMSNorm and SwiGLU
+    fused, liger's losses off (the logprobs come from the chunked lm_head), the rotary embedding fused where the
+    function fuses it by default. With `hint`, a family whose rotary stays unfused gets one line saying so."""
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as err:
@@ -743,7 +754,18 @@ def apply_liger_kernels(model_type: str, device_type: str) -> None:
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if apply is None:
         raise RuntimeError(f"model.liger_kernel=true: liger-kernel has no kernels for model type '{model_type}'")
-    apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    kwargs = {"rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+    # Each apply function says in its `rope` default whether liger fuses the family's rotary embedding: True where
+    # its kernel fits, False where it has none (liger 0.8.5's Qwen3.5, Qwen3.5-MoE, GLM-4 and GLM-4.1V functions
+    # raise NotImplementedError on rope=True). Reading the default follows liger as it gains kernels, where a list
+    # of model types here would go stale; a function without the argument (LLaVA's, InternVL's) is not given it.
+    rope = inspect.signature(apply).parameters.get("rope")
+    if rope is not None:
+        kwargs["rope"] = rope.default is True
+        if hint and not kwargs["rope"]:
+            log.info("model.liger_kernel: liger-kernel fuses RMSNorm and SwiGLU for model type '%s'; the rotary "
+                     "embedding stays unfused (liger has no rotary kernel for it)", model_type)
+    return apply, kwargs
 
 
 def _bind_forward(model: nn.Module):

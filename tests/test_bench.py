@@ -32,6 +32,21 @@ def test_missed_targets_say_by_how_much():
     assert missed["overhead_frac"]["target"] == "<= 0.05"
 
 
+def test_set_overrides_win_over_the_benchmarks_own_keys():
+    """`--set KEY=VALUE` (the update and qwen35 stages' variants) lands in the trainer's config after the keys
+    bench.py sets itself, so it overrides them: varlen attention over `--attn auto`, liger on."""
+    from pathlib import Path
+
+    from tools.bench import _config, _parse
+
+    args = _parse(["--family", "qwen3_5", "--size", "qwen3_5_4b", "--max-tokens", "4096",
+                   "--set", "model.attn_implementation=varlen", "--set", "model.liger_kernel=true"])
+    cfg = _config(args, Path("model"), Path("data.parquet"))
+    assert cfg.model.attn_implementation == "varlen" and cfg.model.liger_kernel == "true"
+    assert cfg.optim.max_tokens_per_microbatch == 4096
+    assert _config(_parse([]), Path("model"), Path("data.parquet")).model.liger_kernel == "auto"
+
+
 @pytest.mark.slow
 def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     cmd = [sys.executable, "tools/bench.py", "--size", "tiny", "--engine", "torch", "--image-size", "56",

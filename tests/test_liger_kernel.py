@@ -1,14 +1,20 @@
 """model.liger_kernel: auto/true/false in the config, what auto settles to for a device, a family and an installed
-package (the kernels themselves are Triton: CUDA only), and the settled value the run's config.yaml records."""
+package (the kernels themselves are Triton: CUDA only), what the policy asks of liger's apply function (against a
+stand-in module: rotary only where liger has a kernel for the family), and the settled value the run's config.yaml
+records."""
 
+import importlib.machinery
 import logging
+import sys
+import types
 
 import pytest
 import torch
 import yaml
 
 from grpo.config import ConfigError, load_config, save_config
-from models.policy import LIGER_MEASURED_FAMILIES, apply_liger_kernels, uses_liger
+from models import policy as policy_module
+from models.policy import LIGER_MEASURED_FAMILIES, apply_liger_kernels, liger_patch, uses_liger
 from tools.loop_summary import read_settings
 
 
@@ -78,9 +84,140 @@ def test_missing_package_on_a_measured_gpu_says_how_to_install_it_once(caplog):
     assert len(lines) == 1 and "pip install -e .[liger]" in lines[0] and "2.87 -> 2.65 s" in lines[0]
 
 
-def test_true_on_cpu_still_raises():
-    with pytest.raises(RuntimeError, match="model.liger_kernel=true needs CUDA"):
-        apply_liger_kernels("qwen2_5_vl", "cpu")
+# --- what the policy asks of liger ----------------------------------------------------------------------------------
+class FakeLiger(types.ModuleType):
+    """A stand-in for liger_kernel.transformers.monkey_patch (the package is not installed for the CPU tests): apply
+    functions with liger 0.8.5's signatures that record what they are given. Qwen3.5's (and Qwen3.5-MoE's) refuses
+    rope=True as liger's does; `swap`, where set, is called with (rms_norm, swiglu) as liger's class swaps."""
+
+    def __init__(self):
+        super().__init__("liger_kernel.transformers.monkey_patch")
+        self.calls: list[tuple[str, dict]] = []
+        self.swap = None
+        self.MODEL_TYPE_TO_APPLY_LIGER_FN = {"qwen2_5_vl": self.qwen2_5_vl, "qwen3_5": self.qwen3_5,
+                                             "qwen3_5_moe": self.qwen3_5, "llava": self.llava}
+
+    def qwen2_5_vl(self, rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
+                   model=None):
+        self.calls.append(("qwen2_5_vl", {"rope": rope, "cross_entropy": cross_entropy, "rms_norm": rms_norm,
+                                          "fused_linear_cross_entropy": fused_linear_cross_entropy, "swiglu": swiglu}))
+
+    def qwen3_5(self, rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
+                model=None):
+        assert not (cross_entropy and fused_linear_cross_entropy)
+        if rope:
+            raise NotImplementedError("liger_rotary_pos_emb is not available for Qwen3_5 models.")
+        self.calls.append(("qwen3_5", {"rope": rope, "cross_entropy": cross_entropy, "rms_norm": rms_norm,
+                                       "fused_linear_cross_entropy": fused_linear_cross_entropy, "swiglu": swiglu}))
+        if self.swap is not None:
+            self.swap(rms_norm, swiglu)
+
+    def llava(self, cross_entropy=False, fused_linear_cross_entropy=True, model=None, **kwargs):
+        self.calls.append(("llava", {"cross_entropy": cross_entropy,
+                                     "fused_linear_cross_entropy": fused_linear_cross_entropy, **kwargs}))
+
+
+@pytest.fixture
+def fake_liger(monkeypatch) -> FakeLiger:
+    fake = FakeLiger()
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # what importlib.util.find_spec reads
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    return fake
+
+
+FUSED = {"rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+
+
+def test_rotary_is_fused_where_liger_has_a_kernel_for_it(fake_liger, caplog):
+    with caplog.at_level(logging.INFO, logger="vlrl"):
+        apply, kwargs = liger_patch("qwen2_5_vl", hint=True)
+    assert kwargs == {**FUSED, "rope": True} and caplog.records == []
+    apply(**kwargs)
+    assert fake_liger.calls == [("qwen2_5_vl", kwargs)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_gets_rms_norm_and_swiglu_and_one_line_saying_rotary_stays_unfused(fake_liger, caplog, family):
+    apply, _ = liger_patch(family)
+    with pytest.raises(NotImplementedError):  # what the call with rope=True met
+        apply(rope=True, **FUSED)
+    with caplog.at_level(logging.INFO, logger="vlrl"):
+        apply, kwargs = liger_patch(family, hint=True)
+        liger_patch(family)  # the reference model's build: no second line
+    assert kwargs == {**FUSED, "rope": False}
+    apply(**kwargs)
+    assert fake_liger.calls == [("qwen3_5", kwargs)]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and f"model type '{family}'" in lines[0] and "rotary embedding stays unfused" in lines[0]
+
+
+def test_an_apply_function_without_rope_is_not_given_it(fake_liger):
+    apply, kwargs = liger_patch("llava")
+    assert kwargs == FUSED
+    apply(**kwargs)
+    assert fake_liger.calls == [("llava", FUSED)]
+
+
+def test_a_missing_family_or_package_is_named(fake_liger, monkeypatch):
+    with pytest.raises(RuntimeError, match="liger-kernel has no kernels for model type 'smolvlm'"):
+        liger_patch("smolvlm")
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # an import of it fails
+    with pytest.raises(RuntimeError, match=r"needs the liger-kernel package: pip install -e \.\[liger\]"):
+        liger_patch("qwen2_5_vl")
+
+
+def test_true_on_cpu_still_raises(fake_liger):
+    for family in ("qwen2_5_vl", "qwen3_5"):
+        with pytest.raises(RuntimeError, match="model.liger_kernel=true needs CUDA"):
+            apply_liger_kernels(family, "cpu")
+    assert fake_liger.calls == []  # refused before liger is asked
+
+
+def test_qwen3_5_policy_is_built_from_the_swapped_classes(fake_liger, monkeypatch, tmp_path_factory):
+    """liger swaps the classes in transformers' modeling module; the policy's model is built after the swap, so
+    every decoder RMSNorm (the layers', q/k norms, the final one) and MLP is liger's, and nothing else is."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    from grpo.config import ModelConfig
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from tools.make_tiny_model import make_tiny_model
+
+    class FusedNorm(modeling.Qwen3_5RMSNorm):
+        pass
+
+    class FusedMLP(modeling.Qwen3_5MLP):
+        pass
+
+    def swap(rms_norm, swiglu):  # liger's swaps, undone after the test
+        if rms_norm:
+            monkeypatch.setattr(modeling, "Qwen3_5RMSNorm", FusedNorm)
+        if swiglu:
+            monkeypatch.setattr(modeling, "Qwen3_5MLP", FusedMLP)
+
+    def without_the_cuda_check(model_type, device_type, hint=False):
+        apply, kwargs = liger_patch(model_type, hint)
+        apply(**kwargs)
+
+    fake_liger.swap = swap
+    monkeypatch.setattr(policy_module, "apply_liger_kernels", without_the_cuda_check)
+    folder = make_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", family="qwen3_5", size="tiny", seed=0)
+    init_distributed()
+    policy = build_policy(ModelConfig(path=str(folder), dtype="float32", attn_implementation="sdpa",
+                                      liger_kernel="true"), build_parallel_dims())
+    assert policy.liger_kernel and fake_liger.calls == [("qwen3_5", {**FUSED, "rope": False})]
+    decoder = policy.adapter.language_model(policy.model)
+    layers = list(decoder.layers)
+    assert {layer.block_type for layer in layers} == {"linear_attention", "full_attention"}
+    norms = [decoder.norm] + [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms += [m for layer in layers if hasattr(layer, "self_attn")
+              for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    assert all(type(m) is FusedNorm for m in norms) and all(type(layer.mlp) is FusedMLP for layer in layers)
+    swapped = [n for n, m in policy.model.named_modules() if isinstance(m, (FusedNorm, FusedMLP))]
+    assert len(swapped) == len(norms) + len(layers)  # the vision tower and the Gated DeltaNet's gated norm keep theirs
 
 
 # --- the trainer ----------------------------------------------------------------------------------------------------

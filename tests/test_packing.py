@@ -317,3 +317,57 @@ def test_varlen_name_falls_back_to_sdpa_off_gpu(tiny_model):
         register()
     assert len(calls) == vision.depth and max(calls) > 1, calls
     assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_folder(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", family="qwen3_5", size="tiny", seed=0)
+
+
+@pytest.mark.parametrize("kernel_path", [False, True], ids=["cpu_fallback", "kernel_path"])
+def test_qwen3_5_varlen_gives_sdpa_logprobs_and_gradients(qwen3_5_folder, monkeypatch, kernel_path):
+    """Qwen3.5's full-attention layers (a gated output, m-rope over a quarter of each head) between Gated DeltaNet
+    layers, packed: attn_implementation=varlen gives sdpa's logprobs and gradients. Off CUDA its call falls back
+    to sdpa; `kernel_path` takes the CUDA path instead with a stand-in for the kernel (SDPA per segment,
+    tests/test_host_syncs.py): no masks built for either layer kind, the row's boundaries from the packer."""
+    from grpo.config import ModelConfig
+    from models import attention
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from tests.test_host_syncs import HostSyncs, cuda_path
+
+    init_distributed()
+    varlen, sdpa = (build_policy(ModelConfig(path=str(qwen3_5_folder), dtype="float32", attn_implementation=attn),
+                                 build_parallel_dims()) for attn in ("varlen", "sdpa"))
+    assert varlen.model.config._attn_implementation == "varlen"
+    batch = mixed_batch(sdpa.adapter)
+    mb = pack(batch, list(range(len(batch))))
+
+    def logprobs_and_grads(policy):
+        policy.model.zero_grad(set_to_none=True)
+        lp, _ = policy.logprobs(mb)
+        (lp * torch.linspace(-1.0, 1.0, lp.numel())).sum().backward()
+        return lp.detach(), {n: p.grad.full_tensor() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+    want = logprobs_and_grads(sdpa)
+    causal_calls = []
+    if kernel_path:
+        with cuda_path(monkeypatch, HostSyncs()):
+            stand_in, params = attention._kernel()
+
+            def kernel(*args, is_causal=False, **kwargs):
+                causal_calls.append(is_causal)
+                return stand_in(*args, is_causal=is_causal, **kwargs)
+
+            monkeypatch.setattr(attention, "_kernel", lambda: (kernel, params))
+            got = logprobs_and_grads(varlen)
+    else:
+        got = logprobs_and_grads(varlen)
+    full = varlen.model.config.text_config.layer_types.count("full_attention")
+    assert causal_calls.count(True) == (full if kernel_path else 0)  # the decoder's layers took the kernel's path
+    assert torch.allclose(got[0], want[0], atol=1e-5)
+    assert got[1].keys() == want[1].keys() and any("self_attn" in n for n in got[1])
+    for name, grad in got[1].items():
+        assert torch.allclose(grad, want[1][name], atol=1e-5, rtol=1e-4), name

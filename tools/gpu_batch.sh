@@ -6,7 +6,8 @@
 #   bash tools/gpu_batch.sh run OUT JOB [JOB ...]    # after `. /opt/vb/env.sh`
 #   bash tools/gpu_batch.sh caches OUT               # the machine's JIT caches into OUT, for the next session
 # A JOB is NAME:STAGE[:VAR=VALUE,VAR=VALUE...], e.g. base:loop:STEPS=6 or glm:families:FAMS=glm4v; a value
-# may hold spaces written as '+' (sl2:loop:STEPS=6,LOOP_ARGS=rollout.sleep_level=2). Each job runs
+# may hold spaces written as '+' (sl2:loop:STEPS=6,LOOP_ARGS=rollout.sleep_level=2), and ';' where the JOB is
+# quoted as one shell word ('q35:qwen35:Q35_PARTS=update,Q35_UPDATE_SETS=-;model.liger_kernel=true'). Each job runs
 # `bash tools/gpu_session.sh STAGE /tmp/gpu_batch/NAME` with those variables and the time left (BUDGET_S from
 # the start, default 570 s), then leaves OUT/NAME.tgz and prints the stage's last lines.
 #

@@ -29,8 +29,11 @@
 #   qwen35    Qwen3.5-4B's shapes (random weights, make_tiny_model --size qwen3_5_4b): fla's packed Gated
 #             DeltaNet forward and backward against the torch rule (tests/gpu/test_qwen3_5_packing.py, up to
 #             Q35_TEST_S=180 s; prints the device's route past fla's #640 guard and the self-check's errors),
-#             the update alone (bench.py, 128 sequences x 256 tokens) and train.py GRPO steps at 16 prompts x 8 x 256;
-#             Q35_PARTS="test update loop" (the default) picks parts
+#             then the tiny Qwen3.5's varlen attention against sdpa (tests/gpu/test_varlen_attention.py -k qwen3_5,
+#             up to Q35_TEST_S); the update alone (bench.py, 128 sequences x 256 tokens), each variant of
+#             Q35_UPDATE_SETS (";"-separated sets of space-separated config overrides, "-" for none; default "-")
+#             in turn, up to Q35_UPDATE_S=240 s each, the first profiled (q35_profile.txt), one line each; and
+#             train.py GRPO steps at 16 prompts x 8 x 256; Q35_PARTS="test update loop" (the default) picks parts
 #   tests     TESTS (default tests/gpu/test_device_peak.py) under pytest, up to TEST_S=120 s
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS);
 #             OPDIFF_3B=1: on the 3B shape at 448x448 with --exact (OPDIFF_EXACT=0 without), op_diff_3b.json
@@ -77,6 +80,10 @@ recipe_loop() {
   cp $W/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
   cp $W/$name/config.yaml "$OUT/${name}_config.yaml" 2>/dev/null
   $PY tools/loop_summary.py "$OUT/${name}_metrics.jsonl" --config "$OUT/${name}_config.yaml" | tee "$OUT/${name}_summary.json"
+}
+# One line from a bench.py --phases train JSON: update_summary FILE
+update_summary() {
+  $PY -c "import json;d=json.load(open('$1'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f attn=%s liger=%s' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train'], d['attn_implementation'], d['liger_kernel']))" 2>&1 | tail -1
 }
 case "$STAGE" in
 tiny)
@@ -174,7 +181,7 @@ update)
     timeout 240 $PY tools/bench.py --size 3b --phases train --train-seqs 128 --group 8 --response-len 256 \
       --max-tokens 8192 --image-size 448 --train-steps 3 $args $prof --json-out "$OUT/update_$n.json" \
       > "$OUT/update_$n.log" 2>&1
-    echo "update [$v] rc=$? $(python3 -c "import json;d=json.load(open('$OUT/update_$n.json'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train']))" 2>&1 | tail -1)"
+    echo "update [$v] rc=$? $(update_summary "$OUT/update_$n.json")"
     n=$((n+1))
   done
   ;;
@@ -297,16 +304,28 @@ qwen35)
     timeout ${Q35_TEST_S:-180} $PY -m pytest -q -s tests/gpu/test_qwen3_5_packing.py > "$OUT/q35_packing.log" 2>&1
     echo "qwen3.5 packed delta rule (fla vs torch) rc=$? $(tail -1 "$OUT/q35_packing.log")"
     grep -h "route\|guard lifted" "$OUT/q35_packing.log" | cut -c1-400
+    # the full-attention layers (gated output, partial m-rope) through the varlen kernel against sdpa
+    timeout ${Q35_TEST_S:-180} $PY -m pytest -q -s tests/gpu/test_varlen_attention.py -k qwen3_5 \
+      > "$OUT/q35_varlen.log" 2>&1
+    echo "qwen3.5 varlen attention (varlen vs sdpa) rc=$? $(tail -1 "$OUT/q35_varlen.log")"
+    grep -h "varlen vs" "$OUT/q35_varlen.log" | cut -c1-400
   fi
   Q=$W/model_qwen3_5_qwen3_5_4b
   [ -f $Q/config.json ] || $PY tools/make_tiny_model.py --family qwen3_5 --size qwen3_5_4b --out $Q --device cuda \
     --dtype bfloat16 --overwrite > "$OUT/build_q35.log" 2>&1
   if [[ $parts == *" update "* ]]; then
-    timeout ${Q35_UPDATE_S:-240} $PY tools/bench.py --family qwen3_5 --size qwen3_5_4b --phases train --train-seqs 128 \
-      --group 8 --response-len 256 --max-tokens ${Q35_MAX_TOKENS:-4096} --image-size 448 --train-steps 3 \
-      --json-out "$OUT/q35_update.json" \
-      > "$OUT/q35_update.log" 2>&1
-    echo "qwen3.5-4b update rc=$? $(tail -c 400 "$OUT/q35_update.json" 2>/dev/null)"
+    # as the update stage: each variant of Q35_UPDATE_SETS in turn, e.g. "-;model.attn_implementation=varlen"
+    IFS=";" read -ra sets <<< "${Q35_UPDATE_SETS:--}"
+    n=0
+    for v in "${sets[@]}"; do
+      args=""; [ "$v" != "-" ] && for kv in $v; do args="$args --set $kv"; done
+      prof=""; [ $n = 0 ] && prof="--profile $OUT/q35_profile.txt"
+      timeout ${Q35_UPDATE_S:-240} $PY tools/bench.py --family qwen3_5 --size qwen3_5_4b --phases train \
+        --train-seqs 128 --group 8 --response-len 256 --max-tokens ${Q35_MAX_TOKENS:-4096} --image-size 448 \
+        --train-steps 3 $args $prof --json-out "$OUT/q35_update_$n.json" > "$OUT/q35_update_$n.log" 2>&1
+      echo "qwen3.5-4b update [$v] rc=$? $(update_summary "$OUT/q35_update_$n.json")"
+      n=$((n+1))
+    done
   fi
   # the recipe's 8192-token micro-batches ran out of memory in Qwen3.5-4B's update on a 139.8 GiB H200 (its Gated
   # DeltaNet layers keep far wider activations than attention layers, and it shares no prompts)

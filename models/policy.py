@@ -743,8 +743,8 @@ def apply_liger_kernels(model_type: str, device_type: str, hint: bool = False) -
 
 
 def liger_patch(model_type: str, hint: bool = False) -> tuple[Callable[..., None], dict[str, bool]]:
-    """liger-kernel's apply function for this model type and the arguments to call it with: RMSNorm and SwiGLU
-    fused, liger's losses off (the logprobs come from the chunked lm_head), the rotary embedding fused where the
+    """liger-kernel's apply function for this model type and the arguments to call it with: RMSNorm and the gated
+    MLP (SwiGLU, Gemma's GeGLU) fused, liger's losses off (the logprobs come from the chunked lm_head), the rotary embedding fused where the
     function fuses it by default. With `hint`, a family whose rotary stays unfused gets one line saying so."""
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
@@ -754,12 +754,15 @@ def liger_patch(model_type: str, hint: bool = False) -> tuple[Callable[..., None
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if apply is None:
         raise RuntimeError(f"model.liger_kernel=true: liger-kernel has no kernels for model type '{model_type}'")
-    kwargs = {"rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+    params = inspect.signature(apply).parameters
+    # the gated MLP's switch: `geglu` for the Gemma families (GELU-gated), `swiglu` for the rest
+    mlp = "geglu" if "geglu" in params and "swiglu" not in params else "swiglu"
+    kwargs = {"rms_norm": True, mlp: True, "cross_entropy": False, "fused_linear_cross_entropy": False}
     # Each apply function says in its `rope` default whether liger fuses the family's rotary embedding: True where
     # its kernel fits, False where it has none (liger 0.8.5's Qwen3.5, Qwen3.5-MoE, GLM-4 and GLM-4.1V functions
     # raise NotImplementedError on rope=True). Reading the default follows liger as it gains kernels, where a list
     # of model types here would go stale; a function without the argument (LLaVA's, InternVL's) is not given it.
-    rope = inspect.signature(apply).parameters.get("rope")
+    rope = params.get("rope")
     if rope is not None:
         kwargs["rope"] = rope.default is True
         if hint and not kwargs["rope"]:

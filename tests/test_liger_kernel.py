@@ -95,7 +95,8 @@ class FakeLiger(types.ModuleType):
         self.calls: list[tuple[str, dict]] = []
         self.swap = None
         self.MODEL_TYPE_TO_APPLY_LIGER_FN = {"qwen2_5_vl": self.qwen2_5_vl, "qwen3_5": self.qwen3_5,
-                                             "qwen3_5_moe": self.qwen3_5, "llava": self.llava}
+                                             "qwen3_5_moe": self.qwen3_5, "llava": self.llava,
+                                             "gemma3": self.gemma3}
 
     def qwen2_5_vl(self, rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
                    model=None):
@@ -111,6 +112,11 @@ class FakeLiger(types.ModuleType):
                                        "fused_linear_cross_entropy": fused_linear_cross_entropy, "swiglu": swiglu}))
         if self.swap is not None:
             self.swap(rms_norm, swiglu)
+
+    def gemma3(self, rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True,
+               model=None):
+        self.calls.append(("gemma3", {"rope": rope, "cross_entropy": cross_entropy, "rms_norm": rms_norm,
+                                      "fused_linear_cross_entropy": fused_linear_cross_entropy, "geglu": geglu}))
 
     def llava(self, cross_entropy=False, fused_linear_cross_entropy=True, model=None, **kwargs):
         self.calls.append(("llava", {"cross_entropy": cross_entropy,
@@ -159,6 +165,14 @@ def test_an_apply_function_without_rope_is_not_given_it(fake_liger):
     assert kwargs == FUSED
     apply(**kwargs)
     assert fake_liger.calls == [("llava", FUSED)]
+
+
+def test_gemma_gets_its_gelu_gated_mlp_fused_under_geglu(fake_liger):
+    apply, kwargs = liger_patch("gemma3")
+    assert kwargs == {"rms_norm": True, "geglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False,
+                      "rope": True}
+    apply(**kwargs)  # liger's Gemma function takes no swiglu: a TypeError if it were passed
+    assert fake_liger.calls == [("gemma3", kwargs)]
 
 
 def test_a_missing_family_or_package_is_named(fake_liger, monkeypatch):

@@ -23,9 +23,10 @@
 #        standalone:profile:PHASES=engine,PROFILE_S=200 opdiff:op_diff:OPDIFF_S=180
 # JIT caches across sessions: a fresh machine spends minutes building Triton kernels (fla's Gated DeltaNet kernels
 # took over 250 s on 2026-12-03) and compiling vLLM's graphs (~50 s at 3B). End a session's last call with
-# `bash tools/gpu_batch.sh caches $OUT` (it adds up to three files to what the call brings back: keep the call's
-# other files at five or fewer); copy what came back into .gpu/jit/ here, and carry .gpu/jit in the call that runs
-# `setup`, which unpacks them where the kernels' and vLLM's caches look. A stale entry is only a miss: each
+# `bash tools/gpu_batch.sh caches $OUT` (its pieces are up to five files, 50 MiB: keep the call's other files at
+# three or fewer; 2026-12-03's Triton cache was 21 MiB, vLLM's 28 MiB); copy what came back into .gpu/jit/ here,
+# and carry .gpu/jit in the call that runs `setup`, which joins the pieces and unpacks them where the kernels' and
+# vLLM's caches look. A stale entry is only a miss: each
 # cache keys its entries by source, versions and device.
 set -u
 T0=$SECONDS
@@ -51,8 +52,9 @@ setup)
   for part in .gpu/chunk-*/part-*; do [ -f "$part" ] && cp "$part" /opt/vb/; done  # the chunks this call carries
   (cd /opt/vb && cat part-* | tar -x && bash install.sh)
   if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .whl/*.whl; fi
-  for cache in .gpu/jit/jit-*.tgz; do  # an earlier session's JIT caches (see `caches`), where carried
-    [ -f "$cache" ] && tar -xzf "$cache" -C / && echo "unpacked $(basename "$cache")"
+  for first in .gpu/jit/jit-*.tgz.part-aa; do  # an earlier session's JIT caches (see `caches`), where carried
+    [ -f "$first" ] || continue
+    cat "${first%aa}"* | tar -xz -C / && echo "unpacked $(basename "${first%.part-aa}")"
   done
   . /opt/vb/env.sh
   python3 -c "import omegaconf, mathruler, pylatexenc, compressed_tensors, loguru, fla.ops; print('vlrl packages ready')"
@@ -81,20 +83,26 @@ run)
   done
   ;;
 caches)
-  # Triton's kernel cache, vLLM's compile cache and inductor's, one file each (absolute paths inside, for `setup`),
-  # each left out if it would pass a call's 16 MiB per file
+  # Triton's kernel cache, vLLM's compile cache and inductor's, each as one tar.gz (absolute paths inside, for
+  # `setup`) cut into 15 MiB pieces, within JIT_FILES files (default 5) and JIT_MIB MiB (default 50) in all: a call
+  # brings back 8 files of 16 MiB, and the call that carries them back with .gpu/src, .whl and chunk-5 takes 64 MiB.
+  # A cache that would pass what is left is left out
   OUT=$2; mkdir -p "$OUT"
+  room=$(( ${JIT_MIB:-50} << 20 )); files=${JIT_FILES:-5}
   for entry in triton:${TRITON_CACHE_DIR:-$HOME/.triton/cache} vllm:${VLLM_CACHE_ROOT:-$HOME/.cache/vllm} \
       inductor:${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}; do
     name=${entry%%:*}; dir=${entry#*:}
     [ -d "$dir" ] || { echo "jit-$name: no $dir"; continue; }
-    tar -czf "$OUT/jit-$name.tgz" -C / "${dir#/}"
-    size=$(stat -c %s "$OUT/jit-$name.tgz")
-    if [ "$size" -gt $((16 * 1024 * 1024)) ]; then
-      echo "jit-$name: $((size >> 20)) MiB from $dir, over 16 MiB: left out"; rm -f "$OUT/jit-$name.tgz"
+    tar -czf "/tmp/jit-$name.tgz" -C / "${dir#/}"
+    size=$(stat -c %s "/tmp/jit-$name.tgz"); pieces=$(( (size + (15 << 20) - 1) / (15 << 20) ))
+    if [ "$size" -gt "$room" ] || [ "$pieces" -gt "$files" ]; then
+      echo "jit-$name: $((size >> 20)) MiB from $dir in $pieces pieces, more than is left to bring back: left out"
     else
-      echo "jit-$name: $((size >> 10)) KiB from $dir"
+      split -b 15m -a 2 "/tmp/jit-$name.tgz" "$OUT/jit-$name.tgz.part-"
+      room=$((room - size)); files=$((files - pieces))
+      echo "jit-$name: $((size >> 10)) KiB from $dir in $pieces piece(s)"
     fi
+    rm -f "/tmp/jit-$name.tgz"
   done
   ;;
 *)

@@ -56,6 +56,12 @@ class TrainerConfig:
     eval_max_new_tokens: int = 32
     progress: bool = True  # progress bar with ETA on stderr (rank 0)
     max_nonfinite_in_row: int = 3  # stop with a checkpoint after this many skipped steps in a row; 0: never
+    # the GPU's SM clock, power, temperature and clock-event (power/thermal throttle) reasons per step phase, read
+    # through NVML (package nvidia-ml-py, which vLLM installs) on a thread and logged as gpu/* (rollout/telemetry.py).
+    # auto: on CUDA where NVML answers (else off, with one log line); true: required (an error says what is
+    # missing); false: never. Booleans read as true/false
+    gpu_telemetry: Literal["auto", "true", "false"] = "auto"
+    gpu_telemetry_interval_s: float = 0.05  # seconds between readings
 
 
 @dataclass
@@ -634,7 +640,8 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 # keys with an `auto` that read a boolean as one of their words: key -> (the word for true, the word for false)
-BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.liger_kernel": ("true", "false")}
+BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.liger_kernel": ("true", "false"),
+                    "trainer.gpu_telemetry": ("true", "false")}
 
 
 def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
@@ -775,6 +782,9 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
         yield (f"config key 'rollout.temperature' must be > 0 for GRPO (trainer.mode=grpo), got "
                f"{cfg.rollout.temperature}: responses are sampled at it and logprobs are divided by it; "
                "use 1.0 for the usual on-policy sampling")
+    if not cfg.trainer.gpu_telemetry_interval_s > 0:
+        yield (f"config key 'trainer.gpu_telemetry_interval_s' must be > 0 (seconds between GPU readings), got "
+               f"{cfg.trainer.gpu_telemetry_interval_s}")
     if cfg.rollout.sleep_level not in (1, 2):
         yield f"config key 'rollout.sleep_level' must be 1 or 2, got {cfg.rollout.sleep_level}"
     if not 0 <= cfg.rollout.gpu_memory_utilization <= 1:

@@ -45,6 +45,7 @@ from rollout.factory import build_engine
 from rollout.gen_probe import breakdown_metrics
 from rollout.groups import EngineGroup
 from rollout.rollouts import Rollouts, context_tokens, tool_prompt
+from rollout.telemetry import build_telemetry
 
 log = logging.getLogger("vlrl")
 MISMATCH_ALARM = 1.05
@@ -78,6 +79,11 @@ class Trainer:
         self._startup: dict[str, float] = {}
         preflight(cfg, dist.get_world_size())
         self.dims = build_parallel_dims(cfg.parallel.tp, cfg.parallel.replicate)
+        self.telemetry = build_telemetry(cfg.trainer.gpu_telemetry, self.dims.device,
+                                         cfg.trainer.gpu_telemetry_interval_s, STEP_PHASES)
+        # every rank samples or none does: its step metrics are a collective
+        if cfg.trainer.gpu_telemetry == "auto" and all_reduce_max_int(int(self.telemetry is None), self.dims.device):
+            self.telemetry = None
         self.run_dir = Path(cfg.trainer.run_dir)
         if self.dims.is_main:
             print(f"parallel: {self.dims.describe()}", flush=True)
@@ -267,7 +273,8 @@ class Trainer:
         """Run steps until trainer.max_steps, or until a SIGTERM/SIGINT (then checkpoint and return)."""
         guard = PreemptionGuard(current_step=lambda: self.step)
         try:
-            return self._train(guard)
+            with self.telemetry or nullcontext():  # GPU readings on a thread, stopped however the loop ends
+                return self._train(guard)
         finally:
             guard.close()
             self.feeder.drop_prefetch()  # a stop before trainer.max_steps leaves the next step's prefetch
@@ -296,6 +303,8 @@ class Trainer:
             metrics["memory/peak_gb"] = self.colocation.peak.end()
             metrics["memory/alloc_retries"] = self.colocation.peak.alloc_retries()
             metrics.update(self.colocation.peak.phase_metrics())  # per pass, on a GPU: memory/*_logprob, *_update
+            if self.telemetry:  # clocks, power, temperature and throttling per phase: gpu/*_gen, *_train, ...
+                metrics.update(self.telemetry.step_metrics(self.policy.device))
             metrics["data/skipped_samples"] = self._skipped_total()
             metrics.update(self._startup)  # start-up and engine-build seconds, once (the step that built the engine)
             self._startup = {}
@@ -342,11 +351,13 @@ class Trainer:
         def loss_fn(lp, mb, den):
             return -lp.sum() / den["tokens"], {"loss/nll_sum": -float(lp.detach().sum())}
 
-        t0 = time.monotonic()
-        out = optimizer_step(self.policy, self.optimizer, batch, loss_fn, max_tokens=self.cfg.optim.max_tokens_per_microbatch,
-                             grad_clip=self.cfg.optim.grad_clip, denominators={"tokens": global_tokens},
-                             unsharded_accumulation=self.cfg.optim.unsharded_accumulation)
-        train_s = time.monotonic() - t0
+        times = {}
+        with timed(times, "perf/train_s"):
+            out = optimizer_step(self.policy, self.optimizer, batch, loss_fn,
+                                 max_tokens=self.cfg.optim.max_tokens_per_microbatch,
+                                 grad_clip=self.cfg.optim.grad_clip, denominators={"tokens": global_tokens},
+                                 unsharded_accumulation=self.cfg.optim.unsharded_accumulation)
+        train_s = times["perf/train_s"]
         self.colocation.policy_updated()
         self.counters["skipped_nonfinite"] += int(out["loss/skipped_nonfinite"])
         total_tokens = sum(t.numel() for t in batch["input_ids"].items)
@@ -439,7 +450,8 @@ class Trainer:
             if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now
                 fidelity = self._fidelity(step)
 
-        timings["perf/refit_s"] = self.refit()
+        with timed(timings, "perf/refit_s"):
+            self.refit()
         self.colocation.peak.sample()  # the engine's weights are back on the device
         return {**self._rollout_metrics(episodes, rewards_info, rewards), **fidelity, **train, **timings,
                 **gen_detail, **self._throughput(step, timings)}

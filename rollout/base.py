@@ -17,13 +17,17 @@ from typing import Iterable, Literal
 
 import torch
 
+from rollout.telemetry import phase
+
 
 @contextmanager
 def timed(times: dict, key: str):
-    """Add the block's wall-clock seconds to `times[key]` (host time only: no device sync)."""
+    """Add the block's wall-clock seconds to `times[key]` (host time only: no device sync); while the block
+    runs, GPU telemetry's readings count for `key` where it is one of its phases (rollout/telemetry.py)."""
     start = time.monotonic()
     try:
-        yield
+        with phase(key):
+            yield
     finally:
         times[key] = times.get(key, 0.0) + time.monotonic() - start
 

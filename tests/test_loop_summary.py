@@ -150,3 +150,27 @@ def test_summary_averages_the_allocator_per_pass_where_logged(tmp_path):
     assert "allocated_growth_gb_update" not in s  # not logged: left out
     cpu = summarize([_row(s, 10.0) for s in range(1, 6)])
     assert not any(k.startswith(("alloc_retries_", "inactive_split", "reserved_growth")) for k in cpu)
+
+
+def test_summary_averages_the_gpu_telemetry_per_phase_where_logged():
+    """gpu/* of trainer.gpu_telemetry: per phase, means over the steady steps that logged each; the device's
+    maximum clock and power limit from the step that logged them (the first)."""
+    from grpo.trainer import STEP_PHASES
+    from tools.loop_summary import GPU_PHASES
+
+    # every phase the trainer times
+    assert {k.removeprefix("perf/").removesuffix("_s") for k in STEP_PHASES} == {
+        name.rsplit("_", 1)[1] for name in GPU_PHASES}
+    rows = [_row(s, 10.0) for s in range(1, 6)]
+    rows[0].update({"gpu/sm_clock_max_mhz": 1980.0, "gpu/power_limit_w": 700.0, "gpu/sm_clock_mhz_mean_gen": 900.0})
+    for r, clock, throttled in zip(rows[2:], (1500.0, 1700.0, 1900.0), (0.5, 0.25, 0.0)):
+        r.update({"gpu/sm_clock_mhz_mean_gen": clock, "gpu/sm_clock_mhz_min_gen": clock - 300,
+                  "gpu/throttled_frac_gen": throttled, "gpu/power_w_mean_train": 690.0})
+    del rows[4]["gpu/power_w_mean_train"]  # a phase without a reading that step
+    s = summarize(rows)
+    assert s["sm_clock_mhz_mean_gen"] == pytest.approx(1700.0) and s["sm_clock_mhz_min_gen"] == pytest.approx(1400.0)
+    assert s["throttled_frac_gen"] == pytest.approx(0.25) and s["power_w_mean_train"] == 690.0
+    assert (s["sm_clock_max_mhz"], s["power_limit_w"]) == (1980.0, 700.0)
+    assert "temp_c_max_gen" not in s  # not logged: left out
+    off = summarize([_row(s, 10.0) for s in range(1, 6)])
+    assert not any(k.startswith(("sm_clock", "power_", "temp_c", "throttled")) for k in off)

@@ -27,7 +27,12 @@ steps logged the allocator per pass (on a GPU: rollout/colocation.py `DevicePeak
 over the steps that logged it: `alloc_retries_logprob` and `alloc_retries_update` (retries per step in the
 reference/old-logprob pass and in the update), `reserved_growth_gb_*` and `allocated_growth_gb_*` (how far
 torch's reserved and allocated bytes grew in the pass), `inactive_split_gb_*` (the most bytes held in free
-pieces of segments with live blocks) and `inactive_split_gb_generation` (those left when the engine wakes). With
+pieces of segments with live blocks) and `inactive_split_gb_generation` (those left when the engine wakes).
+Where the steps logged GPU telemetry (`trainer.gpu_telemetry`, rollout/telemetry.py) it adds, per phase (`gen`,
+`logprob`, `score`, `train`, `refit`), the mean over the steps that logged each of `sm_clock_mhz_mean_<phase>`,
+`sm_clock_mhz_min_<phase>`, `power_w_mean_<phase>`, `temp_c_max_<phase>`, `throttled_frac_<phase>`,
+`power_capped_frac_<phase>`, `thermal_frac_<phase>` and `samples_<phase>`, and the device's `sm_clock_max_mhz`
+and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
@@ -81,6 +86,12 @@ GEN_OUTSIDE = ("gen_data_s", "gen_score_s")
 MEMORY_PHASES = tuple(f"{m}_{p}" for p in ("logprob", "update") for m in (
     "alloc_retries", "reserved_growth_gb", "allocated_growth_gb", "inactive_split_gb")) + (
     "inactive_split_gb_generation",)
+# GPU telemetry per phase, per step as gpu/<name> (rollout/telemetry.py, where NVML answers): means over the steps
+# that logged each; GPU_ONCE from the first row that logged it
+GPU_PHASES = tuple(f"{m}_{p}" for p in ("gen", "logprob", "score", "train", "refit") for m in (
+    "sm_clock_mhz_mean", "sm_clock_mhz_min", "power_w_mean", "temp_c_max", "throttled_frac", "power_capped_frac",
+    "thermal_frac", "samples"))
+GPU_ONCE = ("sm_clock_max_mhz", "power_limit_w")
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -123,6 +134,7 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
     )
     out.update(gen_breakdown(steady))
     out.update(logged_means(steady, "memory", MEMORY_PHASES))
+    out.update(logged_means(steady, "gpu", GPU_PHASES))
     first = next((r for r in rows if r.get("step") == 1), None)
     if first:
         out["first_step_s"] = first["perf/step_s"]
@@ -132,6 +144,7 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
         out["first_update_extra_s"] = (first.get("perf/logprob_s", 0.0) + first.get("perf/train_s", 0.0)
                                        - out["logprob_s"] - out["train_s"])
     out.update(startup(rows))
+    out.update(first_logged(rows, "gpu", GPU_ONCE))
     if first and "engine_build_s" in out:
         out["first_step_extra_other_s"] = out["first_step_extra_s"] - out["engine_build_s"]
         # generation beyond a steady one once the engine is built: kernels the warm-up left to compile
@@ -182,9 +195,14 @@ def engine_tokens_per_s(row: dict) -> float | None:
 
 def startup(rows: list[dict]) -> dict:
     """The STARTUP seconds, each from the first row that logged it; those no row holds are left out."""
+    return first_logged(rows, "perf", STARTUP)
+
+
+def first_logged(rows: list[dict], prefix: str, names) -> dict:
+    """{name: `prefix/name` of the first row that logged it} (a name no row holds is left out)."""
     out = {}
-    for name in STARTUP:
-        key = f"perf/{name}"
+    for name in names:
+        key = f"{prefix}/{name}"
         value = next((r[key] for r in rows if key in r), None)
         if value is not None:
             out[name] = value

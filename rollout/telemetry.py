@@ -1,0 +1,198 @@
+"""The GPU's clocks, power and temperature per step phase, read through NVML on a daemon thread.
+
+The loop's generation and update can run slower than the same work alone, by an amount that changes from
+machine to machine and from step to step. Clocks capped for power or heat after the update and a busy host
+look alike in seconds; these readings tell them apart. Every `interval_s` the sampler reads this process's
+device: the SM clock (MHz), the power draw (W; NVML averages it over about a second on Ampere and newer, so
+a short phase's mean lags behind its start), the temperature (C) and the clock-event reasons. A reading
+counts for every phase open when it was taken: a phase is a `perf/*_s` block that `rollout.base.timed`
+times on the thread that started the sampler (generation, logprobs, scoring, update, refit). Per step and
+phase (the perf key's name: `gen`, `train`, ...) the trainer logs `gpu/sm_clock_mhz_mean_<phase>`,
+`gpu/sm_clock_mhz_min_<phase>`, `gpu/power_w_mean_<phase>`, `gpu/temp_c_max_<phase>`,
+`gpu/throttled_frac_<phase>` (the share of readings with any of THROTTLE's reasons),
+`gpu/power_capped_frac_<phase>`, `gpu/thermal_frac_<phase>` and `gpu/samples_<phase>`, reduced over ranks
+(means over all ranks' readings, the lowest clock, the hottest reading); once, `gpu/sm_clock_max_mhz` and
+`gpu/power_limit_w` (the lowest over ranks). A phase without a reading on any rank logs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("vlrl")
+
+# NVML's clock-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*)
+SW_POWER_CAP = 0x4  # the driver holds the clocks down to stay under the power limit
+HW_SLOWDOWN = 0x8  # hardware halves the clocks or more: too hot, power brake or power draw too high
+SW_THERMAL = 0x20  # the driver holds the clocks down to stay under the temperature limit
+HW_THERMAL = 0x40
+HW_POWER_BRAKE = 0x80  # an external power brake (the system's power supply)
+THROTTLE = SW_POWER_CAP | HW_SLOWDOWN | SW_THERMAL | HW_THERMAL | HW_POWER_BRAKE
+THERMAL = SW_THERMAL | HW_THERMAL
+# per phase, summed over readings and ranks: readings, clock MHz, power W, throttled, power-capped, thermal
+_SUMS = ("samples", "clock", "power", "throttled", "power_capped", "thermal")
+_active: GpuTelemetry | None = None  # the started sampler, whose phases `phase` marks
+
+
+@contextmanager
+def phase(key: str):
+    """Mark `key` open for the started sampler's readings (`rollout.base.timed` wraps every timed block in it);
+    nothing where no sampler runs, `key` is not one of its phases, or another thread times the block."""
+    t = _active
+    if t is None or key not in t.phases or threading.get_ident() != t.owner:
+        yield
+        return
+    outer = t.open
+    t.open = outer + (key,)  # one reference swapped: the sampler reads a whole tuple
+    try:
+        yield
+    finally:
+        t.open = outer
+
+
+class GpuTelemetry:
+    """NVML readings of one device, attributed to `phases` (perf keys), on a daemon thread while entered."""
+
+    def __init__(self, nvml, handle, phases: tuple[str, ...], interval_s: float):
+        self.nvml, self.handle, self.phases, self.interval_s = nvml, handle, tuple(phases), interval_s
+        self.sm_clock_max_mhz = float(nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM))
+        self.power_limit_w = nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
+        self._reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nvml.nvmlDeviceGetCurrentClocksThrottleReasons  # the name before NVML 12.2
+        self.open: tuple[str, ...] = ()
+        self.owner = threading.get_ident()
+        self._lock = threading.Lock()
+        self._stats: dict[str, list[float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._first = True
+
+    def __enter__(self) -> GpuTelemetry:
+        global _active
+        self.owner, self._stop = threading.get_ident(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-telemetry", daemon=True)
+        _active = self
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        _active = None
+        self._stop.set()
+        self._thread.join()  # NVML stays initialized: vLLM's own calls in this process use it too
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample()
+            except Exception as e:  # an NVML error mid-run ends the readings, never the run
+                log.warning("gpu telemetry stopped: NVML failed (%s: %s)", type(e).__name__, e)
+                return
+
+    def sample(self) -> None:
+        """One reading, counted for every phase open now."""
+        open_now = self.open
+        if not open_now:
+            return
+        nvml, h = self.nvml, self.handle
+        clock = float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
+        power = nvml.nvmlDeviceGetPowerUsage(h) / 1000.0
+        temp = float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))
+        reasons = int(self._reasons(h))
+        row = (1.0, clock, power, float(bool(reasons & THROTTLE)), float(bool(reasons & SW_POWER_CAP)),
+               float(bool(reasons & THERMAL)))
+        with self._lock:
+            for key in open_now:
+                s = self._stats.setdefault(key, [0.0] * len(_SUMS) + [clock, temp])
+                s[:len(_SUMS)] = [a + b for a, b in zip(s, row)]
+                s[-2], s[-1] = min(s[-2], clock), max(s[-1], temp)
+
+    def step_metrics(self, device) -> dict[str, float]:
+        """The step's gpu/* metrics over all ranks (a collective: every rank calls it); starts the next step's."""
+        with self._lock:
+            stats, self._stats = self._stats, {}
+        n = len(self.phases)
+        sums = torch.zeros(n, len(_SUMS), dtype=torch.float64)
+        highs = torch.full((2 * n + 2,), -float("inf"), dtype=torch.float64)  # -clock min, temp max, -once values
+        for i, key in enumerate(self.phases):
+            if key in stats:
+                sums[i] = torch.tensor(stats[key][:len(_SUMS)], dtype=torch.float64)
+                highs[i], highs[n + i] = -stats[key][-2], stats[key][-1]
+        highs[-2:] = torch.tensor([-self.sm_clock_max_mhz, -self.power_limit_w], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            sums, highs = sums.to(device), highs.to(device)
+            dist.all_reduce(sums)
+            dist.all_reduce(highs, op=dist.ReduceOp.MAX)
+        sums, highs = sums.tolist(), highs.tolist()
+        out = {}
+        if self._first:
+            out.update({"gpu/sm_clock_max_mhz": -highs[-2], "gpu/power_limit_w": -highs[-1]})
+            self._first = False
+        for i, key in enumerate(self.phases):
+            count, clock, power, throttled, capped, thermal = sums[i]
+            if not count:
+                continue
+            name = key.removeprefix("perf/").removesuffix("_s")
+            out.update({f"gpu/sm_clock_mhz_mean_{name}": clock / count, f"gpu/sm_clock_mhz_min_{name}": -highs[i],
+                        f"gpu/power_w_mean_{name}": power / count, f"gpu/temp_c_max_{name}": highs[n + i],
+                        f"gpu/throttled_frac_{name}": throttled / count,
+                        f"gpu/power_capped_frac_{name}": capped / count, f"gpu/thermal_frac_{name}": thermal / count,
+                        f"gpu/samples_{name}": count})
+        return out
+
+
+def _handle(nvml, device: torch.device):
+    """NVML's handle for `device`: by the CUDA device's PCI bus id (CUDA_VISIBLE_DEVICES and CUDA's device order
+    renumber devices, NVML does not), else its UUID, else by index; off CUDA, NVML's device 0."""
+    if device.type != "cuda":
+        return nvml.nvmlDeviceGetHandleByIndex(0)
+    props = torch.cuda.get_device_properties(device)
+    if getattr(props, "pci_bus_id", None) is not None:
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        try:
+            return nvml.nvmlDeviceGetHandleByPciBusId(bus)
+        except Exception:  # e.g. a MIG instance or a driver that formats the id otherwise: try the UUID
+            pass
+    if getattr(props, "uuid", None) is not None:
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")
+        except Exception:
+            pass
+    return nvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def build_telemetry(setting: str, device: torch.device, interval_s: float,
+                    phases: tuple[str, ...]) -> GpuTelemetry | None:
+    """The sampler for trainer.gpu_telemetry: `false` none; `auto` one on CUDA where NVML answers (else none,
+    with one info line saying why); `true` one wherever NVML answers (off CUDA it reads NVML's device 0), else an
+    error naming the key and what is missing."""
+    if setting == "false":
+        return None
+    if setting == "auto" and device.type != "cuda":
+        log.info("trainer.gpu_telemetry=auto: off (no CUDA device)")
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        if setting == "true":
+            raise RuntimeError("config key 'trainer.gpu_telemetry' is true, but the pynvml module is missing: "
+                               "pip install nvidia-ml-py (vLLM installs it), or set it to auto or false") from None
+        log.info("trainer.gpu_telemetry=auto: off (the pynvml module, package nvidia-ml-py, is not installed)")
+        return None
+    try:
+        pynvml.nvmlInit()
+        telemetry = GpuTelemetry(pynvml, _handle(pynvml, device), phases, interval_s)
+    except Exception as e:  # NVMLError: no driver, a device NVML does not know, a query it does not support
+        if setting == "true":
+            raise RuntimeError(f"config key 'trainer.gpu_telemetry' is true, but NVML failed on {device} "
+                               f"({type(e).__name__}: {e}); set it to auto or false") from None
+        log.info("trainer.gpu_telemetry=auto: off (NVML failed on %s: %s: %s)", device, type(e).__name__, e)
+        return None
+    log.info("trainer.gpu_telemetry=%s: on (%s; NVML every %.0f ms, max SM clock %.0f MHz, power limit %.0f W)",
+             setting, device, 1000 * interval_s, telemetry.sm_clock_max_mhz, telemetry.power_limit_w)
+    return telemetry

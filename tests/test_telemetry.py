@@ -1,0 +1,255 @@
+"""GPU telemetry (rollout/telemetry.py) on a CPU, through a stand-in pynvml module with scripted readings:
+readings count for the perf phase `timed` has open, the trainer logs them per phase as gpu/*, the thread ends
+with the run, and the setting's auto/true/false mean what they say."""
+
+import json
+import sys
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from grpo.config import ConfigError, load_config
+from models.parallel import init_distributed
+from rollout import telemetry
+from rollout.base import timed
+from rollout.telemetry import HW_THERMAL, SW_POWER_CAP, build_telemetry
+
+PHASES = ("perf/gen_s", "perf/logprob_s", "perf/train_s")
+
+
+def fake_nvml(old_reason_name: bool = False) -> types.ModuleType:
+    """A pynvml stand-in: each query returns `nvml.reading` (SM MHz, mW, C, clock-event reasons)."""
+    nvml = types.ModuleType("pynvml")
+    nvml.NVML_CLOCK_SM, nvml.NVML_TEMPERATURE_GPU = 1, 0
+    nvml.reading = (1980, 500_000, 50, 0)
+    nvml.lookups = []
+    nvml.nvmlInit = lambda: None
+    nvml.nvmlDeviceGetHandleByIndex = lambda i: nvml.lookups.append(("index", i)) or "handle"
+    nvml.nvmlDeviceGetMaxClockInfo = lambda h, clock: 1980
+    nvml.nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000
+    nvml.nvmlDeviceGetClockInfo = lambda h, clock: nvml.reading[0]
+    nvml.nvmlDeviceGetPowerUsage = lambda h: nvml.reading[1]
+    nvml.nvmlDeviceGetTemperature = lambda h, sensor: nvml.reading[2]
+    reasons = lambda h: nvml.reading[3]  # noqa: E731
+    if old_reason_name:  # the name before NVML 12.2
+        nvml.nvmlDeviceGetCurrentClocksThrottleReasons = reasons
+    else:
+        nvml.nvmlDeviceGetCurrentClocksEventReasons = reasons
+    return nvml
+
+
+def _threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "gpu-telemetry"]
+
+
+@pytest.mark.parametrize("old_reason_name", [False, True])
+def test_readings_count_for_the_phase_timed_has_open(monkeypatch, old_reason_name):
+    nvml = fake_nvml(old_reason_name)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)  # the thread never reads: we do
+    times = {}
+    with t:
+        assert _threads() == ["gpu-telemetry"]
+        t.sample()  # no phase open: counted nowhere
+        with timed(times, "perf/gen_s"):
+            for reading in [(1410, 400_000, 55, 0), (1200, 690_000, 61, SW_POWER_CAP)]:
+                nvml.reading = reading
+                t.sample()
+            with timed(times, "perf/wake_s"):  # not a phase: still generation's
+                nvml.reading = (1000, 300_000, 58, HW_THERMAL)
+                t.sample()
+        with timed(times, "perf/train_s"):
+            nvml.reading = (1980, 700_000, 70, 0)
+            t.sample()
+        first = t.step_metrics(torch.device("cpu"))
+        with timed(times, "perf/train_s"):
+            nvml.reading = (1500, 650_000, 66, SW_POWER_CAP | HW_THERMAL)
+            t.sample()
+        second = t.step_metrics(torch.device("cpu"))
+    assert _threads() == []
+    assert first["gpu/sm_clock_max_mhz"] == 1980 and first["gpu/power_limit_w"] == 700
+    assert first["gpu/samples_gen"] == 3
+    assert first["gpu/sm_clock_mhz_mean_gen"] == pytest.approx((1410 + 1200 + 1000) / 3)
+    assert first["gpu/sm_clock_mhz_min_gen"] == 1000 and first["gpu/temp_c_max_gen"] == 61
+    assert first["gpu/power_w_mean_gen"] == pytest.approx((400 + 690 + 300) / 3)
+    assert first["gpu/throttled_frac_gen"] == pytest.approx(2 / 3)
+    assert first["gpu/power_capped_frac_gen"] == pytest.approx(1 / 3)
+    assert first["gpu/thermal_frac_gen"] == pytest.approx(1 / 3)
+    assert (first["gpu/samples_train"], first["gpu/sm_clock_mhz_mean_train"], first["gpu/throttled_frac_train"]) \
+        == (1, 1980, 0)
+    assert not [k for k in first if k.endswith(("_logprob", "_wake"))]  # no reading there: nothing logged
+    # the next step starts afresh; the device's maxima come once
+    assert sorted(second) == sorted(k for k in first if k.endswith("_train"))
+    assert (second["gpu/sm_clock_mhz_mean_train"], second["gpu/power_w_mean_train"]) == (1500, 650)
+    assert (second["gpu/power_capped_frac_train"], second["gpu/thermal_frac_train"]) == (1, 1)
+
+
+def _timed_sleep(times: dict, key: str, seconds: float) -> None:
+    with timed(times, key):
+        time.sleep(seconds)
+
+
+def test_the_thread_reads_while_a_phase_is_open_and_ends_with_the_block(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    t = build_telemetry("true", torch.device("cpu"), 0.005, PHASES)
+    times = {}
+    with pytest.raises(KeyError):  # however the run ends
+        with t:
+            _timed_sleep(times, "perf/gen_s", 0.3)
+            other = threading.Thread(target=_timed_sleep, args=(times, "perf/train_s", 0.1))
+            other.start()  # a block timed on another thread (a prefetch's) marks no phase
+            other.join()
+            m = t.step_metrics(torch.device("cpu"))
+            raise KeyError("stop")
+    assert _threads() == []
+    assert m["gpu/samples_gen"] >= 5 and m["gpu/sm_clock_mhz_mean_gen"] == 1980 and "gpu/samples_train" not in m
+
+
+def test_auto_is_off_without_cuda_or_pynvml_and_true_names_what_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    assert build_telemetry("auto", torch.device("cpu"), 0.05, PHASES) is None  # no CUDA device
+    assert build_telemetry("false", torch.device("cpu"), 0.05, PHASES) is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    assert build_telemetry("auto", torch.device("cuda", 0), 0.05, PHASES) is None
+    with pytest.raises(RuntimeError, match=r"'trainer.gpu_telemetry' is true.*pynvml.*nvidia-ml-py"):
+        build_telemetry("true", torch.device("cpu"), 0.05, PHASES)
+    broken = fake_nvml()
+
+    def no_driver():
+        raise OSError("NVML Shared Library Not Found")
+
+    broken.nvmlInit = no_driver
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    with pytest.raises(RuntimeError, match=r"'trainer.gpu_telemetry' is true, but NVML failed.*Not Found"):
+        build_telemetry("true", torch.device("cpu"), 0.05, PHASES)
+    assert telemetry._active is None and _threads() == []
+
+
+def test_the_cuda_device_is_found_by_its_pci_bus_id_then_uuid_then_index(monkeypatch):
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0, uuid="0b42632a-bc5c")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    nvml = fake_nvml()
+    nvml.nvmlDeviceGetHandleByPciBusId = lambda bus: nvml.lookups.append(("pci", bus)) or "by-pci"
+    nvml.nvmlDeviceGetHandleByUUID = lambda uuid: nvml.lookups.append(("uuid", uuid)) or "by-uuid"
+    assert telemetry._handle(nvml, torch.device("cuda", 1)) == "by-pci"
+
+    def unknown(key):
+        raise KeyError(key)
+
+    nvml.nvmlDeviceGetHandleByPciBusId = unknown
+    assert telemetry._handle(nvml, torch.device("cuda", 1)) == "by-uuid"
+    nvml.nvmlDeviceGetHandleByUUID = unknown
+    assert telemetry._handle(nvml, torch.device("cuda", 1)) == "handle"
+    assert nvml.lookups == [("pci", "00000000:3b:00.0"), ("uuid", "GPU-0b42632a-bc5c"), ("index", 1)]
+
+
+def test_the_config_keys():
+    assert load_config(None, []).trainer.gpu_telemetry == "auto"
+    assert load_config(None, ["trainer.gpu_telemetry=true"]).trainer.gpu_telemetry == "true"  # a boolean reads
+    assert load_config(None, ["trainer.gpu_telemetry=false"]).trainer.gpu_telemetry == "false"
+    with pytest.raises(ConfigError, match="trainer.gpu_telemetry_interval_s' must be > 0"):
+        load_config(None, ["trainer.gpu_telemetry_interval_s=0"])
+
+
+def _trainer(model, data, run_dir, *extra):
+    from grpo.trainer import Trainer
+
+    init_distributed()
+    cfg = load_config(None, [
+        f"model.path={model}", f"data.train_path={data}", "rollout.engine=torch", "rollout.n=2",
+        "data.prompts_per_step=2", "rollout.max_new_tokens=4", "data.min_pixels=3136", "data.max_pixels=3136",
+        f"trainer.run_dir={run_dir}", "logging.tensorboard=false", "checkpoint.resume=never",
+        "checkpoint.at_end=false", "trainer.max_steps=2", *extra,
+    ])
+    return Trainer(cfg)
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_trainer_logs_each_phase_s_readings(tiny_model, clevr_parquet, tmp_path, monkeypatch):
+    from grpo.trainer import Trainer
+    from rollout.rollouts import Rollouts
+
+    nvml = fake_nvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    running = []
+
+    def reading(value, method):
+        def wrapped(self, *args, **kwargs):
+            nvml.reading = value
+            for _ in range(2):  # the thread's interval is an hour: these are the only readings
+                trainer.telemetry.sample()
+            running.append(_threads())
+            return method(self, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(Rollouts, "collect", reading((1200, 650_000, 60, SW_POWER_CAP), Rollouts.collect))
+    monkeypatch.setattr(Trainer, "_ppo_update", reading((1900, 700_000, 70, 0), Trainer._ppo_update))
+    trainer = _trainer(tiny_model, clevr_parquet, tmp_path / "run", "trainer.gpu_telemetry=true",
+                       "trainer.gpu_telemetry_interval_s=3600")
+    trainer.train()
+    assert running == [["gpu-telemetry"]] * 4 and _threads() == []
+    first, second = _rows(tmp_path / "run")
+    assert (first["gpu/sm_clock_max_mhz"], first["gpu/power_limit_w"]) == (1980, 700)
+    assert "gpu/sm_clock_max_mhz" not in second
+    for row in (first, second):
+        gen = [row[f"gpu/{k}_gen"] for k in ("samples", "sm_clock_mhz_mean", "sm_clock_mhz_min", "power_w_mean",
+                                               "temp_c_max", "throttled_frac", "power_capped_frac", "thermal_frac")]
+        train = [row[f"gpu/{k}_train"] for k in ("samples", "sm_clock_mhz_mean", "power_w_mean", "temp_c_max",
+                                                   "throttled_frac")]
+        assert gen == [2, 1200, 1200, 650, 60, 1, 1, 0] and train == [2, 1900, 700, 70, 0]
+        assert not [k for k in row if k.endswith(("_logprob", "_refit", "_score"))]  # no reading taken there
+
+
+def test_auto_on_a_cpu_logs_no_gpu_metrics_and_starts_no_thread(tiny_model, clevr_parquet, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    trainer = _trainer(tiny_model, clevr_parquet, tmp_path / "run", "trainer.max_steps=1")
+    assert trainer.telemetry is None
+    trainer.train()
+    (row,) = _rows(tmp_path / "run")
+    assert not [k for k in row if k.startswith("gpu/")] and _threads() == []
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(RuntimeError, match="'trainer.gpu_telemetry' is true, but the pynvml module is missing"):
+        _trainer(tiny_model, clevr_parquet, tmp_path / "run2", "trainer.gpu_telemetry=true")
+
+
+# a pynvml stand-in for train.py's processes: each rank's device reads differently
+RANK_NVML = '''import os
+RANK = int(os.environ.get("RANK", 0))  # torch.cuda imports pynvml in the launcher too
+NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+nvmlInit = lambda: None
+nvmlDeviceGetHandleByIndex = lambda i: "handle"
+nvmlDeviceGetMaxClockInfo = lambda h, clock: 1980 - 10 * RANK
+nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000 - 50_000 * RANK
+nvmlDeviceGetClockInfo = lambda h, clock: 1000 + 500 * RANK
+nvmlDeviceGetPowerUsage = lambda h: 600_000
+nvmlDeviceGetTemperature = lambda h, sensor: 50 + 20 * RANK
+nvmlDeviceGetCurrentClocksEventReasons = lambda h: 0x4 * RANK
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_reduce_their_readings(tiny_model, clevr_parquet, tmp_path):
+    from tests.conftest import ROOT, run_torchrun
+
+    (tmp_path / "nvml").mkdir()
+    (tmp_path / "nvml" / "pynvml.py").write_text(RANK_NVML)
+    run = tmp_path / "run"
+    run_torchrun(["train.py", "--config", "configs/demo.yaml", f"model.path={tiny_model}",
+                  f"data.train_path={clevr_parquet}", "data.eval_path=", f"trainer.run_dir={run}",
+                  "trainer.max_steps=2", "trainer.eval_every=0", "data.prompts_per_step=4", "rollout.n=4",
+                  "rollout.max_new_tokens=8", "data.min_pixels=3136", "data.max_pixels=3136",
+                  "logging.tensorboard=false", "checkpoint.at_end=false", "trainer.gpu_telemetry=true",
+                  "trainer.gpu_telemetry_interval_s=0.002"],
+                 env={"PYTHONPATH": f"{tmp_path / 'nvml'}:{ROOT}"})
+    first, second = _rows(run)
+    assert (first["gpu/sm_clock_max_mhz"], first["gpu/power_limit_w"]) == (1970, 650)  # the lower rank's
+    for row in (first, second):  # rank 0: 1000 MHz, 50 C, unthrottled; rank 1: 1500 MHz, 70 C, power-capped
+        assert row["gpu/sm_clock_mhz_min_gen"] == 1000 and row["gpu/temp_c_max_gen"] == 70
+        assert 1000 < row["gpu/sm_clock_mhz_mean_gen"] < 1500 and 0 < row["gpu/power_capped_frac_gen"] < 1
+        assert row["gpu/power_w_mean_gen"] == 600 and row["gpu/thermal_frac_gen"] == 0

@@ -10,17 +10,21 @@ from grpo.config import load_config
 from models.parallel import init_distributed
 
 
-def _train(model, data, run_dir, *extra):
+def small_trainer(model, data, run_dir, *extra):
+    """A one-step GRPO trainer on the built-in engine, 2 prompts x 2 responses x 4 tokens; `extra` overrides win."""
     from grpo.trainer import Trainer
 
     init_distributed()
-    cfg = load_config(None, [
+    return Trainer(load_config(None, [
         f"model.path={model}", f"data.train_path={data}", "rollout.engine=torch", "rollout.n=2",
         "data.prompts_per_step=2", "rollout.max_new_tokens=4", "data.min_pixels=3136", "data.max_pixels=3136",
         f"trainer.run_dir={run_dir}", "logging.tensorboard=false", "checkpoint.resume=never",
         "trainer.max_steps=1", *extra,
-    ])
-    Trainer(cfg).train()
+    ]))
+
+
+def _train(model, data, run_dir, *extra):
+    small_trainer(model, data, run_dir, *extra).train()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

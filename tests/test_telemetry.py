@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from grpo.config import ConfigError, load_config
-from models.parallel import init_distributed
 from rollout import telemetry
 from rollout.base import timed
 from rollout.telemetry import HW_THERMAL, SW_POWER_CAP, build_telemetry
+from tests.test_run_end import small_trainer
 
 PHASES = ("perf/gen_s", "perf/logprob_s", "perf/train_s")
 
@@ -155,16 +155,7 @@ def test_the_config_keys():
 
 
 def _trainer(model, data, run_dir, *extra):
-    from grpo.trainer import Trainer
-
-    init_distributed()
-    cfg = load_config(None, [
-        f"model.path={model}", f"data.train_path={data}", "rollout.engine=torch", "rollout.n=2",
-        "data.prompts_per_step=2", "rollout.max_new_tokens=4", "data.min_pixels=3136", "data.max_pixels=3136",
-        f"trainer.run_dir={run_dir}", "logging.tensorboard=false", "checkpoint.resume=never",
-        "checkpoint.at_end=false", "trainer.max_steps=2", *extra,
-    ])
-    return Trainer(cfg)
+    return small_trainer(model, data, run_dir, "checkpoint.at_end=false", "trainer.max_steps=2", *extra)
 
 
 def _rows(run_dir) -> list[dict]:

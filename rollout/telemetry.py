@@ -13,12 +13,20 @@ phase (the perf key's name: `gen`, `train`, ...) the trainer logs `gpu/sm_clock_
 `gpu/power_capped_frac_<phase>`, `gpu/thermal_frac_<phase>` and `gpu/samples_<phase>`, reduced over ranks
 (means over all ranks' readings, the lowest clock, the hottest reading); once, `gpu/sm_clock_max_mhz` and
 `gpu/power_limit_w` (the lowest over ranks). A phase without a reading on any rank logs nothing.
+
+The host side of the same phases, read at each phase's start and end: `host/process_cores_<phase>`, this
+process's CPU seconds (every thread's, the in-process engine's too) over the phase's wall seconds, and
+`host/other_cores_<phase>`, the machine's busy CPU seconds (Linux's /proc/stat, every core) less this
+process's, over the same wall seconds: cores that other processes (other ranks on the node included) kept
+busy meanwhile. Means over ranks.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
@@ -49,10 +57,34 @@ def phase(key: str):
         return
     outer = t.open
     t.open = outer + (key,)  # one reference swapped: the sampler reads a whole tuple
+    start = host_clock()
     try:
         yield
     finally:
         t.open = outer
+        t.add_host(key, start, host_clock())
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat's first line less idle and
+    iowait); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) * _TICK_S
+
+
+def host_clock() -> tuple[float, float, float | None]:
+    """(wall, this process's CPU, the machine's busy CPU) seconds, for a phase's host readings."""
+    return time.monotonic(), time.process_time(), machine_busy_s()
 
 
 class GpuTelemetry:
@@ -68,6 +100,7 @@ class GpuTelemetry:
         self.owner = threading.get_ident()
         self._lock = threading.Lock()
         self._stats: dict[str, list[float]] = {}
+        self._host: dict[str, list[float]] = {}  # per phase: wall s, process CPU s, machine busy CPU s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first = True
@@ -112,17 +145,29 @@ class GpuTelemetry:
                 s[:len(_SUMS)] = [a + b for a, b in zip(s, row)]
                 s[-2], s[-1] = min(s[-2], clock), max(s[-1], temp)
 
+    def add_host(self, key: str, start: tuple, end: tuple) -> None:
+        """A phase's host readings, from `host_clock()` at its start and end (the machine's busy CPU counted as
+        this process's alone where /proc/stat is missing)."""
+        wall, cpu = end[0] - start[0], end[1] - start[1]
+        busy = end[2] - start[2] if start[2] is not None and end[2] is not None else cpu
+        s = self._host.setdefault(key, [0.0, 0.0, 0.0])
+        s[0], s[1], s[2] = s[0] + wall, s[1] + cpu, s[2] + busy
+
     def step_metrics(self, device) -> dict[str, float]:
         """The step's gpu/* metrics over all ranks (a collective: every rank calls it); starts the next step's."""
         with self._lock:
             stats, self._stats = self._stats, {}
+        host, self._host = self._host, {}
         n = len(self.phases)
-        sums = torch.zeros(n, len(_SUMS), dtype=torch.float64)
+        sums = torch.zeros(n, len(_SUMS) + 3, dtype=torch.float64)  # the readings' sums, then the host's cores
         highs = torch.full((2 * n + 2,), -float("inf"), dtype=torch.float64)  # -clock min, temp max, -once values
         for i, key in enumerate(self.phases):
             if key in stats:
-                sums[i] = torch.tensor(stats[key][:len(_SUMS)], dtype=torch.float64)
+                sums[i, :len(_SUMS)] = torch.tensor(stats[key][:len(_SUMS)], dtype=torch.float64)
                 highs[i], highs[n + i] = -stats[key][-2], stats[key][-1]
+            wall, cpu, busy = host.get(key, (0.0, 0.0, 0.0))
+            if wall > 0:  # this rank's cores for the phase, and 1 to count the ranks that had it
+                sums[i, len(_SUMS):] = torch.tensor([cpu / wall, max(busy - cpu, 0.0) / wall, 1.0], dtype=torch.float64)
         highs[-2:] = torch.tensor([-self.sm_clock_max_mhz, -self.power_limit_w], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             sums, highs = sums.to(device), highs.to(device)
@@ -134,10 +179,12 @@ class GpuTelemetry:
             out.update({"gpu/sm_clock_max_mhz": -highs[-2], "gpu/power_limit_w": -highs[-1]})
             self._first = False
         for i, key in enumerate(self.phases):
-            count, clock, power, throttled, capped, thermal = sums[i]
+            count, clock, power, throttled, capped, thermal, own, other, ranks = sums[i]
+            name = key.removeprefix("perf/").removesuffix("_s")
+            if ranks:
+                out.update({f"host/process_cores_{name}": own / ranks, f"host/other_cores_{name}": other / ranks})
             if not count:
                 continue
-            name = key.removeprefix("perf/").removesuffix("_s")
             out.update({f"gpu/sm_clock_mhz_mean_{name}": clock / count, f"gpu/sm_clock_mhz_min_{name}": -highs[i],
                         f"gpu/power_w_mean_{name}": power / count, f"gpu/temp_c_max_{name}": highs[n + i],
                         f"gpu/throttled_frac_{name}": throttled / count,

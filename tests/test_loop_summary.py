@@ -167,10 +167,14 @@ def test_summary_averages_the_gpu_telemetry_per_phase_where_logged():
         r.update({"gpu/sm_clock_mhz_mean_gen": clock, "gpu/sm_clock_mhz_min_gen": clock - 300,
                   "gpu/throttled_frac_gen": throttled, "gpu/power_w_mean_train": 690.0})
     del rows[4]["gpu/power_w_mean_train"]  # a phase without a reading that step
+    for r, other in zip(rows[2:], (0.5, 1.5, 2.5)):
+        r.update({"host/process_cores_gen": 1.0, "host/other_cores_gen": other})
     s = summarize(rows)
+    assert s["process_cores_gen"] == 1.0 and s["other_cores_gen"] == pytest.approx(1.5)
     assert s["sm_clock_mhz_mean_gen"] == pytest.approx(1700.0) and s["sm_clock_mhz_min_gen"] == pytest.approx(1400.0)
     assert s["throttled_frac_gen"] == pytest.approx(0.25) and s["power_w_mean_train"] == 690.0
     assert (s["sm_clock_max_mhz"], s["power_limit_w"]) == (1980.0, 700.0)
     assert "temp_c_max_gen" not in s  # not logged: left out
     off = summarize([_row(s, 10.0) for s in range(1, 6)])
-    assert not any(k.startswith(("sm_clock", "power_", "temp_c", "throttled")) for k in off)
+    assert not any(k.startswith(("sm_clock", "power_", "temp_c", "throttled", "process_cores", "other_cores"))
+                   for k in off)

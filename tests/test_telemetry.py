@@ -3,6 +3,7 @@ readings count for the perf phase `timed` has open, the trainer logs them per ph
 with the run, and the setting's auto/true/false mean what they say."""
 
 import json
+import os
 import sys
 import threading
 import time
@@ -85,6 +86,42 @@ def test_readings_count_for_the_phase_timed_has_open(monkeypatch, old_reason_nam
     assert sorted(second) == sorted(k for k in first if k.endswith("_train"))
     assert (second["gpu/sm_clock_mhz_mean_train"], second["gpu/power_w_mean_train"]) == (1500, 650)
     assert (second["gpu/power_capped_frac_train"], second["gpu/thermal_frac_train"]) == (1, 1)
+
+
+def test_a_phase_s_host_cores_come_from_its_start_and_end(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)
+    # (wall, this process's CPU, the machine's busy CPU) seconds at each phase's start and end
+    clocks = iter([(0.0, 0.0, 10.0), (2.0, 1.5, 14.0),  # gen: 0.75 cores here, 1.25 elsewhere
+                   (5.0, 2.0, 20.0), (6.0, 3.0, 21.0),  # train, twice in the step: summed
+                   (7.0, 3.0, 22.0), (8.0, 3.5, None)])  # no /proc/stat at the end: nothing elsewhere
+    monkeypatch.setattr(telemetry, "host_clock", lambda: next(clocks))
+    times = {}
+    with t:
+        with timed(times, "perf/gen_s"):
+            with timed(times, "perf/wake_s"):  # not a phase: no readings of its own
+                pass
+        for _ in range(2):
+            with timed(times, "perf/train_s"):
+                pass
+        m = t.step_metrics(torch.device("cpu"))
+        after = t.step_metrics(torch.device("cpu"))
+    assert m["host/process_cores_gen"] == pytest.approx(0.75) and m["host/other_cores_gen"] == pytest.approx(1.25)
+    assert m["host/process_cores_train"] == pytest.approx(1.5 / 2) and m["host/other_cores_train"] == pytest.approx(0)
+    assert not [k for k in m if k.startswith("host/") and k.endswith(("_logprob", "_wake"))]
+    assert not [k for k in after if k.startswith("host/")]  # the next step starts afresh
+
+
+def test_the_machine_s_busy_cpu_reads_proc_stat():
+    busy = telemetry.machine_busy_s()
+    if not os.path.exists("/proc/stat"):
+        assert busy is None
+        return
+    time.sleep(0.01)
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:  # keep a core busy
+        pass
+    assert telemetry.machine_busy_s() - busy >= 0.1
 
 
 def _timed_sleep(times: dict, key: str, seconds: float) -> None:
@@ -194,7 +231,10 @@ def test_the_trainer_logs_each_phase_s_readings(tiny_model, clevr_parquet, tmp_p
         train = [row[f"gpu/{k}_train"] for k in ("samples", "sm_clock_mhz_mean", "power_w_mean", "temp_c_max",
                                                    "throttled_frac")]
         assert gen == [2, 1200, 1200, 650, 60, 1, 1, 0] and train == [2, 1900, 700, 70, 0]
-        assert not [k for k in row if k.endswith(("_logprob", "_refit", "_score"))]  # no reading taken there
+        # no reading taken there: no gpu/* keys; the host's come from each phase's start and end
+        assert not [k for k in row if k.startswith("gpu/") and k.endswith(("_logprob", "_refit", "_score"))]
+        for phase in ("gen", "logprob", "train", "refit"):
+            assert row[f"host/process_cores_{phase}"] >= 0 and row[f"host/other_cores_{phase}"] >= 0
 
 
 def test_auto_on_a_cpu_logs_no_gpu_metrics_and_starts_no_thread(tiny_model, clevr_parquet, tmp_path, monkeypatch):

@@ -31,8 +31,9 @@ pieces of segments with live blocks) and `inactive_split_gb_generation` (those l
 Where the steps logged GPU telemetry (`trainer.gpu_telemetry`, rollout/telemetry.py) it adds, per phase (`gen`,
 `logprob`, `score`, `train`, `refit`), the mean over the steps that logged each of `sm_clock_mhz_mean_<phase>`,
 `sm_clock_mhz_min_<phase>`, `power_w_mean_<phase>`, `temp_c_max_<phase>`, `throttled_frac_<phase>`,
-`power_capped_frac_<phase>`, `thermal_frac_<phase>` and `samples_<phase>`, and the device's `sm_clock_max_mhz`
-and `power_limit_w` (from the first step, which logs them). With
+`power_capped_frac_<phase>`, `thermal_frac_<phase>` and `samples_<phase>`, the host's `process_cores_<phase>`
+and `other_cores_<phase>` (this process's CPU and other processes' per second of the phase), and the device's
+`sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
 `prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
@@ -92,6 +93,9 @@ GPU_PHASES = tuple(f"{m}_{p}" for p in ("gen", "logprob", "score", "train", "ref
     "sm_clock_mhz_mean", "sm_clock_mhz_min", "power_w_mean", "temp_c_max", "throttled_frac", "power_capped_frac",
     "thermal_frac", "samples"))
 GPU_ONCE = ("sm_clock_max_mhz", "power_limit_w")
+# the host's cores per phase, per step as host/<name> (rollout/telemetry.py, with the GPU telemetry)
+HOST_PHASES = tuple(f"{m}_{p}" for p in ("gen", "logprob", "score", "train", "refit")
+                    for m in ("process_cores", "other_cores"))
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -135,6 +139,7 @@ def summarize(rows: list[dict], from_step: int = 3) -> dict:
     out.update(gen_breakdown(steady))
     out.update(logged_means(steady, "memory", MEMORY_PHASES))
     out.update(logged_means(steady, "gpu", GPU_PHASES))
+    out.update(logged_means(steady, "host", HOST_PHASES))
     first = next((r for r in rows if r.get("step") == 1), None)
     if first:
         out["first_step_s"] = first["perf/step_s"]

@@ -740,6 +740,35 @@ def apply_liger_kernels(model_type: str, device_type: str, hint: bool = False) -
                            "on CPU")
     apply, kwargs = liger_patch(model_type, hint)
     apply(**kwargs)
+    if kwargs.get("rope"):
+        route_rotary_to_liger(model_type)
+
+
+# Rotary functions transformers 5.x's attention calls that liger's apply function (0.8.5) leaves alone, routed to
+# liger's kernels here: for Qwen2-VL and Qwen2.5-VL liger replaces `apply_multimodal_rotary_pos_emb`, which the
+# attention no longer calls (the rotary embedding merges the m-rope sections into cos/sin and the attention calls
+# the plain `apply_rotary_pos_emb`), and it leaves the vision tower's `apply_rotary_pos_emb_vision` (it routes
+# Qwen3-VL's). The 3B update's profile on the H200 (2026-12-03) showed both unfused: q * cos multiplies over
+# [1, 16, T, 128] in the decoder and over [4096, 16, 80] in the tower.
+LIGER_ROTARY = {
+    "qwen2_vl": "transformers.models.qwen2_vl.modeling_qwen2_vl",
+    "qwen2_5_vl": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+}
+
+
+def route_rotary_to_liger(model_type: str) -> None:
+    """Point the family's modeling module's rotary functions at liger's (see LIGER_ROTARY); the attention looks
+    them up in the module at each call."""
+    name = LIGER_ROTARY.get(model_type)
+    if name is None:
+        return
+    import importlib
+
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
+
+    module = importlib.import_module(name)
+    module.apply_rotary_pos_emb = liger_rotary_pos_emb
+    module.apply_rotary_pos_emb_vision = liger_rotary_pos_emb_vision
 
 
 def liger_patch(model_type: str, hint: bool = False) -> tuple[Callable[..., None], dict[str, bool]]:

@@ -271,3 +271,54 @@ def test_true_on_cpu_fails_building_the_policy(tiny_model, clevr_parquet, tmp_pa
     init_distributed()
     with pytest.raises(RuntimeError, match=r"model.liger_kernel=true needs CUDA .* set it to auto or false"):
         Trainer(_trainer_cfg(tiny_model, clevr_parquet, tmp_path / "run", ["model.liger_kernel=true"]))
+
+
+def test_qwen2_5_vl_s_rotary_calls_reach_liger_s_kernels(fake_liger, monkeypatch, tiny_model):
+    """liger's Qwen2.5-VL function replaces `apply_multimodal_rotary_pos_emb`, which transformers 5.x's attention no
+    longer calls; the policy routes the decoder's `apply_rotary_pos_emb` and the tower's `apply_rotary_pos_emb_vision`
+    to liger's kernels itself (stand-ins here that count their calls and compute transformers' own formula)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as modeling
+
+    from grpo.config import ModelConfig
+    from models.packing import pack
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import LIGER_ROTARY, build_policy
+    from tests.test_packing import mixed_batch
+
+    assert "qwen2_5_vl" in LIGER_ROTARY
+    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision", "apply_multimodal_rotary_pos_emb"):
+        if hasattr(modeling, name):
+            monkeypatch.setattr(modeling, name, getattr(modeling, name))  # put back after the test
+    plain, vision = modeling.apply_rotary_pos_emb, modeling.apply_rotary_pos_emb_vision
+    calls = {"decoder": 0, "vision": 0}
+
+    def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        calls["decoder"] += 1
+        return plain(q, k, cos, sin, unsqueeze_dim)
+
+    def rope_vision(q, k, cos, sin):
+        calls["vision"] += 1
+        return vision(q, k, cos, sin)
+
+    rope_module = types.ModuleType("liger_kernel.transformers.rope")
+    rope_module.liger_rotary_pos_emb, rope_module.liger_rotary_pos_emb_vision = rope, rope_vision
+    monkeypatch.setitem(sys.modules, rope_module.__name__, rope_module)
+    init_distributed()
+    dims = build_parallel_dims()
+    reference = build_policy(ModelConfig(path=str(tiny_model), dtype="float32", attn_implementation="sdpa"), dims)
+    batch = mixed_batch(reference.adapter)
+    packed = pack(batch, list(range(len(batch))))
+    with torch.no_grad():
+        want = reference.logprobs(packed)[0]  # transformers' own rotary functions
+    on_cuda = policy_module.apply_liger_kernels  # the whole function, as on a GPU
+    monkeypatch.setattr(policy_module, "apply_liger_kernels",
+                        lambda model_type, device_type, hint=False: on_cuda(model_type, "cuda", hint))
+    fused = build_policy(ModelConfig(path=str(tiny_model), dtype="float32", attn_implementation="sdpa",
+                                     liger_kernel="true"), dims)
+    assert modeling.apply_rotary_pos_emb is rope and modeling.apply_rotary_pos_emb_vision is rope_vision
+    assert calls == {"decoder": 0, "vision": 0}
+    with torch.no_grad():
+        got = fused.logprobs(packed)[0]
+    layers = len(list(fused.adapter.language_model(fused.model).layers))
+    assert calls["decoder"] == layers and calls["vision"] > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -38,7 +38,7 @@ from rollout.base import Generation, PromptInput, SamplingParams, timed
 from rollout.episode import Episode, episode_batch
 from rollout.colocation import (
     KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, fsdp_unit_sizes, kv_bytes_per_token,
-    state_bytes_per_sequence, tensor_bytes,
+    state_bytes_per_sequence, tensor_bytes, tensor_elements,
 )
 from rollout.exact import build_exact, prepare_process
 from rollout.factory import build_engine
@@ -218,7 +218,7 @@ class Trainer:
         engine_dtype = 2 if self.policy.dtype != torch.float32 else 4
         units = fsdp_unit_sizes(model)
         if self.dims.dp == 1:
-            compute_copy = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+            compute_copy = tensor_elements(model.parameters())
         else:
             compute_copy = 2 * max(n for n, _ in units)
         tp = cfg.rollout.tensor_parallel_size

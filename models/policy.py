@@ -762,8 +762,6 @@ def route_rotary_to_liger(model_type: str) -> None:
     name = LIGER_ROTARY.get(model_type)
     if name is None:
         return
-    import importlib
-
     from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
 
     module = importlib.import_module(name)
@@ -773,8 +771,8 @@ def route_rotary_to_liger(model_type: str) -> None:
 
 def liger_patch(model_type: str, hint: bool = False) -> tuple[Callable[..., None], dict[str, bool]]:
     """liger-kernel's apply function for this model type and the arguments to call it with: RMSNorm and the gated
-    MLP (SwiGLU, Gemma's GeGLU) fused, liger's losses off (the logprobs come from the chunked lm_head), the rotary embedding fused where the
-    function fuses it by default. With `hint`, a family whose rotary stays unfused gets one line saying so."""
+    MLP (SwiGLU, Gemma's GeGLU) fused, liger's losses off (the logprobs come from the chunked lm_head), the rotary
+    embedding fused where the function fuses it by default. With `hint`, a family whose rotary stays unfused gets one line saying so."""
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as err:

@@ -303,7 +303,7 @@ def fsdp_unit_sizes(model) -> list[tuple[int, int]]:
         if i is not None:
             sizes[i][0] += p.numel()
             sizes[i][1] += p.numel() if p.requires_grad else 0
-    return [(a, b) for a, b in sizes]
+    return [tuple(s) for s in sizes]
 
 
 def kv_heads(text: dict) -> int:
@@ -359,13 +359,18 @@ def state_bytes_per_sequence(config: dict, dtype_bytes: int, tensor_parallel_siz
     return layers * (conv + recurrent) * dtype_bytes // max(1, min(tensor_parallel_size, nk))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def tensor_bytes(tensors) -> int:
     """Local bytes of parameters or state tensors (a DTensor counts its local shard)."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def tensor_elements(tensors) -> int:
+    """Local elements of parameters or state tensors (a DTensor counts its local shard)."""
+    return sum(_local(t).numel() for t in tensors)
 
 
 # --- the device's peak ---------------------------------------------------------------------------

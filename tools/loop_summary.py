@@ -89,13 +89,13 @@ MEMORY_PHASES = tuple(f"{m}_{p}" for p in ("logprob", "update") for m in (
     "inactive_split_gb_generation",)
 # GPU telemetry per phase, per step as gpu/<name> (rollout/telemetry.py, where NVML answers): means over the steps
 # that logged each; GPU_ONCE from the first row that logged it
-GPU_PHASES = tuple(f"{m}_{p}" for p in ("gen", "logprob", "score", "train", "refit") for m in (
+TELEMETRY_PHASES = ("gen", "logprob", "score", "train", "refit")  # grpo/trainer.py STEP_PHASES' names
+GPU_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in (
     "sm_clock_mhz_mean", "sm_clock_mhz_min", "power_w_mean", "temp_c_max", "throttled_frac", "power_capped_frac",
     "thermal_frac", "samples"))
 GPU_ONCE = ("sm_clock_max_mhz", "power_limit_w")
 # the host's cores per phase, per step as host/<name> (rollout/telemetry.py, with the GPU telemetry)
-HOST_PHASES = tuple(f"{m}_{p}" for p in ("gen", "logprob", "score", "train", "refit")
-                    for m in ("process_cores", "other_cores"))
+HOST_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in ("process_cores", "other_cores"))
 
 
 def read_rows(path: Path) -> list[dict]:

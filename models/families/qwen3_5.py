@@ -49,6 +49,8 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 from models.attention import given_row, host_bounds, prebuilt_masks
 from models.families.qwen_vl import (
     _PREFIXES, QWEN2_5_EXTRA_TOKENS, QWEN3_PATCH_SIZE, Qwen3Images, Qwen3VLAdapter, _qwen_adapter,
@@ -94,6 +96,29 @@ def _fla_rule():
     return chunk_gated_delta_rule
 
 
+@cache
+def _fla_conv():
+    """flash-linear-attention's varlen causal convolution (Triton, activation fused), where installed."""
+    if importlib.util.find_spec("fla") is None:
+        return None
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d
+
+
+# fla wants int64 boundaries and, to skip a device sync in every call, a host copy; it memoizes its chunk
+# indices by the tensor's identity, so every layer of a row must pass the same objects
+_FLA_BOUNDS = WeakIdKeyDictionary()
+
+
+def fla_bounds(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row's boundaries as fla takes them: (int64 on the device, int64 on the host), one pair per `cu`."""
+    known = _FLA_BOUNDS.get(cu)
+    if known is None:
+        known = _FLA_BOUNDS[cu] = (cu.long(), torch.tensor(host_bounds(cu), dtype=torch.long))
+    return known
+
+
 def _torch_rule():
     """transformers' own torch chunked gated delta rule (unwrapped from its kernel dispatch)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
@@ -122,8 +147,9 @@ def _heads_as_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 def fla_delta_rule_packed(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:
     """`delta_rule_packed` through flash-linear-attention's varlen kernel (CUDA)."""
     q, k = _heads_as_values(q, k, v)
+    device_cu, host_cu = fla_bounds(cu)
     out, _ = _fla_rule()(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                         cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=True)
+                         cu_seqlens=device_cu, cu_seqlens_cpu=host_cu, use_qk_l2norm_in_kernel=True)
     return out
 
 
@@ -162,15 +188,12 @@ def packed_gated_deltanet(layer: nn.Module, hidden: torch.Tensor, cu: torch.Tens
     The projections, gates and norm are the layer's own, token by token; only the convolution and
     the recurrence see sequence boundaries.
     """
-    from transformers.activations import ACT2FN
-
     length = hidden.shape[1]
-    mixed = layer.in_proj_qkv(hidden)[0].transpose(0, 1)  # (C, L)
+    mixed = layer.in_proj_qkv(hidden)[0].transpose(0, 1)  # (C, L), a view
     z = layer.in_proj_z(hidden).reshape(1, length, -1, layer.head_v_dim)
     b, a = layer.in_proj_b(hidden), layer.in_proj_a(hidden)
-    conv = restarting_causal_conv(mixed, layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
-                                  _position_in_sequence(cu, length))
-    mixed = ACT2FN[layer.activation](conv).to(hidden.dtype).transpose(0, 1).unsqueeze(0)
+    mixed = packed_conv(mixed, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation, cu)
+    mixed = mixed.to(hidden.dtype).transpose(0, 1).unsqueeze(0)
     q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     q = q.reshape(1, length, -1, layer.head_k_dim)
     k = k.reshape(1, length, -1, layer.head_k_dim)
@@ -180,6 +203,22 @@ def packed_gated_deltanet(layer: nn.Module, hidden: torch.Tensor, cu: torch.Tens
     core = delta_rule_packed(q, k, v, g, beta, cu)
     core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core.reshape(1, length, -1))
+
+
+def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                cu: torch.Tensor) -> torch.Tensor:
+    """The layer's convolution and activation over a packed row, x (C, L) -> (C, L), restarting at each
+    sequence of `cu`: on CUDA through fla's varlen kernel (one pass, the activation fused) where fla is
+    installed and the activation is SiLU, else `restarting_causal_conv` and the activation in torch."""
+    from transformers.activations import ACT2FN
+
+    if x.is_cuda and activation in ("silu", "swish") and _fla_conv() is not None:
+        device_cu, host_cu = fla_bounds(cu)
+        out, _ = _fla_conv()(x.t().unsqueeze(0).to(weight.dtype), weight, bias, activation="silu",
+                             cu_seqlens=device_cu, cu_seqlens_cpu=host_cu)
+        return out[0].t()
+    length = x.shape[1]
+    return ACT2FN[activation](restarting_causal_conv(x, weight, bias, _position_in_sequence(cu, length)))
 
 
 def _routed_forward(layer: nn.Module, original):

@@ -20,7 +20,8 @@ if importlib.util.find_spec("fla") is None:
 
 from models import fla_guard  # noqa: E402
 from models.families.qwen3_5 import (  # noqa: E402
-    _heads_as_values, _torch_rule, fla_delta_rule_packed, torch_delta_rule_packed)
+    _heads_as_values, _position_in_sequence, _torch_rule, fla_delta_rule_packed, packed_conv,
+    restarting_causal_conv, torch_delta_rule_packed)
 
 SHAPE_4B = fla_guard.RuleShape(k_heads=16, v_heads=32, k_dim=128, v_dim=128, dtype=torch.bfloat16)
 
@@ -83,3 +84,36 @@ def test_block_64_is_refused_where_fla_guards(plan):
     index = torch.cuda.current_device()
     with pytest.raises(fla_guard.DeltaRuleBackwardError, match="a block of 64.*Triton to >= 3.7.1"):
         fla_guard.plan_route(fla_guard.read_flags(), 64, fla_guard._hopper_tiling(index), False, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_convolution_equals_the_restarting_one(dtype):
+    """The packed row's convolution and SiLU through fla's varlen kernel against the torch path (which a CPU
+    test checks against each sequence alone): output and the gradients of input, weight and bias, at
+    Qwen3.5-4B's 8,192 channels and width 4, with a 1-token sequence among others."""
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(0)
+    device, lengths = _device(), (37, 5, 190, 64, 1, 300)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    channels, width = 8192, 4
+    x = torch.randn(sum(lengths), channels, device=device, dtype=dtype).t().requires_grad_()  # (C, L) view
+    weight = (torch.randn(channels, width, device=device, dtype=dtype) / 2).requires_grad_()
+    bias = (torch.randn(channels, device=device, dtype=dtype) / 10).requires_grad_()
+    grad = torch.randn(channels, sum(lengths), device=device, dtype=dtype)
+
+    def run(fn):
+        for t in (x, weight, bias):
+            t.grad = None
+        out = fn()
+        out.backward(grad)
+        return [out.detach().float()] + [t.grad.float() for t in (x, weight, bias)]
+
+    ours = run(lambda: packed_conv(x, weight, bias, "silu", cu))
+    ref = run(lambda: ACT2FN["silu"](restarting_causal_conv(x, weight, bias,
+                                                            _position_in_sequence(cu, x.shape[1]))))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(("out", "dx", "dweight", "dbias"), ours, ref):
+        error = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+        print(f"\nconvolution {dtype} {name}: relative error {error:.2e}", flush=True)
+        assert error <= tol, (name, error)

@@ -106,6 +106,16 @@ def _fla_conv():
     return causal_conv1d
 
 
+@cache
+def _fla_gated_norm():
+    """flash-linear-attention's fused gated RMSNorm (Triton, one kernel each way), where installed."""
+    if importlib.util.find_spec("fla") is None:
+        return None
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated
+
+
 # fla wants int64 boundaries and, to skip a device sync in every call, a host copy; it memoizes its chunk
 # indices by the tensor's identity, so every layer of a row must pass the same objects
 _FLA_BOUNDS = WeakIdKeyDictionary()
@@ -201,7 +211,7 @@ def packed_gated_deltanet(layer: nn.Module, hidden: torch.Tensor, cu: torch.Tens
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # fp32, as the layer has it
     core = delta_rule_packed(q, k, v, g, beta, cu)
-    core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    core = gated_norm(layer.norm, core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core.reshape(1, length, -1))
 
 
@@ -219,6 +229,16 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out[0].t()
     length = x.shape[1]
     return ACT2FN[activation](restarting_causal_conv(x, weight, bias, _position_in_sequence(cu, length)))
+
+
+def gated_norm(norm: nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The layer's gated RMSNorm (`Qwen3_5RMSNormGated`: RMSNorm, weight, then SiLU of the gate), on CUDA as
+    one fla kernel each way where fla is installed, else the module itself (about ten kernels each way in
+    torch). fla rounds once, at the end, where transformers rounds the normed input before the weight;
+    vLLM's Triton gated norm also rounds once."""
+    if x.is_cuda and getattr(norm, "activation", "silu") in ("silu", "swish") and _fla_gated_norm() is not None:
+        return _fla_gated_norm()(x, gate, norm.weight, None, activation="swish", eps=norm.variance_epsilon)
+    return norm(x, gate)
 
 
 def _routed_forward(layer: nn.Module, original):

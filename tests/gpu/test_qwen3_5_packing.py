@@ -20,7 +20,7 @@ if importlib.util.find_spec("fla") is None:
 
 from models import fla_guard  # noqa: E402
 from models.families.qwen3_5 import (  # noqa: E402
-    _heads_as_values, _position_in_sequence, _torch_rule, fla_delta_rule_packed, packed_conv,
+    _heads_as_values, _position_in_sequence, _torch_rule, fla_delta_rule_packed, gated_norm, packed_conv,
     restarting_causal_conv, torch_delta_rule_packed)
 
 SHAPE_4B = fla_guard.RuleShape(k_heads=16, v_heads=32, k_dim=128, v_dim=128, dtype=torch.bfloat16)
@@ -117,3 +117,37 @@ def test_fla_convolution_equals_the_restarting_one(dtype):
         error = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
         print(f"\nconvolution {dtype} {name}: relative error {error:.2e}", flush=True)
         assert error <= tol, (name, error)
+
+
+def _relative_errors(ours, ref, names):
+    return {name: ((a - b).norm() / b.norm().clamp_min(1e-12)).item() for name, a, b in zip(names, ours, ref)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_gated_norm_equals_the_layers_own(dtype):
+    """The Gated DeltaNet's gated RMSNorm through fla's fused kernel against transformers' module: output and
+    the gradients of input, gate and weight, at Qwen3.5-4B's 32 value heads of 128 over 3,000 tokens."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    torch.manual_seed(0)
+    device = _device()
+    norm = Qwen3_5RMSNormGated(128, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn_like(norm.weight) / 4)
+    x = torch.randn(3000 * 32, 128, device=device, dtype=dtype, requires_grad=True)
+    gate = torch.randn(3000 * 32, 128, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(3000 * 32, 128, device=device, dtype=dtype)
+
+    def run(fn):
+        for t in (x, gate, norm.weight):
+            t.grad = None
+        out = fn()
+        assert out.dtype == dtype
+        out.backward(grad)
+        return [out.detach().float()] + [t.grad.float() for t in (x, gate, norm.weight)]
+
+    errors = _relative_errors(run(lambda: gated_norm(norm, x, gate)), run(lambda: norm(x, gate)),
+                              ("out", "dx", "dgate", "dweight"))
+    print(f"\ngated norm {dtype}: relative errors {errors}", flush=True)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert all(e <= tol for e in errors.values()), errors

@@ -10,7 +10,11 @@ times on the thread that started the sampler (generation, logprobs, scoring, upd
 phase (the perf key's name: `gen`, `train`, ...) the trainer logs `gpu/sm_clock_mhz_mean_<phase>`,
 `gpu/sm_clock_mhz_min_<phase>`, `gpu/power_w_mean_<phase>`, `gpu/temp_c_max_<phase>`,
 `gpu/throttled_frac_<phase>` (the share of readings with any of THROTTLE's reasons),
-`gpu/power_capped_frac_<phase>`, `gpu/thermal_frac_<phase>` and `gpu/samples_<phase>`, reduced over ranks
+`gpu/power_capped_frac_<phase>`, `gpu/thermal_frac_<phase>`, `gpu/util_pct_mean_<phase>` and
+`gpu/mem_util_pct_mean_<phase>` (NVML's utilization, the percent of its last sample period, 1/6 s to 1 s, in
+which a kernel ran and in which device memory was read or written: a host-bound phase leaves gaps between
+kernels where a phase of slower kernels does not; absent where NVML does not report it) and
+`gpu/samples_<phase>`, reduced over ranks
 (means over all ranks' readings, the lowest clock, the hottest reading); once, `gpu/sm_clock_max_mhz` and
 `gpu/power_limit_w` (the lowest over ranks). A phase without a reading on any rank logs nothing.
 
@@ -42,8 +46,9 @@ HW_THERMAL = 0x40
 HW_POWER_BRAKE = 0x80  # an external power brake (the system's power supply)
 THROTTLE = SW_POWER_CAP | HW_SLOWDOWN | SW_THERMAL | HW_THERMAL | HW_POWER_BRAKE
 THERMAL = SW_THERMAL | HW_THERMAL
-# per phase, summed over readings and ranks: readings, clock MHz, power W, throttled, power-capped, thermal
-_SUMS = ("samples", "clock", "power", "throttled", "power_capped", "thermal")
+# per phase, summed over readings and ranks: readings, clock MHz, power W, throttled, power-capped, thermal, and
+# NVML's utilization: the percent of its last sample period a kernel ran, and the device memory was read or written
+_SUMS = ("samples", "clock", "power", "throttled", "power_capped", "thermal", "util", "mem_util")
 _active: GpuTelemetry | None = None  # the started sampler, whose phases `phase` marks
 
 
@@ -96,6 +101,11 @@ class GpuTelemetry:
         self.power_limit_w = nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
         self._reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
             nvml.nvmlDeviceGetCurrentClocksThrottleReasons  # the name before NVML 12.2
+        try:  # NVML answers "not supported" for utilization on some devices (MIG instances): the rest still reads
+            nvml.nvmlDeviceGetUtilizationRates(handle)
+            self.has_util = True
+        except Exception:
+            self.has_util = False
         self.open: tuple[str, ...] = ()
         self.owner = threading.get_ident()
         self._lock = threading.Lock()
@@ -137,8 +147,9 @@ class GpuTelemetry:
         power = nvml.nvmlDeviceGetPowerUsage(h) / 1000.0
         temp = float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))
         reasons = int(self._reasons(h))
+        util = nvml.nvmlDeviceGetUtilizationRates(h) if self.has_util else None
         row = (1.0, clock, power, float(bool(reasons & THROTTLE)), float(bool(reasons & SW_POWER_CAP)),
-               float(bool(reasons & THERMAL)))
+               float(bool(reasons & THERMAL)), float(util.gpu) if util else 0.0, float(util.memory) if util else 0.0)
         with self._lock:
             for key in open_now:
                 s = self._stats.setdefault(key, [0.0] * len(_SUMS) + [clock, temp])
@@ -179,7 +190,7 @@ class GpuTelemetry:
             out.update({"gpu/sm_clock_max_mhz": -highs[-2], "gpu/power_limit_w": -highs[-1]})
             self._first = False
         for i, key in enumerate(self.phases):
-            count, clock, power, throttled, capped, thermal, own, other, ranks = sums[i]
+            count, clock, power, throttled, capped, thermal, util, mem_util, own, other, ranks = sums[i]
             name = key.removeprefix("perf/").removesuffix("_s")
             if ranks:
                 out.update({f"host/process_cores_{name}": own / ranks, f"host/other_cores_{name}": other / ranks})
@@ -190,6 +201,8 @@ class GpuTelemetry:
                         f"gpu/throttled_frac_{name}": throttled / count,
                         f"gpu/power_capped_frac_{name}": capped / count, f"gpu/thermal_frac_{name}": thermal / count,
                         f"gpu/samples_{name}": count})
+            if self.has_util:
+                out.update({f"gpu/util_pct_mean_{name}": util / count, f"gpu/mem_util_pct_mean_{name}": mem_util / count})
         return out
 
 

@@ -26,6 +26,7 @@ def fake_nvml(old_reason_name: bool = False) -> types.ModuleType:
     nvml = types.ModuleType("pynvml")
     nvml.NVML_CLOCK_SM, nvml.NVML_TEMPERATURE_GPU = 1, 0
     nvml.reading = (1980, 500_000, 50, 0)
+    nvml.util = (100, 40)  # NVML's utilization: kernels running, memory busy (percent)
     nvml.lookups = []
     nvml.nvmlInit = lambda: None
     nvml.nvmlDeviceGetHandleByIndex = lambda i: nvml.lookups.append(("index", i)) or "handle"
@@ -34,6 +35,7 @@ def fake_nvml(old_reason_name: bool = False) -> types.ModuleType:
     nvml.nvmlDeviceGetClockInfo = lambda h, clock: nvml.reading[0]
     nvml.nvmlDeviceGetPowerUsage = lambda h: nvml.reading[1]
     nvml.nvmlDeviceGetTemperature = lambda h, sensor: nvml.reading[2]
+    nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=nvml.util[0], memory=nvml.util[1])
     reasons = lambda h: nvml.reading[3]  # noqa: E731
     if old_reason_name:  # the name before NVML 12.2
         nvml.nvmlDeviceGetCurrentClocksThrottleReasons = reasons
@@ -56,11 +58,11 @@ def test_readings_count_for_the_phase_timed_has_open(monkeypatch, old_reason_nam
         assert _threads() == ["gpu-telemetry"]
         t.sample()  # no phase open: counted nowhere
         with timed(times, "perf/gen_s"):
-            for reading in [(1410, 400_000, 55, 0), (1200, 690_000, 61, SW_POWER_CAP)]:
-                nvml.reading = reading
+            for reading, util in [((1410, 400_000, 55, 0), (90, 30)), ((1200, 690_000, 61, SW_POWER_CAP), (60, 12))]:
+                nvml.reading, nvml.util = reading, util
                 t.sample()
             with timed(times, "perf/wake_s"):  # not a phase: still generation's
-                nvml.reading = (1000, 300_000, 58, HW_THERMAL)
+                nvml.reading, nvml.util = (1000, 300_000, 58, HW_THERMAL), (30, 3)
                 t.sample()
         with timed(times, "perf/train_s"):
             nvml.reading = (1980, 700_000, 70, 0)
@@ -79,6 +81,9 @@ def test_readings_count_for_the_phase_timed_has_open(monkeypatch, old_reason_nam
     assert first["gpu/throttled_frac_gen"] == pytest.approx(2 / 3)
     assert first["gpu/power_capped_frac_gen"] == pytest.approx(1 / 3)
     assert first["gpu/thermal_frac_gen"] == pytest.approx(1 / 3)
+    assert first["gpu/util_pct_mean_gen"] == pytest.approx((90 + 60 + 30) / 3)
+    assert first["gpu/mem_util_pct_mean_gen"] == pytest.approx((30 + 12 + 3) / 3)
+    assert (first["gpu/util_pct_mean_train"], first["gpu/mem_util_pct_mean_train"]) == (30, 3)
     assert (first["gpu/samples_train"], first["gpu/sm_clock_mhz_mean_train"], first["gpu/throttled_frac_train"]) \
         == (1, 1980, 0)
     assert not [k for k in first if k.endswith(("_logprob", "_wake"))]  # no reading there: nothing logged
@@ -143,6 +148,25 @@ def test_the_thread_reads_while_a_phase_is_open_and_ends_with_the_block(monkeypa
             raise KeyError("stop")
     assert _threads() == []
     assert m["gpu/samples_gen"] >= 5 and m["gpu/sm_clock_mhz_mean_gen"] == 1980 and "gpu/samples_train" not in m
+
+
+def test_a_device_without_utilization_still_logs_the_rest(monkeypatch):
+    """NVML answers "not supported" for utilization on some devices (MIG instances): the clocks and the rest are
+    still read and logged, the utilization keys left out."""
+    nvml = fake_nvml()
+
+    def unsupported(h):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    nvml.nvmlDeviceGetUtilizationRates = unsupported
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)
+    with t:
+        with timed({}, "perf/train_s"):
+            t.sample()
+        row = t.step_metrics(torch.device("cpu"))
+    assert (row["gpu/samples_train"], row["gpu/sm_clock_mhz_mean_train"]) == (1, 1980)
+    assert not [k for k in row if "util" in k]
 
 
 def test_auto_is_off_without_cuda_or_pynvml_and_true_names_what_is_missing(monkeypatch):
@@ -261,6 +285,7 @@ nvmlDeviceGetClockInfo = lambda h, clock: 1000 + 500 * RANK
 nvmlDeviceGetPowerUsage = lambda h: 600_000
 nvmlDeviceGetTemperature = lambda h, sensor: 50 + 20 * RANK
 nvmlDeviceGetCurrentClocksEventReasons = lambda h: 0x4 * RANK
+nvmlDeviceGetUtilizationRates = lambda h: type("Utilization", (), {"gpu": 80 - 40 * RANK, "memory": 20 + 40 * RANK})
 '''
 
 
@@ -284,3 +309,4 @@ def test_two_ranks_reduce_their_readings(tiny_model, clevr_parquet, tmp_path):
         assert row["gpu/sm_clock_mhz_min_gen"] == 1000 and row["gpu/temp_c_max_gen"] == 70
         assert 1000 < row["gpu/sm_clock_mhz_mean_gen"] < 1500 and 0 < row["gpu/power_capped_frac_gen"] < 1
         assert row["gpu/power_w_mean_gen"] == 600 and row["gpu/thermal_frac_gen"] == 0
+        assert 40 < row["gpu/util_pct_mean_gen"] < 80 and 20 < row["gpu/mem_util_pct_mean_gen"] < 60

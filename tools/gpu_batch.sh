@@ -65,6 +65,9 @@ run)
   mkdir -p "$OUT"
   python3 -c "import torch; f, t = torch.cuda.mem_get_info(); print('device_gb %.2f %s' % (t / 2**30, torch.cuda.get_device_name()))" \
     | tee "$OUT/device.txt"
+  # the host too: machines of one GPU kind differ by up to 2x in generation at the same GPU clocks
+  echo "host $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, $(grep -m1 'cpu MHz' /proc/cpuinfo | cut -d: -f2 | xargs) MHz" \
+    | tee -a "$OUT/device.txt"
   for job in "$@"; do
     IFS=: read -r name stage vars <<< "$job"
     left=$(( BUDGET_S - (SECONDS - T0) ))

@@ -31,7 +31,8 @@ pieces of segments with live blocks) and `inactive_split_gb_generation` (those l
 Where the steps logged GPU telemetry (`trainer.gpu_telemetry`, rollout/telemetry.py) it adds, per phase (`gen`,
 `logprob`, `score`, `train`, `refit`), the mean over the steps that logged each of `sm_clock_mhz_mean_<phase>`,
 `sm_clock_mhz_min_<phase>`, `power_w_mean_<phase>`, `temp_c_max_<phase>`, `throttled_frac_<phase>`,
-`power_capped_frac_<phase>`, `thermal_frac_<phase>` and `samples_<phase>`, the host's `process_cores_<phase>`
+`power_capped_frac_<phase>`, `thermal_frac_<phase>`, `util_pct_mean_<phase>`, `mem_util_pct_mean_<phase>`
+and `samples_<phase>`, the host's `process_cores_<phase>`
 and `other_cores_<phase>` (this process's CPU and other processes' per second of the phase), and the device's
 `sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
@@ -92,7 +93,7 @@ MEMORY_PHASES = tuple(f"{m}_{p}" for p in ("logprob", "update") for m in (
 TELEMETRY_PHASES = ("gen", "logprob", "score", "train", "refit")  # grpo/trainer.py STEP_PHASES' names
 GPU_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in (
     "sm_clock_mhz_mean", "sm_clock_mhz_min", "power_w_mean", "temp_c_max", "throttled_frac", "power_capped_frac",
-    "thermal_frac", "samples"))
+    "thermal_frac", "util_pct_mean", "mem_util_pct_mean", "samples"))
 GPU_ONCE = ("sm_clock_max_mhz", "power_limit_w")
 # the host's cores per phase, per step as host/<name> (rollout/telemetry.py, with the GPU telemetry)
 HOST_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in ("process_cores", "other_cores"))

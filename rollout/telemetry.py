@@ -22,7 +22,9 @@ The host side of the same phases, read at each phase's start and end: `host/proc
 process's CPU seconds (every thread's, the in-process engine's too) over the phase's wall seconds, and
 `host/other_cores_<phase>`, the machine's busy CPU seconds (Linux's /proc/stat, every core) less this
 process's, over the same wall seconds: cores that other processes (other ranks on the node included) kept
-busy meanwhile. Means over ranks.
+busy meanwhile; and `host/main_thread_cores_<phase>`, the CPU seconds of the thread that times the phases (the
+trainer's, which also drives the in-process engine) over the same wall seconds: the process's cores beyond it
+are its other threads' (OpenMP's workers, spinning after a CPU op, among them). Means over ranks.
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ def machine_busy_s() -> float | None:
     return (sum(ticks) - ticks[3] - ticks[4]) * _TICK_S
 
 
-def host_clock() -> tuple[float, float, float | None]:
-    """(wall, this process's CPU, the machine's busy CPU) seconds, for a phase's host readings."""
-    return time.monotonic(), time.process_time(), machine_busy_s()
+def host_clock() -> tuple[float, float, float | None, float]:
+    """(wall, this process's CPU, the machine's busy CPU, this thread's CPU) seconds, for a phase's host readings."""
+    return time.monotonic(), time.process_time(), machine_busy_s(), time.thread_time()
 
 
 class GpuTelemetry:
@@ -110,7 +112,7 @@ class GpuTelemetry:
         self.owner = threading.get_ident()
         self._lock = threading.Lock()
         self._stats: dict[str, list[float]] = {}
-        self._host: dict[str, list[float]] = {}  # per phase: wall s, process CPU s, machine busy CPU s
+        self._host: dict[str, list[float]] = {}  # per phase: wall s, process CPU s, machine busy CPU s, thread CPU s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first = True
@@ -159,10 +161,10 @@ class GpuTelemetry:
     def add_host(self, key: str, start: tuple, end: tuple) -> None:
         """A phase's host readings, from `host_clock()` at its start and end (the machine's busy CPU counted as
         this process's alone where /proc/stat is missing)."""
-        wall, cpu = end[0] - start[0], end[1] - start[1]
+        wall, cpu, thread = end[0] - start[0], end[1] - start[1], end[3] - start[3]
         busy = end[2] - start[2] if start[2] is not None and end[2] is not None else cpu
-        s = self._host.setdefault(key, [0.0, 0.0, 0.0])
-        s[0], s[1], s[2] = s[0] + wall, s[1] + cpu, s[2] + busy
+        s = self._host.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+        s[0], s[1], s[2], s[3] = s[0] + wall, s[1] + cpu, s[2] + busy, s[3] + thread
 
     def step_metrics(self, device) -> dict[str, float]:
         """The step's gpu/* metrics over all ranks (a collective: every rank calls it); starts the next step's."""
@@ -170,15 +172,16 @@ class GpuTelemetry:
             stats, self._stats = self._stats, {}
         host, self._host = self._host, {}
         n = len(self.phases)
-        sums = torch.zeros(n, len(_SUMS) + 3, dtype=torch.float64)  # the readings' sums, then the host's cores
+        sums = torch.zeros(n, len(_SUMS) + 4, dtype=torch.float64)  # the readings' sums, then the host's cores
         highs = torch.full((2 * n + 2,), -float("inf"), dtype=torch.float64)  # -clock min, temp max, -once values
         for i, key in enumerate(self.phases):
             if key in stats:
                 sums[i, :len(_SUMS)] = torch.tensor(stats[key][:len(_SUMS)], dtype=torch.float64)
                 highs[i], highs[n + i] = -stats[key][-2], stats[key][-1]
-            wall, cpu, busy = host.get(key, (0.0, 0.0, 0.0))
+            wall, cpu, busy, thread = host.get(key, (0.0, 0.0, 0.0, 0.0))
             if wall > 0:  # this rank's cores for the phase, and 1 to count the ranks that had it
-                sums[i, len(_SUMS):] = torch.tensor([cpu / wall, max(busy - cpu, 0.0) / wall, 1.0], dtype=torch.float64)
+                sums[i, len(_SUMS):] = torch.tensor([cpu / wall, max(busy - cpu, 0.0) / wall, thread / wall, 1.0],
+                                                    dtype=torch.float64)
         highs[-2:] = torch.tensor([-self.sm_clock_max_mhz, -self.power_limit_w], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             sums, highs = sums.to(device), highs.to(device)
@@ -190,10 +193,11 @@ class GpuTelemetry:
             out.update({"gpu/sm_clock_max_mhz": -highs[-2], "gpu/power_limit_w": -highs[-1]})
             self._first = False
         for i, key in enumerate(self.phases):
-            count, clock, power, throttled, capped, thermal, util, mem_util, own, other, ranks = sums[i]
+            count, clock, power, throttled, capped, thermal, util, mem_util, own, other, main, ranks = sums[i]
             name = key.removeprefix("perf/").removesuffix("_s")
             if ranks:
-                out.update({f"host/process_cores_{name}": own / ranks, f"host/other_cores_{name}": other / ranks})
+                out.update({f"host/process_cores_{name}": own / ranks, f"host/other_cores_{name}": other / ranks,
+                            f"host/main_thread_cores_{name}": main / ranks})
             if not count:
                 continue
             out.update({f"gpu/sm_clock_mhz_mean_{name}": clock / count, f"gpu/sm_clock_mhz_min_{name}": -highs[i],

@@ -96,10 +96,10 @@ def test_readings_count_for_the_phase_timed_has_open(monkeypatch, old_reason_nam
 def test_a_phase_s_host_cores_come_from_its_start_and_end(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
     t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)
-    # (wall, this process's CPU, the machine's busy CPU) seconds at each phase's start and end
-    clocks = iter([(0.0, 0.0, 10.0), (2.0, 1.5, 14.0),  # gen: 0.75 cores here, 1.25 elsewhere
-                   (5.0, 2.0, 20.0), (6.0, 3.0, 21.0),  # train, twice in the step: summed
-                   (7.0, 3.0, 22.0), (8.0, 3.5, None)])  # no /proc/stat at the end: nothing elsewhere
+    # (wall, this process's CPU, the machine's busy CPU, this thread's CPU) seconds at each phase's start and end
+    clocks = iter([(0.0, 0.0, 10.0, 0.0), (2.0, 1.5, 14.0, 1.0),  # gen: 0.75 cores here (0.5 this thread's), 1.25 elsewhere
+                   (5.0, 2.0, 20.0, 1.2), (6.0, 3.0, 21.0, 2.0),  # train, twice in the step: summed
+                   (7.0, 3.0, 22.0, 2.0), (8.0, 3.5, None, 2.4)])  # no /proc/stat at the end: nothing elsewhere
     monkeypatch.setattr(telemetry, "host_clock", lambda: next(clocks))
     times = {}
     with t:
@@ -113,6 +113,8 @@ def test_a_phase_s_host_cores_come_from_its_start_and_end(monkeypatch):
         after = t.step_metrics(torch.device("cpu"))
     assert m["host/process_cores_gen"] == pytest.approx(0.75) and m["host/other_cores_gen"] == pytest.approx(1.25)
     assert m["host/process_cores_train"] == pytest.approx(1.5 / 2) and m["host/other_cores_train"] == pytest.approx(0)
+    assert m["host/main_thread_cores_gen"] == pytest.approx(0.5)
+    assert m["host/main_thread_cores_train"] == pytest.approx((0.8 + 0.4) / 2)
     assert not [k for k in m if k.startswith("host/") and k.endswith(("_logprob", "_wake"))]
     assert not [k for k in after if k.startswith("host/")]  # the next step starts afresh
 

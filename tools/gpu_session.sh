@@ -82,9 +82,10 @@ recipe_loop() {
   $PY tools/loop_summary.py "$OUT/${name}_metrics.jsonl" --config "$OUT/${name}_config.yaml" | tee "$OUT/${name}_summary.json"
   # the steady steps' clocks and host per phase in one line (trainer.gpu_telemetry), where they were logged
   $PY -c "import json, sys; s = json.load(open(sys.argv[1])); print('telemetry (max %s MHz): ' % s.get('sm_clock_max_mhz') + '; '.join(
-    '%s clock %.0f/%.0f MHz throttled %.2f (power %.2f, thermal %.2f) busy %.0f%% memory %.0f%% cores here %.2f elsewhere %.2f' % (
-    (p,) + tuple(s.get(k + '_' + p, float('nan')) for k in ('sm_clock_mhz_mean', 'sm_clock_mhz_min', 'throttled_frac',
-    'power_capped_frac', 'thermal_frac', 'util_pct_mean', 'mem_util_pct_mean', 'process_cores', 'other_cores')))
+    '%s clock %.0f/%.0f MHz throttled %.2f (power %.2f, thermal %.2f) busy %.0f%% memory %.0f%% cores here %.2f '
+    '(main thread %.2f) elsewhere %.2f' % ((p,) + tuple(s.get(k + '_' + p, float('nan')) for k in ('sm_clock_mhz_mean',
+    'sm_clock_mhz_min', 'throttled_frac', 'power_capped_frac', 'thermal_frac', 'util_pct_mean', 'mem_util_pct_mean',
+    'process_cores', 'main_thread_cores', 'other_cores')))
     for p in ('gen', 'logprob', 'train')))" "$OUT/${name}_summary.json" 2>/dev/null
 }
 # One line from a bench.py --phases train JSON: update_summary FILE

@@ -33,7 +33,8 @@ Where the steps logged GPU telemetry (`trainer.gpu_telemetry`, rollout/telemetry
 `sm_clock_mhz_min_<phase>`, `power_w_mean_<phase>`, `temp_c_max_<phase>`, `throttled_frac_<phase>`,
 `power_capped_frac_<phase>`, `thermal_frac_<phase>`, `util_pct_mean_<phase>`, `mem_util_pct_mean_<phase>`
 and `samples_<phase>`, the host's `process_cores_<phase>`
-and `other_cores_<phase>` (this process's CPU and other processes' per second of the phase), and the device's
+`other_cores_<phase>` and `main_thread_cores_<phase>` (this process's CPU, other processes' and the trainer
+thread's per second of the phase), and the device's
 `sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
@@ -96,7 +97,8 @@ GPU_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in (
     "thermal_frac", "util_pct_mean", "mem_util_pct_mean", "samples"))
 GPU_ONCE = ("sm_clock_max_mhz", "power_limit_w")
 # the host's cores per phase, per step as host/<name> (rollout/telemetry.py, with the GPU telemetry)
-HOST_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in ("process_cores", "other_cores"))
+HOST_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in ("process_cores", "other_cores",
+                                                                    "main_thread_cores"))
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -60,6 +60,8 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     for key in REQUIRED:
         assert key in result, key
     assert result["train_tokens_per_s"] > 0 and result["gen_tokens"] == 4 * 4 * 8
+    # generation: a warm-up call on the very requests, then three timed calls, the median reported
+    assert len(result["gen_s_all"]) == 3 and result["gen_s"] == sorted(result["gen_s_all"])[1]
     assert 0 <= result["padding_waste"] < 1 and 0 <= result["overhead_frac"] < 1
     assert result["achieved_tflops_total"] > result["achieved_tflops_llm"] > 0
     assert result["grpo_token_mult_prob_error"] <= 1.0001

@@ -236,8 +236,10 @@ def gated_norm(norm: nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Te
     one fla kernel each way where fla is installed, else the module itself (about ten kernels each way in
     torch). fla rounds once, at the end, where transformers rounds the normed input before the weight;
     vLLM's Triton gated norm also rounds once."""
-    if x.is_cuda and getattr(norm, "activation", "silu") in ("silu", "swish") and _fla_gated_norm() is not None:
-        return _fla_gated_norm()(x, gate, norm.weight, None, activation="swish", eps=norm.variance_epsilon)
+    eps = getattr(norm, "variance_epsilon", None)  # transformers' module; anything else (fla's own) runs as it is
+    if (x.is_cuda and eps is not None and getattr(norm, "activation", "silu") in ("silu", "swish")
+            and _fla_gated_norm() is not None):
+        return _fla_gated_norm()(x, gate, norm.weight, None, activation="swish", eps=eps)
     return norm(x, gate)
 
 

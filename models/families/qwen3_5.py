@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-
 from torch.utils.weak import WeakIdKeyDictionary
 
 from models.attention import given_row, host_bounds, prebuilt_masks

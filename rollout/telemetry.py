@@ -151,7 +151,8 @@ class GpuTelemetry:
         reasons = int(self._reasons(h))
         util = nvml.nvmlDeviceGetUtilizationRates(h) if self.has_util else None
         row = (1.0, clock, power, float(bool(reasons & THROTTLE)), float(bool(reasons & SW_POWER_CAP)),
-               float(bool(reasons & THERMAL)), float(util.gpu) if util else 0.0, float(util.memory) if util else 0.0)
+               float(bool(reasons & THERMAL)), float(util.gpu) if util is not None else 0.0,
+               float(util.memory) if util is not None else 0.0)
         with self._lock:
             for key in open_now:
                 s = self._stats.setdefault(key, [0.0] * len(_SUMS) + [clock, temp])

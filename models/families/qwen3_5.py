@@ -13,10 +13,11 @@ the convolution window and the recurrent state must restart at every sequence bo
 transformers' own torch path carries both across (its `cu_seqlens` argument is honoured only by
 the flash-linear-attention kernels, and its torch fallback refuses it). The policy therefore
 routes each Gated DeltaNet layer through `packed_gated_deltanet` inside a packed row
-(`models.attention.packed_row` gives the boundaries): the convolution is masked at boundaries,
-and the delta rule runs on CUDA through flash-linear-attention's varlen kernel when the `fla`
-package imports, else through transformers' torch chunked rule on the row's sequences as one
-right-padded batch (exact: the rule is causal, so padding after a sequence never reaches it).
+(`models.attention.packed_row` gives the boundaries). On CUDA, where the `fla` package imports, the
+convolution, the delta rule and the gated norm run through flash-linear-attention's kernels (varlen for
+the first two); elsewhere the convolution is masked at boundaries in torch, and the delta rule runs
+through transformers' torch chunked rule on the row's sequences as one right-padded batch (exact: the
+rule is causal, so padding after a sequence never reaches it).
 fla refuses its backward on Hopper with Triton in [3.4.0, 3.7.1); `prepare_delta_rule_backward` decides
 per GPU, before the first backward, whether vlrl may run it there (`models.fla_guard`).
 Outside a packed row (the built-in engine, with its cache) the layer runs as transformers wrote it.
@@ -32,7 +33,7 @@ into gate_up_proj, and the Gated DeltaNet's in_proj_qkv and in_proj_z into in_pr
 (0, 1, 2) and 3) and in_proj_b and in_proj_a into in_proj_ba (shards 0 and 1); conv1d, A_log,
 dt_bias, norm and out_proj keep their names. Its processor is Qwen3-VL's
 (`Qwen3VLMultiModalProcessor`): each `<|image_pad|>` becomes the image's run, so prompts collapse
-as Qwen-VL's do. Not yet run on a GPU.
+as Qwen-VL's do. vLLM 0.26 ran it on the H200 (tiny model, README's family table).
 """
 
 from __future__ import annotations

@@ -365,7 +365,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_bytes(tensors) -> int:
     """Local bytes of parameters or state tensors (a DTensor counts its local shard)."""
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+    return sum(local.numel() * local.element_size() for local in map(_local, tensors))
 
 
 def tensor_elements(tensors) -> int:

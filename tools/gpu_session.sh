@@ -92,6 +92,22 @@ recipe_loop() {
 update_summary() {
   $PY -c "import json;d=json.load(open('$1'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f attn=%s liger=%s' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train'], d['attn_implementation'], d['liger_kernel']))" 2>&1 | tail -1
 }
+# The update alone (bench.py --phases train: 128 sequences x 256 tokens, 448x448 images, 3 timed steps) once per
+# set of overrides in SETS (";"-separated sets of space-separated config overrides, "-" for none), the first set
+# profiled, one line each: update_sets PREFIX SETS TIMEOUT_S LABEL BENCH_ARGS... (files $OUT/PREFIXupdate_<n>.*)
+update_sets() {
+  local prefix=$1 sets=$2 limit=$3 label=$4 n=0 v kv args prof variants
+  shift 4
+  IFS=";" read -ra variants <<< "$sets"
+  for v in "${variants[@]}"; do
+    args=""; [ "$v" != "-" ] && for kv in $v; do args="$args --set $kv"; done
+    prof=""; [ $n = 0 ] && prof="--profile $OUT/${prefix}profile.txt"
+    timeout $limit $PY tools/bench.py --phases train --train-seqs 128 --group 8 --response-len 256 --image-size 448 \
+      --train-steps 3 "$@" $args $prof --json-out "$OUT/${prefix}update_$n.json" > "$OUT/${prefix}update_$n.log" 2>&1
+    echo "$label [$v] rc=$? $(update_summary "$OUT/${prefix}update_$n.json")"
+    n=$((n+1))
+  done
+}
 case "$STAGE" in
 tiny)
   bash tools/gpu_check.sh "$OUT/check"
@@ -180,17 +196,8 @@ profile)
 update)
   # The update alone at the loop's shape, each variant of UPDATE_SETS (";"-separated config overrides,
   # "-" for none) in turn, the first one profiled.
-  IFS=";" read -ra sets <<< "${UPDATE_SETS:--;model.compile=true;optim.unsharded_accumulation=false}"
-  n=0
-  for v in "${sets[@]}"; do
-    args=""; [ "$v" != "-" ] && for kv in $v; do args="$args --set $kv"; done
-    prof=""; [ $n = 0 ] && prof="--profile $OUT/profile.txt"
-    timeout 240 $PY tools/bench.py --size 3b --phases train --train-seqs 128 --group 8 --response-len 256 \
-      --max-tokens 8192 --image-size 448 --train-steps 3 $args $prof --json-out "$OUT/update_$n.json" \
-      > "$OUT/update_$n.log" 2>&1
-    echo "update [$v] rc=$? $(update_summary "$OUT/update_$n.json")"
-    n=$((n+1))
-  done
+  update_sets "" "${UPDATE_SETS:--;model.compile=true;optim.unsharded_accumulation=false}" 240 update \
+    --size 3b --max-tokens 8192
   ;;
 multi)
   $PY tools/make_tiny_model.py --family qwen2_5_vl --size tiny --out $W/tiny --overwrite > /dev/null
@@ -322,17 +329,8 @@ qwen35)
     --dtype bfloat16 --overwrite > "$OUT/build_q35.log" 2>&1
   if [[ $parts == *" update "* ]]; then
     # as the update stage: each variant of Q35_UPDATE_SETS in turn, e.g. "-;model.attn_implementation=varlen"
-    IFS=";" read -ra sets <<< "${Q35_UPDATE_SETS:--}"
-    n=0
-    for v in "${sets[@]}"; do
-      args=""; [ "$v" != "-" ] && for kv in $v; do args="$args --set $kv"; done
-      prof=""; [ $n = 0 ] && prof="--profile $OUT/q35_profile.txt"
-      timeout ${Q35_UPDATE_S:-240} $PY tools/bench.py --family qwen3_5 --size qwen3_5_4b --phases train \
-        --train-seqs 128 --group 8 --response-len 256 --max-tokens ${Q35_MAX_TOKENS:-4096} --image-size 448 \
-        --train-steps 3 $args $prof --json-out "$OUT/q35_update_$n.json" > "$OUT/q35_update_$n.log" 2>&1
-      echo "qwen3.5-4b update [$v] rc=$? $(update_summary "$OUT/q35_update_$n.json")"
-      n=$((n+1))
-    done
+    update_sets q35_ "${Q35_UPDATE_SETS:--}" ${Q35_UPDATE_S:-240} "qwen3.5-4b update" \
+      --family qwen3_5 --size qwen3_5_4b --max-tokens ${Q35_MAX_TOKENS:-4096}
   fi
   # the recipe's 8192-token micro-batches ran out of memory in Qwen3.5-4B's update on a 139.8 GiB H200 (its Gated
   # DeltaNet layers keep far wider activations than attention layers, and it shares no prompts)

@@ -32,7 +32,7 @@ Where the steps logged GPU telemetry (`trainer.gpu_telemetry`, rollout/telemetry
 `logprob`, `score`, `train`, `refit`), the mean over the steps that logged each of `sm_clock_mhz_mean_<phase>`,
 `sm_clock_mhz_min_<phase>`, `power_w_mean_<phase>`, `temp_c_max_<phase>`, `throttled_frac_<phase>`,
 `power_capped_frac_<phase>`, `thermal_frac_<phase>`, `util_pct_mean_<phase>`, `mem_util_pct_mean_<phase>`
-and `samples_<phase>`, the host's `process_cores_<phase>`
+and `samples_<phase>`, the host's `process_cores_<phase>`,
 `other_cores_<phase>` and `main_thread_cores_<phase>` (this process's CPU, other processes' and the trainer
 thread's per second of the phase), and the device's
 `sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+from transformers.activations import ACT2FN
 
 from models.attention import given_row, host_bounds, prebuilt_masks
 from models.families.qwen_vl import (
@@ -220,8 +221,6 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """The layer's convolution and activation over a packed row, x (C, L) -> (C, L), restarting at each
     sequence of `cu`: on CUDA through fla's varlen kernel (one pass, the activation fused) where fla is
     installed and the activation is SiLU, else `restarting_causal_conv` and the activation in torch."""
-    from transformers.activations import ACT2FN
-
     if x.is_cuda and activation in ("silu", "swish") and _fla_conv() is not None:
         device_cu, host_cu = fla_bounds(cu)
         out, _ = _fla_conv()(x.t().unsqueeze(0).to(weight.dtype), weight, bias, activation="silu",

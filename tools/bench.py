@@ -216,12 +216,13 @@ def bench_train(trainer, args) -> dict:
         return -lp.sum() / den["tokens"], {}
 
     share = trainer.policy.shared_prompts
+    max_tokens = trainer.cfg.optim.max_tokens_per_microbatch  # --max-tokens, or a --set of it, which comes later
 
     def packed():  # packed in every step, as the trainer packs each step's experience
-        return PackedStep(batch, args.max_tokens, trainer.policy.device, share)
+        return PackedStep(batch, max_tokens, trainer.policy.device, share)
 
     def step():
-        return optimizer_step(trainer.policy, trainer.optimizer, packed(), loss_fn, max_tokens=args.max_tokens,
+        return optimizer_step(trainer.policy, trainer.optimizer, packed(), loss_fn, max_tokens=max_tokens,
                               grad_clip=1.0, denominators={"tokens": scored},
                               unsharded_accumulation=trainer.cfg.optim.unsharded_accumulation)
 

@@ -31,6 +31,16 @@
 set -u
 T0=$SECONDS
 BUDGET_S=${BUDGET_S:-570}
+# Kill what still holds the GPU: a trainer that a timeout's SIGTERM left writing its checkpoint outlives torchrun
+# (2026-12-03: one kept 78 GiB into the next call, whose run then ran out of memory). By PID from nvidia-smi: a
+# pattern such as train.py would also match the shell that runs this call's command line
+reap_gpu() {
+  local pids
+  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs)
+  [ -z "$pids" ] && return 0
+  echo "== $1: killing GPU processes left running: $pids"
+  kill -9 $pids 2>/dev/null; sleep 3
+}
 case "${1:-}" in
 wheels)
   # pure-Python packages setup.py needs that the GPU image (KINDS.md's list) lacks, vLLM's GLM-4.1V and
@@ -77,6 +87,7 @@ run)
     IFS=, read -ra kvs <<< "${vars:-}"
     for kv in "${kvs[@]}"; do envs+=("${kv//+/ }"); done
     echo "== $name: $stage ${envs[*]} (${left} s left)"
+    reap_gpu "before $name"
     t=$SECONDS
     env "${envs[@]}" timeout $((left - 5)) bash tools/gpu_session.sh "$stage" "$d" > "$d/stage.out" 2>&1
     echo "== $name: rc=$? in $((SECONDS - t)) s"
@@ -84,6 +95,7 @@ run)
     grep -h "  engine  \|training peak\|Traceback\|Error\|error:" "$d"/*.log 2>/dev/null | grep -v "^INFO" | head -8
     tar -czf "$OUT/$name.tgz" -C /tmp/gpu_batch "$name"
   done
+  reap_gpu "after the last job"
   ;;
 caches)
   # Triton's kernel cache, vLLM's compile cache and inductor's, each as one tar.gz (absolute paths inside, for

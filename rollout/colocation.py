@@ -59,6 +59,8 @@ from rollout.base import Engine
 
 log = logging.getLogger("vlrl")
 _GIB = 2**30
+# per-pass allocator counts that add up when a pass runs twice in a step (the rest keep the larger)
+_SUMMED = ("memory/alloc_retries_", "memory/device_allocs_")
 
 RESERVE_BYTES = 3 * _GIB  # allocator fragmentation and slack, beyond what the CUDA context already holds
 ENGINE_OVERHEAD_BYTES = 4 * _GIB  # vLLM's activations, sampler and CUDA graphs (measured 1.5 GiB, 3B on an H200)
@@ -456,19 +458,22 @@ class DevicePeak:
                 self._record(label, start, end, grown)
 
     def _record(self, label: str, start: dict, end: dict, grown: int) -> None:
-        """A pass's allocator metrics; a label seen again in the step adds its retries and keeps the larger
-        growth."""
+        """A pass's allocator metrics; a label seen again in the step adds its retries and driver allocations and
+        keeps the larger growth."""
         allocated = max(end.get("allocated_bytes.all.peak", 0) - start.get("allocated_bytes.all.current", 0), 0)
         values = {
             f"memory/alloc_retries_{label}": float(end.get("num_alloc_retries", 0) - start.get("num_alloc_retries", 0)),
             f"memory/reserved_growth_gb_{label}": grown / _GIB,
             f"memory/allocated_growth_gb_{label}": allocated / _GIB,
             f"memory/inactive_split_gb_{label}": end.get("inactive_split_bytes.all.peak", 0) / _GIB,
+            # the driver allocations (cudaMalloc, or cuMemMap with expandable segments) the pass made: a pass that
+            # regrows the cache the engine's wake emptied pays for each, where a warm cache makes none
+            f"memory/device_allocs_{label}": float(end.get("num_device_alloc", 0) - start.get("num_device_alloc", 0)),
         }
         for key, value in values.items():
             before = self._phases.get(key)
             if before is not None:
-                value = before + value if key.startswith("memory/alloc_retries_") else max(before, value)
+                value = before + value if key.startswith(_SUMMED) else max(before, value)
             self._phases[key] = value
 
     def phase_metrics(self) -> dict[str, float]:

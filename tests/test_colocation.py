@@ -260,12 +260,13 @@ class _FakeAllocator:
     def __init__(self, engine_asleep: int):
         self.reserved = self.allocated = engine_asleep  # a sleeping engine's tensors stay in torch's books
         self.peaks = {"reserved": self.reserved, "allocated": self.allocated, "inactive": 0}
-        self.inactive = self.retries = 0
+        self.inactive = self.retries = self.device_allocs = 0
         self.outside = 2 * GIB  # CUDA context: on the device, not in torch's books
 
     def grow(self, allocated: int, reserved: int = 0, inactive: int = 0, retries: int = 0):
         self.allocated += allocated
         self.reserved += reserved
+        self.device_allocs += max(reserved, 0) // GIB  # one driver allocation per GiB the cache grows
         self.inactive, self.retries = inactive, self.retries + retries
         for key, value in (("reserved", self.reserved), ("allocated", self.allocated), ("inactive", inactive)):
             self.peaks[key] = max(self.peaks[key], value)
@@ -274,7 +275,8 @@ class _FakeAllocator:
         return {"reserved_bytes.all.current": self.reserved, "reserved_bytes.all.peak": self.peaks["reserved"],
                 "allocated_bytes.all.current": self.allocated, "allocated_bytes.all.peak": self.peaks["allocated"],
                 "inactive_split_bytes.all.current": self.inactive,
-                "inactive_split_bytes.all.peak": self.peaks["inactive"], "num_alloc_retries": self.retries}
+                "inactive_split_bytes.all.peak": self.peaks["inactive"], "num_alloc_retries": self.retries,
+                "num_device_alloc": self.device_allocs}
 
     def reset_peak_memory_stats(self, device=None):
         self.peaks = {"reserved": self.reserved, "allocated": self.allocated, "inactive": self.inactive}
@@ -307,7 +309,7 @@ def test_labelled_passes_report_the_allocator_per_pass(monkeypatch):
         fake.grow(allocated=40 * GIB, reserved=30 * GIB, inactive=6 * GIB, retries=2)
         fake.grow(allocated=-40 * GIB, inactive=2 * GIB)
     with peak.training("update"):  # a second update pass (another PPO epoch, say) in the same step
-        fake.grow(allocated=10 * GIB, reserved=0, retries=1)
+        fake.grow(allocated=10 * GIB, reserved=2 * GIB, retries=1)
         fake.grow(allocated=-10 * GIB)
     m = peak.phase_metrics()
     assert m["memory/inactive_split_gb_generation"] == pytest.approx(3.0)
@@ -317,8 +319,10 @@ def test_labelled_passes_report_the_allocator_per_pass(monkeypatch):
     assert m["memory/reserved_growth_gb_update"] == pytest.approx(30.0)  # the larger of the two passes
     assert m["memory/allocated_growth_gb_update"] == pytest.approx(40.0)
     assert m["memory/inactive_split_gb_update"] == pytest.approx(6.0)
+    # driver allocations: the pass's own, summed over the two update passes (30 + 2), none from before `begin`
+    assert m["memory/device_allocs_logprob"] == 4.0 and m["memory/device_allocs_update"] == 32.0
     # the step's peak: the device's used memory at the fullest pass start plus its reserved growth
-    assert peak.end() * GIB == pytest.approx(fake.outside + 80 * GIB + 60 * GIB + 4 * GIB + 30 * GIB)
+    assert peak.end() * GIB == pytest.approx(fake.outside + 80 * GIB + 60 * GIB + 4 * GIB + 32 * GIB)
     peak.begin()
     assert peak.phase_metrics() == {}
 

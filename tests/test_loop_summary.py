@@ -141,12 +141,14 @@ def test_summary_averages_the_allocator_per_pass_where_logged(tmp_path):
     for r in rows[2:]:  # steps 3-5, on a GPU
         r.update({"memory/alloc_retries_update": float(r["step"] - 2), "memory/alloc_retries_logprob": 0.0,
                   "memory/inactive_split_gb_update": 4.0, "memory/reserved_growth_gb_update": 30.0,
-                  "memory/inactive_split_gb_generation": 20.0 + r["step"]})
+                  "memory/inactive_split_gb_generation": 20.0 + r["step"],
+                  "memory/device_allocs_update": 100.0 * r["step"]})
     rows[0]["memory/alloc_retries_update"] = 9.0  # the first step is not steady
     s = summarize(rows)
     assert s["alloc_retries_update"] == pytest.approx(2.0) and s["alloc_retries_logprob"] == 0.0
     assert s["inactive_split_gb_update"] == 4.0 and s["reserved_growth_gb_update"] == 30.0
     assert s["inactive_split_gb_generation"] == pytest.approx(24.0)
+    assert s["device_allocs_update"] == pytest.approx(400.0)
     assert "allocated_growth_gb_update" not in s  # not logged: left out
     cpu = summarize([_row(s, 10.0) for s in range(1, 6)])
     assert not any(k.startswith(("alloc_retries_", "inactive_split", "reserved_growth")) for k in cpu)

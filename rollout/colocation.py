@@ -60,7 +60,7 @@ from rollout.base import Engine
 log = logging.getLogger("vlrl")
 _GIB = 2**30
 # per-pass allocator counts that add up when a pass runs twice in a step (the rest keep the larger)
-_SUMMED = ("memory/alloc_retries_", "memory/device_allocs_")
+_SUMMED = ("memory/alloc_retries_", "memory/device_allocs_", "memory/device_frees_")
 
 RESERVE_BYTES = 3 * _GIB  # allocator fragmentation and slack, beyond what the CUDA context already holds
 ENGINE_OVERHEAD_BYTES = 4 * _GIB  # vLLM's activations, sampler and CUDA graphs (measured 1.5 GiB, 3B on an H200)
@@ -459,7 +459,7 @@ class DevicePeak:
 
     def _record(self, label: str, start: dict, end: dict, grown: int) -> None:
         """A pass's allocator metrics; a label seen again in the step adds its retries and driver allocations and
-        keeps the larger growth."""
+        frees, and keeps the larger growth."""
         allocated = max(end.get("allocated_bytes.all.peak", 0) - start.get("allocated_bytes.all.current", 0), 0)
         values = {
             f"memory/alloc_retries_{label}": float(end.get("num_alloc_retries", 0) - start.get("num_alloc_retries", 0)),
@@ -469,6 +469,9 @@ class DevicePeak:
             # the driver allocations (cudaMalloc, or cuMemMap with expandable segments) the pass made: a pass that
             # regrows the cache the engine's wake emptied pays for each, where a warm cache makes none
             f"memory/device_allocs_{label}": float(end.get("num_device_alloc", 0) - start.get("num_device_alloc", 0)),
+            # and the frees (each cudaFree waits for the device): a retry's; with `max_split_size_mb` or
+            # `garbage_collection_threshold` set, also the cached blocks the allocator frees before it retries
+            f"memory/device_frees_{label}": float(end.get("num_device_free", 0) - start.get("num_device_free", 0)),
         }
         for key, value in values.items():
             before = self._phases.get(key)

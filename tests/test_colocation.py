@@ -260,13 +260,14 @@ class _FakeAllocator:
     def __init__(self, engine_asleep: int):
         self.reserved = self.allocated = engine_asleep  # a sleeping engine's tensors stay in torch's books
         self.peaks = {"reserved": self.reserved, "allocated": self.allocated, "inactive": 0}
-        self.inactive = self.retries = self.device_allocs = 0
+        self.inactive = self.retries = self.device_allocs = self.device_frees = 0
         self.outside = 2 * GIB  # CUDA context: on the device, not in torch's books
 
     def grow(self, allocated: int, reserved: int = 0, inactive: int = 0, retries: int = 0):
         self.allocated += allocated
         self.reserved += reserved
         self.device_allocs += max(reserved, 0) // GIB  # one driver allocation per GiB the cache grows
+        self.device_frees += retries  # a full device: cached blocks freed before each retry
         self.inactive, self.retries = inactive, self.retries + retries
         for key, value in (("reserved", self.reserved), ("allocated", self.allocated), ("inactive", inactive)):
             self.peaks[key] = max(self.peaks[key], value)
@@ -276,7 +277,7 @@ class _FakeAllocator:
                 "allocated_bytes.all.current": self.allocated, "allocated_bytes.all.peak": self.peaks["allocated"],
                 "inactive_split_bytes.all.current": self.inactive,
                 "inactive_split_bytes.all.peak": self.peaks["inactive"], "num_alloc_retries": self.retries,
-                "num_device_alloc": self.device_allocs}
+                "num_device_alloc": self.device_allocs, "num_device_free": self.device_frees}
 
     def reset_peak_memory_stats(self, device=None):
         self.peaks = {"reserved": self.reserved, "allocated": self.allocated, "inactive": self.inactive}
@@ -321,6 +322,7 @@ def test_labelled_passes_report_the_allocator_per_pass(monkeypatch):
     assert m["memory/inactive_split_gb_update"] == pytest.approx(6.0)
     # driver allocations: the pass's own, summed over the two update passes (30 + 2), none from before `begin`
     assert m["memory/device_allocs_logprob"] == 4.0 and m["memory/device_allocs_update"] == 32.0
+    assert m["memory/device_frees_logprob"] == 0.0 and m["memory/device_frees_update"] == 3.0
     # the step's peak: the device's used memory at the fullest pass start plus its reserved growth
     assert peak.end() * GIB == pytest.approx(fake.outside + 80 * GIB + 60 * GIB + 4 * GIB + 32 * GIB)
     peak.begin()

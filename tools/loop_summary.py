@@ -26,8 +26,9 @@ less the engine's wake, sleep and offload (`wake_s`, `sleep_s`, `offload_s`, tim
 steps logged the allocator per pass (on a GPU: rollout/colocation.py `DevicePeak`) it adds the mean of each
 over the steps that logged it: `alloc_retries_logprob` and `alloc_retries_update` (retries per step in the
 reference/old-logprob pass and in the update), `reserved_growth_gb_*` and `allocated_growth_gb_*` (how far
-torch's reserved and allocated bytes grew in the pass), `device_allocs_*` (the driver allocations the pass
-made), `inactive_split_gb_*` (the most bytes held in free pieces of segments with live blocks) and `inactive_split_gb_generation` (those left when the engine wakes).
+torch's reserved and allocated bytes grew in the pass), `device_allocs_*` and `device_frees_*` (the driver
+allocations and frees the pass made), `inactive_split_gb_*` (the most bytes held in free pieces of segments
+with live blocks) and `inactive_split_gb_generation` (those left when the engine wakes).
 Where the steps logged GPU telemetry (`trainer.gpu_telemetry`, rollout/telemetry.py) it adds, per phase (`gen`,
 `logprob`, `score`, `train`, `refit`), the mean over the steps that logged each of `sm_clock_mhz_mean_<phase>`,
 `sm_clock_mhz_min_<phase>`, `power_w_mean_<phase>`, `temp_c_max_<phase>`, `throttled_frac_<phase>`,
@@ -87,7 +88,7 @@ GEN_OUTSIDE = ("gen_data_s", "gen_score_s")
 # the allocator per pass, per step as memory/<name> (rollout/colocation.py DevicePeak, GPU only): means over the
 # steps that logged each
 MEMORY_PHASES = tuple(f"{m}_{p}" for p in ("logprob", "update") for m in (
-    "alloc_retries", "reserved_growth_gb", "allocated_growth_gb", "inactive_split_gb", "device_allocs")) + (
+    "alloc_retries", "reserved_growth_gb", "allocated_growth_gb", "inactive_split_gb", "device_allocs", "device_frees")) + (
     "inactive_split_gb_generation",)
 # GPU telemetry per phase, per step as gpu/<name> (rollout/telemetry.py, where NVML answers): means over the steps
 # that logged each; GPU_ONCE from the first row that logged it

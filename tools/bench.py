@@ -74,6 +74,9 @@ def _parse(argv):
     p.add_argument("--json-out", default=None, help="also write the JSON object to this file")
     p.add_argument("--profile", default=None,
                    help="profile one extra training step with torch.profiler and write its op table to this file")
+    p.add_argument("--empty-cache", action="store_true",
+                   help="empty torch's CUDA cache before each timed (and the profiled) training step, untimed, as "
+                        "the loop's engine wake does: each step then regrows the cache through the driver")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the trainer the benchmark builds (repeatable)")
     p.add_argument("--append", action="store_true", help="append to docs/benchmarks.jsonl and docs/benchmarks.md")
@@ -226,13 +229,21 @@ def bench_train(trainer, args) -> dict:
                               grad_clip=1.0, denominators={"tokens": scored},
                               unsharded_accumulation=trainer.cfg.optim.unsharded_accumulation)
 
+    def emptied():  # the timed step, after the untimed emptying of the cache that --empty-cache asks for
+        if args.empty_cache and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return _timed(step)[0]
+
     step()  # warm-up: optimizer state, allocator, kernels
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    retries = _alloc_retries()
-    times = [_timed(step)[0] for _ in range(args.train_steps)]
+    retries, allocs = _alloc_retries(), _device_allocs()
+    times = [emptied() for _ in range(args.train_steps)]
     retries = (_alloc_retries() - retries) / max(args.train_steps, 1)
+    allocs = (_device_allocs() - allocs) / max(args.train_steps, 1)
     seconds = statistics.median(times)
+    if args.profile and args.empty_cache and torch.cuda.is_available():
+        torch.cuda.empty_cache()
     syncs = _profile(step, Path(args.profile)) if args.profile else None
     rows = [mb for mb in packed().microbatches if mb.sample_indices]
     bins = [mb.sample_indices for mb in rows]
@@ -249,7 +260,7 @@ def bench_train(trainer, args) -> dict:
         "llm_tflops_per_step": f_llm / 1e12, "vision_tflops_per_step": f_vis / 1e12,
         "achieved_tflops_llm": f_llm / seconds / 1e12, "achieved_tflops_total": (f_llm + f_vis) / seconds / 1e12,
         "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
-        "alloc_retries_per_step": retries,
+        "alloc_retries_per_step": retries, "device_allocs_per_step": allocs, "empty_cache": args.empty_cache,
         **({"host_syncs": syncs} if syncs is not None else {}),
     }
 
@@ -304,6 +315,11 @@ def _profile(step, out: Path) -> int | None:
 def _alloc_retries() -> int:
     """How often torch's allocator has freed its cache to retry an allocation (each retry waits for the device)."""
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if torch.cuda.is_available() else 0
+
+
+def _device_allocs() -> int:
+    """The caching allocator's driver allocations so far (cudaMalloc, or cuMemMap with expandable segments)."""
+    return int(torch.cuda.memory_stats().get("num_device_alloc", 0)) if torch.cuda.is_available() else 0
 
 
 def _peak_gb() -> float:

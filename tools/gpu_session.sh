@@ -93,15 +93,16 @@ update_summary() {
   $PY -c "import json;d=json.load(open('$1'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f attn=%s liger=%s' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train'], d['attn_implementation'], d['liger_kernel']))" 2>&1 | tail -1
 }
 # The update alone (bench.py --phases train: 128 sequences x 256 tokens, 448x448 images, 3 timed steps) once per
-# set of overrides in SETS (";"-separated sets of space-separated config overrides, "-" for none), the first set
-# profiled, one line each: update_sets PREFIX SETS TIMEOUT_S LABEL BENCH_ARGS... (files $OUT/PREFIXupdate_<n>.*)
+# set of overrides in SETS (";"-separated sets of space-separated config overrides, "-" for none; a word that
+# starts with -- is a bench.py flag, e.g. --empty-cache), the first set profiled unless UPDATE_PROFILE=0, one line each: update_sets PREFIX SETS TIMEOUT_S LABEL BENCH_ARGS... (files $OUT/PREFIXupdate_<n>.*)
 update_sets() {
   local prefix=$1 sets=$2 limit=$3 label=$4 n=0 v kv args prof variants
   shift 4
   IFS=";" read -ra variants <<< "$sets"
   for v in "${variants[@]}"; do
-    args=""; [ "$v" != "-" ] && for kv in $v; do args="$args --set $kv"; done
-    prof=""; [ $n = 0 ] && prof="--profile $OUT/${prefix}profile.txt"
+    # a word of a set that starts with -- is bench.py's own flag (--empty-cache), any other a config override
+    args=""; [ "$v" != "-" ] && for kv in $v; do [[ $kv == --* ]] && args="$args $kv" || args="$args --set $kv"; done
+    prof=""; [ $n = 0 ] && [ "${UPDATE_PROFILE:-1}" = 1 ] && prof="--profile $OUT/${prefix}profile.txt"
     timeout $limit $PY tools/bench.py --phases train --train-seqs 128 --group 8 --response-len 256 --image-size 448 \
       --train-steps 3 "$@" $args $prof --json-out "$OUT/${prefix}update_$n.json" > "$OUT/${prefix}update_$n.log" 2>&1
     echo "$label [$v] rc=$? $(update_summary "$OUT/${prefix}update_$n.json")"

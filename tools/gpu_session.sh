@@ -88,6 +88,21 @@ recipe_loop() {
     'process_cores', 'main_thread_cores', 'other_cores')))
     for p in ('gen', 'logprob', 'train')))" "$OUT/${name}_summary.json" 2>/dev/null
 }
+# A standalone vLLM on a recipe_loop's requests (16 prompts x 8 responses x the run's new tokens, 448x448
+# images), then the loop's summary again with its generation against it (loop_gen_vs_standalone):
+# standalone_vs_loop NAME BENCH_MODEL_ARGS... (files $OUT/NAME_standalone.*). The length is the run's
+# rollout.max_new_tokens (LOOP_ARGS may change it), read from its resolved config.
+standalone_vs_loop() {
+  local name=$1 gen_tokens
+  shift
+  gen_tokens=$($PY -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['rollout']['max_new_tokens'])" \
+    "$OUT/${name}_config.yaml" 2>/dev/null || echo 256)
+  timeout ${STANDALONE_S:-240} $PY tools/bench.py "$@" --phases engine --group 8 --gen-prompts 16 \
+    --gen-tokens $gen_tokens --image-size 448 --json-out "$OUT/${name}_standalone.json" > "$OUT/${name}_standalone.log" 2>&1
+  echo "standalone vLLM rc=$?"
+  $PY tools/loop_summary.py "$OUT/${name}_metrics.jsonl" --config "$OUT/${name}_config.yaml" \
+    --standalone "$OUT/${name}_standalone.json" | tee "$OUT/${name}_summary.json" | grep standalone
+}
 # One line from a bench.py --phases train JSON: update_summary FILE
 update_summary() {
   $PY -c "import json;d=json.load(open('$1'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f attn=%s liger=%s' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train'], d['attn_implementation'], d['liger_kernel']))" 2>&1 | tail -1
@@ -173,18 +188,7 @@ loop)
   # STANDALONE=1 then times a standalone vLLM on the same requests (~2 min more).
   build_3b
   recipe_loop $M loop "3B" ${STEPS:-8}
-  if [ "${STANDALONE:-0}" = 1 ]; then
-    # a standalone vLLM on the loop's requests (16 prompts x 8 responses x the run's new tokens, 448x448
-    # images): the loop's generation against it (loop_gen_vs_standalone in loop_summary.json). The length is
-    # the run's rollout.max_new_tokens (LOOP_ARGS may change it), read from its resolved config.
-    gen_tokens=$($PY -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['rollout']['max_new_tokens'])" \
-      "$OUT/loop_config.yaml" 2>/dev/null || echo 256)
-    timeout ${STANDALONE_S:-240} $PY tools/bench.py --size 3b --phases engine --group 8 --gen-prompts 16 \
-      --gen-tokens $gen_tokens --image-size 448 --json-out "$OUT/standalone.json" > "$OUT/standalone.log" 2>&1
-    echo "standalone vLLM rc=$?"
-    $PY tools/loop_summary.py "$OUT/loop_metrics.jsonl" --config "$OUT/loop_config.yaml" \
-      --standalone "$OUT/standalone.json" | tee "$OUT/loop_summary.json" | grep standalone
-  fi
+  [ "${STANDALONE:-0}" = 1 ] && standalone_vs_loop loop --size 3b
   ;;
 profile)
   # The update alone at the loop's shape, profiled (op tables), and the engine in-process against a
@@ -335,8 +339,11 @@ qwen35)
   fi
   # the recipe's 8192-token micro-batches ran out of memory in Qwen3.5-4B's update on a 139.8 GiB H200 (its Gated
   # DeltaNet layers keep far wider activations than attention layers, and it shares no prompts)
-  [[ $parts == *" loop "* ]] && LOOP_ARGS="optim.max_tokens_per_microbatch=${Q35_MAX_TOKENS:-4096} ${LOOP_ARGS:-}" \
-    recipe_loop $Q q35_loop "qwen3.5-4b" ${STEPS:-4}
+  if [[ $parts == *" loop "* ]]; then
+    LOOP_ARGS="optim.max_tokens_per_microbatch=${Q35_MAX_TOKENS:-4096} ${LOOP_ARGS:-}" \
+      recipe_loop $Q q35_loop "qwen3.5-4b" ${STEPS:-4}
+    [ "${STANDALONE:-0}" = 1 ] && standalone_vs_loop q35_loop --family qwen3_5 --size qwen3_5_4b
+  fi
   ;;
 tests)
   # a few GPU tests on their own (TESTS, default the memory metric's check against mem_get_info)

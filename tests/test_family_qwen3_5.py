@@ -111,6 +111,58 @@ def test_the_restarting_convolution_is_each_sequences_own():
     assert torch.allclose(ours, theirs, atol=1e-6)
 
 
+def _vllm_conv_silu(x, w, lengths):
+    """vLLM 0.26's Triton causal convolution and SiLU (mamba/ops/causal_conv1d.py) on each sequence alone: each
+    tap's product rounded to bf16, summed in fp32 from the oldest tap, acc / (1 + exp(-acc)), one rounding."""
+    outs = []
+    for s in x.split(lengths, dim=1):
+        windows = F.pad(s.float(), (w.shape[1] - 1, 0)).unfold(1, w.shape[1], 1)  # (C, n, K), oldest tap first
+        products = (windows * w.float()[:, None, :]).to(torch.bfloat16).float()
+        acc = products[..., 0]
+        for i in range(1, w.shape[1]):
+            acc = acc + products[..., i]
+        outs.append((acc / (1 + torch.exp(-acc))).to(torch.bfloat16))
+    return torch.cat(outs, dim=1)
+
+
+def test_packed_convolution_rounds_as_vllms_kernel():
+    """In bf16 the torch path's convolution and SiLU round as vLLM's kernel does, not after every tap."""
+    from models.families.qwen3_5 import packed_conv
+
+    g = torch.Generator().manual_seed(2)
+    lengths = [1, 40, 3, 200]
+    x = torch.randn(64, sum(lengths), generator=g).to(torch.bfloat16)
+    w = (torch.randn(64, 4, generator=g) / 2).to(torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ours = packed_conv(x, w, None, "silu", cu)
+    theirs = _vllm_conv_silu(x, w, lengths)
+    assert ours.dtype == torch.bfloat16
+    # exp and the division may differ in fp32's last bit on another CPU, flipping a rounding now and then;
+    # rounding after every tap in bf16 (the torch path before) differs in 39% of these outputs
+    assert (ours != theirs).float().mean().item() < 0.005
+
+
+def test_packed_gated_norm_rounds_once_as_vllm():
+    """In bf16 the gated RMSNorm outside fla rounds once, as vLLM's RMSNormGated does; transformers' module
+    also rounds the normed input and its product with the weight."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    from models.families.qwen3_5 import gated_norm
+
+    g = torch.Generator().manual_seed(3)
+    norm = Qwen3_5RMSNormGated(128, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(128, generator=g) / 4)
+    norm = norm.to(torch.bfloat16)
+    x, gate = (torch.randn(500, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    # vLLM's RMSNormGated.forward_static (norm_before_gate): fp32 from the inputs on, rounded at the end
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+    theirs = (normed * norm.weight.float() * F.silu(gate.float())).to(torch.bfloat16)
+    assert torch.equal(gated_norm(norm, x, gate), theirs)
+    assert not torch.equal(norm(x, gate), theirs)
+
+
 def test_positions_are_the_models_own(folder):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -179,7 +231,8 @@ def test_prompts_collapse_to_what_vllm_expands(folder):
         "size": {"shortest_edge": 3136, "longest_edge": 12544}, "do_resize": False}
     assert "qwen3_5" not in VLLM_UNVERIFIED and "qwen3_5_moe" not in VLLM_UNVERIFIED  # both measured on an H200
     assert not adapter.batch_with_padding and adapter.tool_format is FAMILIES["qwen3_5"].tool_format is not None
-    assert adapter.vllm_engine_kwargs() == {"additional_config": {"gdn_prefill_backend": "triton"}}
+    assert adapter.vllm_engine_kwargs() == {"additional_config": {"gdn_prefill_backend": "triton"},
+                                            "mamba_ssm_cache_dtype": "float32"}
 
 
 def test_moe_hub_files_load_per_expert_into_fused_experts(moe_folder):
@@ -210,7 +263,8 @@ def test_moe_engine_runs_the_experts_in_the_layout_refit_writes(moe_folder):
     from models.family import build_adapter
 
     kwargs = build_adapter(AutoConfig.from_pretrained(moe_folder)).vllm_engine_kwargs()
-    assert kwargs == {"additional_config": {"gdn_prefill_backend": "triton"}, "moe_backend": "triton"}
+    assert kwargs == {"additional_config": {"gdn_prefill_backend": "triton"}, "mamba_ssm_cache_dtype": "float32",
+                      "moe_backend": "triton"}
 
 
 @pytest.mark.parametrize("hf_name, vllm_name, shard", [

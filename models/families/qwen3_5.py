@@ -71,20 +71,26 @@ def _position_in_sequence(cu: torch.Tensor, length: int) -> torch.Tensor:
 
 def restarting_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            position: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal convolution over a packed row that starts over at every sequence.
+    """Depthwise causal convolution over a packed row that starts over at every sequence, in fp32.
 
     x (C, L); weight (C, K) as `nn.Conv1d(groups=C)` holds it (tap K-1 meets the current token);
     position (L,) each token's index within its sequence. Tap K-1-j reads the token j back, and only
     when that token is in the same sequence (j <= position): what the layer computes on each sequence
     alone, whose convolution sees zeros before the start.
+
+    The rounding is vLLM 0.26's Triton convolution's (mamba/ops/causal_conv1d.py, prefill and decode
+    kernels alike): each tap's product in the weight's dtype (Triton keeps bf16 * bf16 in bf16), summed
+    in fp32 from the bias and the oldest tap on. The sum is returned unrounded, for the activation to run
+    in fp32 too; in fp32 this is the plain convolution.
     """
     width = weight.shape[-1]
     x = x.to(weight.dtype)
-    out = x * weight[:, width - 1 : width]
-    for j in range(1, width):
-        shifted = F.pad(x[:, :-j], (j, 0)) * (position >= j).to(x.dtype)
-        out = out + shifted * weight[:, width - 1 - j : width - j]
-    return out if bias is None else out + bias[:, None]
+    out = None if bias is None else bias.float()[:, None]
+    for j in range(width - 1, -1, -1):  # the oldest tap first, as vLLM's kernels add them
+        shifted = x if j == 0 else F.pad(x[:, :-j], (j, 0)) * (position >= j).to(x.dtype)
+        tap = (shifted * weight[:, width - 1 - j : width - j]).float()
+        out = tap if out is None else out + tap
+    return out
 
 
 @cache  # looked up on every Gated DeltaNet call; whether fla is installed does not change in a process
@@ -218,28 +224,40 @@ def packed_gated_deltanet(layer: nn.Module, hidden: torch.Tensor, cu: torch.Tens
 
 def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
                 cu: torch.Tensor) -> torch.Tensor:
-    """The layer's convolution and activation over a packed row, x (C, L) -> (C, L), restarting at each
-    sequence of `cu`: on CUDA through fla's varlen kernel (one pass, the activation fused) where fla is
-    installed and the activation is SiLU, else `restarting_causal_conv` and the activation in torch."""
+    """The layer's convolution and activation over a packed row, x (C, L) -> (C, L) in the weight's dtype,
+    restarting at each sequence of `cu`: on CUDA through fla's varlen kernel (one pass, the activation fused)
+    where fla is installed and the activation is SiLU, else `restarting_causal_conv` and the activation in
+    torch, in fp32 and rounded once, as vLLM's kernels do. (fla multiplies the taps in fp32, where vLLM
+    rounds each product to bf16 first.)"""
     if x.is_cuda and activation in ("silu", "swish") and _fla_conv() is not None:
         device_cu, host_cu = fla_bounds(cu)
         out, _ = _fla_conv()(x.t().unsqueeze(0).to(weight.dtype), weight, bias, activation="silu",
                              cu_seqlens=device_cu, cu_seqlens_cpu=host_cu)
         return out[0].t()
     length = x.shape[1]
-    return ACT2FN[activation](restarting_causal_conv(x, weight, bias, _position_in_sequence(cu, length)))
+    conv = restarting_causal_conv(x, weight, bias, _position_in_sequence(cu, length))
+    return ACT2FN[activation](conv).to(weight.dtype)
 
 
 def gated_norm(norm: nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The layer's gated RMSNorm (`Qwen3_5RMSNormGated`: RMSNorm, weight, then SiLU of the gate), on CUDA as
-    one fla kernel each way where fla is installed, else the module itself (about ten kernels each way in
-    torch). fla rounds once, at the end, where transformers rounds the normed input before the weight;
-    vLLM's Triton gated norm also rounds once."""
+    """The layer's gated RMSNorm (`Qwen3_5RMSNormGated`: RMSNorm, weight, then SiLU of the gate) rounded the way
+    vLLM 0.26 rounds it: in fp32 throughout and once at the end (layers/layernorm.py `RMSNormGated`, native and
+    Triton alike), where transformers' module also rounds the normed input and its product with the weight.
+    On CUDA as one fla kernel each way where fla is installed (it rounds once too), else in torch."""
     eps = getattr(norm, "variance_epsilon", None)  # transformers' module; anything else (fla's own) runs as it is
-    if (x.is_cuda and eps is not None and getattr(norm, "activation", "silu") in ("silu", "swish")
-            and _fla_gated_norm() is not None):
+    if eps is None or getattr(norm, "activation", "silu") not in ("silu", "swish"):
+        return norm(x, gate)
+    if x.is_cuda and _fla_gated_norm() is not None:
         return _fla_gated_norm()(x, gate, norm.weight, None, activation="swish", eps=eps)
-    return norm(x, gate)
+    return rms_norm_gated(x, gate, norm.weight, eps)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dimension, times weight, times SiLU(gate), in fp32 and rounded once to x's
+    dtype (vLLM's `RMSNormGated.forward_static` order with norm_before_gate)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.float() * F.silu(gate.float())).to(x.dtype)
 
 
 def _routed_forward(layer: nn.Module, original):
@@ -370,7 +388,11 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     def vllm_engine_kwargs(self) -> dict:
         # vLLM picks FlashInfer's Gated DeltaNet prefill on SM90 by default; its Triton kernels need no
         # extra package (engine start-up JIT-compiles them: about two minutes on an H200)
-        return {"additional_config": {"gdn_prefill_backend": "triton"}}
+        # vLLM keeps the recurrent state between steps in the SSM cache's dtype, which is the model's (bf16) unless
+        # the checkpoint's text config says `mamba_ssm_dtype` (released Qwen3.5 configs say float32, models/config.py
+        # `Qwen3_5ForConditionalGenerationConfig`); in bf16 every decoded token rounds the state
+        # (fused_recurrent.py's decode kernels), where the trainer's chunked rule carries it in fp32
+        return {"additional_config": {"gdn_prefill_backend": "triton"}, "mamba_ssm_cache_dtype": "float32"}
 
     def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
         decoder = self.language_model(model)

@@ -348,8 +348,9 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int, tensor_parallel_size: int
 def state_bytes_per_sequence(config: dict, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
     """The fixed state one sequence keeps in a hybrid's linear-attention layers, per GPU of a tensor-parallel
     engine (TP splits the heads): the short convolution's last K-1 inputs (2·key heads·key width + value
-    heads·value width channels) and the recurrent state (value heads × key width × value width), both in the
-    model dtype, as vLLM keeps them for Gated DeltaNet. 0 for a config without such layers."""
+    heads·value width channels) in the model dtype and the recurrent state (value heads × key width × value
+    width) in the config's `mamba_ssm_dtype` where it names one (released Qwen3.5 configs: float32), else the
+    model's, as vLLM keeps them for Gated DeltaNet. 0 for a config without such layers."""
     text = config.get("text_config", config)
     layers = sum(1 for kind in (text.get("layer_types") or []) if kind == "linear_attention")
     if not layers:
@@ -357,8 +358,10 @@ def state_bytes_per_sequence(config: dict, dtype_bytes: int, tensor_parallel_siz
     nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
     kd, vd = text["linear_key_head_dim"], text["linear_value_head_dim"]
     conv = (2 * nk * kd + nv * vd) * (text.get("linear_conv_kernel_dim", 4) - 1)
+    named = text.get("mamba_ssm_dtype")
+    state_bytes = torch.empty(0, dtype=getattr(torch, named)).element_size() if named else dtype_bytes
     recurrent = nv * kd * vd
-    return layers * (conv + recurrent) * dtype_bytes // max(1, min(tensor_parallel_size, nk))
+    return layers * (conv * dtype_bytes + recurrent * state_bytes) // max(1, min(tensor_parallel_size, nk))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -233,6 +233,9 @@ def test_a_hybrids_linear_attention_layers_keep_state_per_sequence_not_kv_per_to
     assert state_bytes_per_sequence(config, 2) == 24 * per_layer * 2
     assert state_bytes_per_sequence(config, 2, tensor_parallel_size=2) == 24 * per_layer * 2 // 2
     assert state_bytes_per_sequence(_CFG, 2) == 0
+    # the recurrent state in the config's mamba_ssm_dtype (released configs: float32), the window in the model's
+    text["mamba_ssm_dtype"] = "float32"
+    assert state_bytes_per_sequence(config, 2) == 24 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)
 
 
 def test_expandable_segments_join_the_allocator_settings_unless_named(monkeypatch):

@@ -10,6 +10,7 @@ to one `<|image_pad|>` per image, which vLLM's Qwen3-VL processor replaces with 
 import json
 import re
 from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,8 +232,7 @@ def test_prompts_collapse_to_what_vllm_expands(folder):
         "size": {"shortest_edge": 3136, "longest_edge": 12544}, "do_resize": False}
     assert "qwen3_5" not in VLLM_UNVERIFIED and "qwen3_5_moe" not in VLLM_UNVERIFIED  # both measured on an H200
     assert not adapter.batch_with_padding and adapter.tool_format is FAMILIES["qwen3_5"].tool_format is not None
-    assert adapter.vllm_engine_kwargs() == {"additional_config": {"gdn_prefill_backend": "triton"},
-                                            "mamba_ssm_cache_dtype": "float32"}
+    assert adapter.vllm_engine_kwargs() == {"additional_config": {"gdn_prefill_backend": "triton"}}
 
 
 def test_moe_hub_files_load_per_expert_into_fused_experts(moe_folder):
@@ -263,8 +263,7 @@ def test_moe_engine_runs_the_experts_in_the_layout_refit_writes(moe_folder):
     from models.family import build_adapter
 
     kwargs = build_adapter(AutoConfig.from_pretrained(moe_folder)).vllm_engine_kwargs()
-    assert kwargs == {"additional_config": {"gdn_prefill_backend": "triton"}, "mamba_ssm_cache_dtype": "float32",
-                      "moe_backend": "triton"}
+    assert kwargs == {"additional_config": {"gdn_prefill_backend": "triton"}, "moe_backend": "triton"}
 
 
 @pytest.mark.parametrize("hf_name, vllm_name, shard", [
@@ -916,3 +915,13 @@ def test_torch_rule_gets_key_heads_repeated_over_value_heads(monkeypatch):
     v, g, beta = torch.randn(1, length, 4, 8), -torch.rand(1, length, 4), torch.rand(1, length, 4)
     out = q35.torch_delta_rule_packed(q, k, v, g, beta, cu)
     assert out.shape == (1, length, 4, 8) and seen and seen[0][2] == 4
+
+
+def test_tiny_configs_keep_the_gated_deltanet_state_in_fp32_as_released_configs_do(folder, moe_folder):
+    """vLLM keeps the recurrent state between decode steps in the checkpoint's `mamba_ssm_dtype` (the model's bf16
+    without it, rounding the state at every token where the trainer's chunked rule carries fp32)."""
+    from transformers import AutoConfig
+
+    for path in (folder, moe_folder):
+        assert json.loads((Path(path) / "config.json").read_text())["text_config"]["mamba_ssm_dtype"] == "float32"
+        assert AutoConfig.from_pretrained(path).text_config.mamba_ssm_dtype == "float32"

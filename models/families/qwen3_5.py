@@ -388,11 +388,9 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     def vllm_engine_kwargs(self) -> dict:
         # vLLM picks FlashInfer's Gated DeltaNet prefill on SM90 by default; its Triton kernels need no
         # extra package (engine start-up JIT-compiles them: about two minutes on an H200)
-        # vLLM keeps the recurrent state between steps in the SSM cache's dtype, which is the model's (bf16) unless
-        # the checkpoint's text config says `mamba_ssm_dtype` (released Qwen3.5 configs say float32, models/config.py
-        # `Qwen3_5ForConditionalGenerationConfig`); in bf16 every decoded token rounds the state
-        # (fused_recurrent.py's decode kernels), where the trainer's chunked rule carries it in fp32
-        return {"additional_config": {"gdn_prefill_backend": "triton"}, "mamba_ssm_cache_dtype": "float32"}
+        # the recurrent state's dtype between decode steps is the checkpoint's `mamba_ssm_dtype` (vLLM's
+        # models/config.py `Qwen3_5ForConditionalGenerationConfig`; the tiny specs say float32, as released configs do)
+        return {"additional_config": {"gdn_prefill_backend": "triton"}}
 
     def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
         decoder = self.language_model(model)
@@ -475,8 +473,12 @@ def tiny_text_config(size: SizeSpec, tokenizer, **overrides) -> dict:
         head_dim, rope["mrope_section"] = size.head_dim, list(size.mrope_section)
         linear = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                       linear_num_value_heads=32)
+    # mamba_ssm_dtype as released configs say it: vLLM keeps the Gated DeltaNet's recurrent state between decode
+    # steps in this dtype (the model's, bf16, without it: every decoded token would round the state that the
+    # trainer's chunked rule carries in fp32)
     return text_config(size, tokenizer, head_dim=head_dim, rope_parameters=rope,
-                       layer_types=layer_types(size.text_layers), linear_conv_kernel_dim=4, **linear, **overrides)
+                       layer_types=layer_types(size.text_layers), linear_conv_kernel_dim=4, mamba_ssm_dtype="float32",
+                       **linear, **overrides)
 
 
 def tiny_vision_config(size: SizeSpec) -> dict:

@@ -77,6 +77,9 @@ def _parse(argv):
     p.add_argument("--empty-cache", action="store_true",
                    help="empty torch's CUDA cache before each timed (and the profiled) training step, untimed, as "
                         "the loop's engine wake does: each step then regrows the cache through the driver")
+    p.add_argument("--reserve-gb", type=float, default=0.0,
+                   help="with --empty-cache: then allocate and free one block of this many GiB (untimed), so the step "
+                        "carves its tensors from one cached segment instead of a driver allocation each")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the trainer the benchmark builds (repeatable)")
     p.add_argument("--append", action="store_true", help="append to docs/benchmarks.jsonl and docs/benchmarks.md")
@@ -229,9 +232,15 @@ def bench_train(trainer, args) -> dict:
                               grad_clip=1.0, denominators={"tokens": scored},
                               unsharded_accumulation=trainer.cfg.optim.unsharded_accumulation)
 
-    def emptied():  # the timed step, after the untimed emptying of the cache that --empty-cache asks for
+    def empty():  # what --empty-cache (and --reserve-gb) ask for before a step, untimed
         if args.empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
+            if args.reserve_gb > 0:
+                block = torch.empty(int(args.reserve_gb * 2**30), dtype=torch.uint8, device="cuda")
+                del block  # back to the cache as one segment the step's allocations split
+
+    def emptied():
+        empty()
         return _timed(step)[0]
 
     step()  # warm-up: optimizer state, allocator, kernels
@@ -242,8 +251,8 @@ def bench_train(trainer, args) -> dict:
     retries = (_alloc_retries() - retries) / max(args.train_steps, 1)
     allocs = (_device_allocs() - allocs) / max(args.train_steps, 1)
     seconds = statistics.median(times)
-    if args.profile and args.empty_cache and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if args.profile:
+        empty()
     syncs = _profile(step, Path(args.profile)) if args.profile else None
     rows = [mb for mb in packed().microbatches if mb.sample_indices]
     bins = [mb.sample_indices for mb in rows]
@@ -261,6 +270,7 @@ def bench_train(trainer, args) -> dict:
         "achieved_tflops_llm": f_llm / seconds / 1e12, "achieved_tflops_total": (f_llm + f_vis) / seconds / 1e12,
         "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
         "alloc_retries_per_step": retries, "device_allocs_per_step": allocs, "empty_cache": args.empty_cache,
+        "reserve_gb": args.reserve_gb if args.empty_cache else 0.0,
         **({"host_syncs": syncs} if syncs is not None else {}),
     }
 

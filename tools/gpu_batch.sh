@@ -73,6 +73,10 @@ setup)
 run)
   OUT=$2; shift 2
   mkdir -p "$OUT"
+  # Triton keeps autotuning results in its cache (with the kernels `caches` brings back): fla asks for that itself,
+  # vLLM's own copy of fla's Gated DeltaNet kernels does not (a fresh machine's first Qwen3.5 run autotuned 22
+  # kernels for 213 s on 2026-12-03, most of them in generation)
+  export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
   python3 -c "import torch; f, t = torch.cuda.mem_get_info(); print('device_gb %.2f %s' % (t / 2**30, torch.cuda.get_device_name()))" \
     | tee "$OUT/device.txt"
   # the host too: machines of one GPU kind differ by up to 2x in generation at the same GPU clocks

@@ -75,7 +75,7 @@ run)
   mkdir -p "$OUT"
   # Triton keeps autotuning results in its cache (with the kernels `caches` brings back): fla asks for that itself,
   # vLLM's own copy of fla's Gated DeltaNet kernels does not (a fresh machine's first Qwen3.5 run autotuned 22
-  # kernels for 213 s on 2026-12-03, most of them in generation)
+  # kernels for 213 s on 2026-12-03, vLLM's 8 of them for 54 s in generation)
   export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
   python3 -c "import torch; f, t = torch.cuda.mem_get_info(); print('device_gb %.2f %s' % (t / 2**30, torch.cuda.get_device_name()))" \
     | tee "$OUT/device.txt"

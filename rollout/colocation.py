@@ -390,7 +390,7 @@ def state_bytes_per_sequence(config: dict, dtype_bytes: int, tensor_parallel_siz
     kd, vd = text["linear_key_head_dim"], text["linear_value_head_dim"]
     conv = (2 * nk * kd + nv * vd) * (text.get("linear_conv_kernel_dim", 4) - 1)
     named = text.get("mamba_ssm_dtype")
-    state_bytes = torch.empty(0, dtype=getattr(torch, named)).element_size() if named else dtype_bytes
+    state_bytes = getattr(torch, named).itemsize if named else dtype_bytes
     recurrent = nv * kd * vd
     return layers * (conv * dtype_bytes + recurrent * state_bytes) // max(1, min(tensor_parallel_size, nk))
 

@@ -78,8 +78,8 @@ def _parse(argv):
                    help="empty torch's CUDA cache before each timed (and the profiled) training step, untimed, as "
                         "the loop's engine wake does: each step then regrows the cache through the driver")
     p.add_argument("--reserve-gb", type=float, default=0.0,
-                   help="with --empty-cache: then allocate and free one block of this many GiB (untimed), so the step "
-                        "carves its tensors from one cached segment instead of a driver allocation each")
+                   help="with --empty-cache: then put this many GiB back into the cache (untimed) as optim.reserve_cache "
+                        "does, in its 2 GiB chunks, so the step splits cached segments instead of a driver allocation each")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the trainer the benchmark builds (repeatable)")
     p.add_argument("--append", action="store_true", help="append to docs/benchmarks.jsonl and docs/benchmarks.md")
@@ -208,6 +208,7 @@ def _run_standalone(args) -> dict:
 def bench_train(trainer, args) -> dict:
     """SFT-shaped steps over packed prompt+response sequences: the cost of a PPO update."""
     from grpo.update import PackedStep, optimizer_step
+    from rollout.colocation import reserve_cache
 
     prompts = trainer.feeder.next(max(args.train_seqs // args.group, 1))
     g = torch.Generator().manual_seed(0)
@@ -236,8 +237,7 @@ def bench_train(trainer, args) -> dict:
         if args.empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
             if args.reserve_gb > 0:
-                block = torch.empty(int(args.reserve_gb * 2**30), dtype=torch.uint8, device="cuda")
-                del block  # back to the cache as one segment the step's allocations split
+                reserve_cache(trainer.policy.device, int(args.reserve_gb * 2**30))
 
     def emptied():
         empty()

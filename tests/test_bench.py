@@ -88,3 +88,16 @@ def test_current_table_reads_the_recipe_as_shipped():
     slow = {"loop_step_s": 14.0, "mfu_llm": 0.12, "command": "loop", "date": "d3", "device": "H200", "current": False}
     table = current_table([shipped, variant, slow])
     assert "| 11.00 |" in table and "14.00" not in table and "12.0%" not in table
+
+
+def test_current_table_reads_the_first_step_from_a_machine_that_ran_the_recipe():
+    from tools.bench import current_table
+
+    warm = {"loop_step_s": 6.0, "first_step_extra_s": 22.0, "command": "loop", "date": "d1", "device": "H200"}
+    cold = {"loop_step_s": 5.9, "first_step_extra_s": 65.0, "command": "loop", "date": "d2", "device": "H200",
+            "machine_first_run": True}
+    lines = current_table([warm, cold]).splitlines()
+    first = next(line for line in lines if "first step beyond" in line)
+    assert "| 22.0 | yes |" in first and "65.0" not in first
+    # the other targets still read the newest row, a machine's first run included
+    assert "| 5.90 |" in next(line for line in lines if "GRPO step through train.py" in line)

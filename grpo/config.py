@@ -292,10 +292,6 @@ class OptimConfig:
     # 3B recipe's 21 GiB stranded during generation on one H200). The same numbers either way. Off: measured,
     # it left 0.9 GiB stranded but the update still retried once a step and ran no faster (2026-12-03)
     allocate_state_at_start: bool = False
-    # GRPO on a GPU: before the logprob and update passes, put as much into torch's cache as the last step's passes
-    # grew it by, in 2 GiB chunks (rollout/colocation.py `reserve_cache`), so they split cached segments instead of
-    # making a driver allocation per new tensor after the engine's wake emptied the cache. From the second step on
-    reserve_cache: bool = False
 
 
 @dataclass

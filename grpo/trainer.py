@@ -38,7 +38,7 @@ from rollout.base import Generation, PromptInput, SamplingParams, timed
 from rollout.episode import Episode, episode_batch
 from rollout.colocation import (
     KV_HEADROOM, RESERVE_BYTES, Colocation, MemoryNeeds, activation_bytes, fsdp_unit_sizes, kv_bytes_per_token,
-    next_reserve, reserve_cache, state_bytes_per_sequence, tensor_bytes, tensor_elements,
+    state_bytes_per_sequence, tensor_bytes, tensor_elements,
 )
 from rollout.exact import build_exact, prepare_process
 from rollout.factory import build_engine
@@ -77,7 +77,6 @@ class Trainer:
         started = time.monotonic()
         # start-up seconds, logged with the first step's metrics (perf/*_build_s), with the engine's once it is built
         self._startup: dict[str, float] = {}
-        self._reserve_bytes = 0  # optim.reserve_cache: what the next step reserves before its passes
         preflight(cfg, dist.get_world_size())
         self.dims = build_parallel_dims(cfg.parallel.tp, cfg.parallel.replicate)
         self.telemetry = build_telemetry(cfg.trainer.gpu_telemetry, self.dims.device,
@@ -438,10 +437,6 @@ class Trainer:
 
         reuse = self._old_logprobs_from_update()
         peak = self.colocation.peak  # two labelled passes; the step's peak is the same as over one
-        reserved = 0
-        if self._reserve_bytes:  # optim.reserve_cache: the cache the passes will need, in a few chunks
-            with timed(timings, "perf/reserve_s"):
-                reserved = reserve_cache(self.policy.device, self._reserve_bytes)
         with peak.training("logprob"):
             with timed(timings, "perf/logprob_s"):
                 step = self._experience(episodes, old_logprobs=not reuse)
@@ -454,9 +449,6 @@ class Trainer:
                 train = self._ppo_update(step, old_from_update=reuse)
             if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now
                 fidelity = self._fidelity(step)
-        if self.cfg.optim.reserve_cache and self.policy.device.type == "cuda" and self.optimizer.state:
-            self._reserve_bytes = next_reserve(reserved, peak.phase_metrics())
-            timings["memory/reserved_gb"] = reserved / 2**30
 
         with timed(timings, "perf/refit_s"):
             self.refit()

@@ -345,37 +345,6 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int, tensor_parallel_size: int
     return total
 
 
-CACHE_CHUNK_BYTES = 2 * _GIB  # what one live tensor left in a reserved chunk can keep from the engine
-
-
-def reserve_cache(device: torch.device, nbytes: int, chunk_bytes: int = CACHE_CHUNK_BYTES) -> int:
-    """Put `nbytes` into torch's caching allocator as chunks of `chunk_bytes`, allocated and freed at once, so the
-    passes that follow split cached segments instead of going to the driver for each new tensor (after the
-    engine's wake emptied the cache, every step's passes otherwise regrow it a tensor at a time). Stops where
-    the device is full. Returns the bytes put into the cache.
-
-    The chunks go back to the device with the cache's next emptying, before the engine wakes, unless a tensor
-    that outlives the passes was cut from one: then the chunk stays (`memory/inactive_split_gb_generation`
-    shows it), which is why they are chunks and not one block."""
-    blocks, made = [], 0
-    try:
-        while made < nbytes:
-            size = min(chunk_bytes, nbytes - made)
-            blocks.append(torch.empty(size, dtype=torch.uint8, device=device))
-            made += size
-    except torch.OutOfMemoryError:
-        pass
-    del blocks
-    return made
-
-
-def next_reserve(made: int, phase_metrics: dict) -> int:
-    """What to reserve before the next step's passes: this step's reserve and what the cache still grew by in
-    its passes (the passes run back to back, the cache never emptied between them, so their growths add)."""
-    grown = sum(phase_metrics.get(f"memory/reserved_growth_gb_{label}", 0.0) for label in ("logprob", "update"))
-    return made + int(grown * _GIB)
-
-
 def state_bytes_per_sequence(config: dict, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
     """The fixed state one sequence keeps in a hybrid's linear-attention layers, per GPU of a tensor-parallel
     engine (TP splits the heads): the short convolution's last K-1 inputs (2·key heads·key width + value

@@ -424,29 +424,3 @@ def test_fsdp_unit_sizes_of_a_plain_module():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model[1].requires_grad_(False)
     assert fsdp_unit_sizes(model) == [(15 + 8, 15)]
-
-
-def test_reserve_cache_makes_chunks_and_stops_where_the_device_is_full(monkeypatch):
-    """optim.reserve_cache: the bytes go into the cache in chunks (a live tensor cut from one keeps only that
-    chunk from the engine), and a full device ends the reserve short instead of failing the step."""
-    from rollout.colocation import next_reserve, reserve_cache
-
-    sizes = []
-    real_empty = torch.empty
-
-    def empty(size, **kwargs):
-        if len(sizes) == 3:
-            raise torch.OutOfMemoryError("device full")
-        sizes.append(size)
-        return real_empty(size, **kwargs)
-
-    assert reserve_cache(torch.device("cpu"), 10_000, chunk_bytes=4_096) == 10_000  # 4096 + 4096 + 1808
-    monkeypatch.setattr(torch, "empty", empty)
-    assert reserve_cache(torch.device("cpu"), 20_000, chunk_bytes=4_096) == 3 * 4_096
-    assert sizes == [4_096] * 3
-    # the next step's reserve: this one's and what the passes still grew the cache by (GiB), back to back
-    gib = 2**30
-    metrics = {"memory/reserved_growth_gb_logprob": 1.5, "memory/reserved_growth_gb_update": 2.0,
-               "memory/alloc_retries_update": 4.0}
-    assert next_reserve(10 * gib, metrics) == int(13.5 * gib)
-    assert next_reserve(0, {}) == 0

@@ -77,9 +77,6 @@ def _parse(argv):
     p.add_argument("--empty-cache", action="store_true",
                    help="empty torch's CUDA cache before each timed (and the profiled) training step, untimed, as "
                         "the loop's engine wake does: each step then regrows the cache through the driver")
-    p.add_argument("--reserve-gb", type=float, default=0.0,
-                   help="with --empty-cache: then put this many GiB back into the cache (untimed) as optim.reserve_cache "
-                        "does, in its 2 GiB chunks, so the step splits cached segments instead of a driver allocation each")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the trainer the benchmark builds (repeatable)")
     p.add_argument("--append", action="store_true", help="append to docs/benchmarks.jsonl and docs/benchmarks.md")
@@ -208,7 +205,6 @@ def _run_standalone(args) -> dict:
 def bench_train(trainer, args) -> dict:
     """SFT-shaped steps over packed prompt+response sequences: the cost of a PPO update."""
     from grpo.update import PackedStep, optimizer_step
-    from rollout.colocation import reserve_cache
 
     prompts = trainer.feeder.next(max(args.train_seqs // args.group, 1))
     g = torch.Generator().manual_seed(0)
@@ -233,11 +229,9 @@ def bench_train(trainer, args) -> dict:
                               grad_clip=1.0, denominators={"tokens": scored},
                               unsharded_accumulation=trainer.cfg.optim.unsharded_accumulation)
 
-    def empty():  # what --empty-cache (and --reserve-gb) ask for before a step, untimed
+    def empty():  # what --empty-cache asks for before a step, untimed
         if args.empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
-            if args.reserve_gb > 0:
-                reserve_cache(trainer.policy.device, int(args.reserve_gb * 2**30))
 
     def emptied():
         empty()
@@ -270,7 +264,6 @@ def bench_train(trainer, args) -> dict:
         "achieved_tflops_llm": f_llm / seconds / 1e12, "achieved_tflops_total": (f_llm + f_vis) / seconds / 1e12,
         "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
         "alloc_retries_per_step": retries, "device_allocs_per_step": allocs, "empty_cache": args.empty_cache,
-        "reserve_gb": args.reserve_gb if args.empty_cache else 0.0,
         **({"host_syncs": syncs} if syncs is not None else {}),
     }
 

@@ -100,3 +100,9 @@ def test_current_table_reads_the_first_step_from_a_machine_that_ran_the_recipe()
     assert "| 22.0 | yes |" in first and "65.0" not in first
     # the other targets still read the newest row, a machine's first run included
     assert "| 5.90 |" in next(line for line in lines if "GRPO step through train.py" in line)
+    # a variant acting from step 2 on counts for the first step only
+    late = {"loop_step_s": 5.0, "first_step_extra_s": 20.0, "command": "loop rc", "date": "d3", "device": "H200",
+            "overrides": "optim.x=true", "first_step_as_shipped": True}
+    lines = current_table([warm, cold, late]).splitlines()
+    assert "| 20.0 | yes |" in next(line for line in lines if "first step beyond" in line)
+    assert "| 5.90 |" in next(line for line in lines if "GRPO step through train.py" in line)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from grpo.checkpoint import CheckpointError
 from grpo.config import ConfigError, load_config
 from grpo.run_folder import RunFolderError
-from grpo.trainer import NonFiniteStop, Trainer
+from grpo.trainer import NonFiniteStop, OutOfMemoryStop, Trainer
 from models.parallel import allocator_settings, init_distributed, shutdown_distributed
 
 PR_SET_PDEATHSIG = 1
@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             except NonFiniteStop as exc:
                 print(f"stopped: {exc}", file=sys.stderr, flush=True)
                 return 3
+            except OutOfMemoryStop as exc:  # torch's own message after ours: how much it asked for, what was free
+                cause = str(exc.__cause__).splitlines()[0] if exc.__cause__ else ""
+                print(f"out of memory: {exc}\n  ({cause})", file=sys.stderr, flush=True)
+                return 4
             result = trainer.evaluate() if trainer.eval_feeder and not trainer.preempted else {}
         if dist.get_rank() == 0 and result:
             print("final " + json.dumps(result), flush=True)

@@ -69,6 +69,10 @@ class NonFiniteStop(RuntimeError):
     """Too many non-finite steps in a row: the run stopped with a checkpoint."""
 
 
+class OutOfMemoryStop(RuntimeError):
+    """A step ran out of device memory: the message names the pass and the settings that lower its need."""
+
+
 class Trainer:
     """Builds the pieces from the config and runs `train()`."""
 
@@ -136,6 +140,7 @@ class Trainer:
         self.preempted = False  # set when a SIGTERM/SIGINT stopped train() early
         self.counters = {"skipped_nonfinite": 0, "masked_mismatch_seqs": 0, "reward_failures": 0}
         self._nonfinite_in_row = 0
+        self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote or resumed from
         self._resume()
         write_config(cfg, self.run_dir, self.dims.is_main)  # only once resume has succeeded (collective)
         self.logger = MetricsLogger(
@@ -248,7 +253,7 @@ class Trainer:
             return
         check_resume_data(path, len(self.feeder.dataset), self.cfg.data.train_path)
         state = load_checkpoint(path, self.policy.model, self.optimizer)
-        self.step = int(state["step"])
+        self.step = self._saved_step = int(state["step"])
         self.feeder.stream.load_state_dict(state["data"]["stream"])
         self.counters.update(state.get("counters", {}))
         if self.dims.is_main:
@@ -264,9 +269,31 @@ class Trainer:
         state = {"data": self.feeder.state_dict(), "counters": counters}
         path = save_checkpoint(self.run_dir, self.step, self.policy.model, self.optimizer, state,
                                self.cfg.model.path, keep=self.cfg.checkpoint.keep)
+        self._saved_step = self.step
         if self.dims.is_main:
             print(f"checkpoint written: {path}", flush=True)
         return path
+
+    def _out_of_memory(self) -> str:
+        """What ran out of device memory in this step, and what lowers it (OutOfMemoryStop's message)."""
+        cfg = self.cfg
+        label = self.colocation.peak.pass_label
+        tokens = cfg.optim.max_tokens_per_microbatch
+        if label is None:
+            where = "outside the logprob and update passes (generation, scoring or the refit)"
+            fix = ("lower rollout.gpu_memory_utilization (0: the memory plan decides) or data.prompts_per_step, or "
+                   "set parallel.offload_during_generate=on")
+        else:
+            where = "in " + {"logprob": "the logprob pass", "update": "the update"}.get(label, "a training pass")
+            fix = f"lower optim.max_tokens_per_microbatch (now {tokens}; {max(tokens // 2, 1)} halves the activations)"
+            if not cfg.model.activation_checkpointing:
+                fix += " or set model.activation_checkpointing=true"
+        plan = self.colocation.plan
+        planned = f", the start-up plan's training peak ~{plan.training_peak / 2**30:.1f} GiB" if plan else ""
+        saved = (f"the newest checkpoint is step {self._saved_step}; resume with checkpoint.resume=auto"
+                 if self._saved_step else "this run has no checkpoint yet")
+        return (f"step {self.step} ran out of device memory {where} (model.dtype={cfg.model.dtype}{planned}): "
+                f"{fix}; {saved}")
 
     # --- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
@@ -291,11 +318,14 @@ class Trainer:
             lr = lr_at(self.step, cfg.optim, cfg.trainer.max_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            if cfg.trainer.mode == "sft":
-                with self.colocation.peak.training("update"):
-                    metrics = self.sft_step(per_rank)
-            else:
-                metrics = self.grpo_step(per_rank)
+            try:
+                if cfg.trainer.mode == "sft":
+                    with self.colocation.peak.training("update"):
+                        metrics = self.sft_step(per_rank)
+                else:
+                    metrics = self.grpo_step(per_rank)
+            except torch.OutOfMemoryError as exc:
+                raise OutOfMemoryStop(self._out_of_memory()) from exc
             metrics["optim/lr"] = lr
             metrics["perf/step_s"] = time.monotonic() - t0
             phases = sum(metrics.get(k, 0.0) for k in STEP_PHASES)

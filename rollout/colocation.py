@@ -408,6 +408,9 @@ class DevicePeak:
         self._peak = 0
         self._retries = 0
         self._phases: dict[str, float] = {}
+        # the training pass running now: a pass that raised keeps its label, so whoever catches the error can
+        # name the pass (None outside them: generation, scoring, the refit)
+        self.pass_label: str | None = None
 
     def _used(self) -> int:
         torch.cuda.synchronize(self.device)
@@ -445,13 +448,16 @@ class DevicePeak:
     def training(self, label: str | None = None) -> Iterator[None]:
         """Around passes that allocate only through torch's caching allocator (the engine asleep); with a
         `label` ("logprob", "update"), the pass's allocator metrics too."""
+        self.pass_label = label or "training"
         if not self._cuda:
             yield
+            self.pass_label = None
             return
         used, start = self._used(), self._stats()
         torch.cuda.reset_peak_memory_stats(self.device)
         try:
             yield
+            self.pass_label = None
         finally:
             end = self._stats()
             reserved = start.get("reserved_bytes.all.current", 0)

@@ -35,3 +35,45 @@ def test_checkpoint_at_end(tiny_model, clevr_parquet, tmp_path, at_end):
     assert (run / "checkpoints" / "step_1").is_dir() == at_end
     assert row["memory/alloc_retries"] == 0.0 and row["memory/peak_gb"] > 0
     assert not [k for k in row if k.startswith(("memory/alloc_retries_", "memory/inactive_split"))]  # GPU only
+
+
+def test_out_of_memory_names_the_pass_and_what_lowers_it(tiny_model, clevr_parquet, tmp_path, monkeypatch):
+    """A step that runs out of device memory stops with one message: the pass (the update here, step 2), the
+    micro-batch setting that lowers its need, and the newest checkpoint (step 1); outside the training passes it
+    points at the engine's share instead, and says when the run has no checkpoint."""
+    import torch
+
+    from grpo import trainer as trainer_module
+    from grpo.trainer import OutOfMemoryStop
+
+    real, calls = trainer_module.optimizer_step, []
+
+    def update_runs_out(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 302.00 MiB.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "optimizer_step", update_runs_out)
+    trainer = small_trainer(tiny_model, clevr_parquet, tmp_path / "run", "trainer.max_steps=3",
+                            "checkpoint.every_steps=1", "optim.max_tokens_per_microbatch=512")
+    with pytest.raises(OutOfMemoryStop) as info:
+        trainer.train()
+    message = str(info.value)
+    assert message.startswith("step 2 ran out of device memory in the update (model.dtype=")
+    assert "lower optim.max_tokens_per_microbatch (now 512; 256 halves" in message
+    assert "model.activation_checkpointing=true" in message
+    assert "the newest checkpoint is step 1; resume with checkpoint.resume=auto" in message
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert trainer.colocation.peak.pass_label == "update"
+
+    def generation_runs_out(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    fresh = small_trainer(tiny_model, clevr_parquet, tmp_path / "run2")
+    monkeypatch.setattr(fresh.rollouts, "collect", generation_runs_out)
+    with pytest.raises(OutOfMemoryStop) as info:
+        fresh.train()
+    message = str(info.value)
+    assert "step 1 ran out of device memory outside the logprob and update passes" in message
+    assert "rollout.gpu_memory_utilization" in message and "this run has no checkpoint yet" in message

@@ -24,7 +24,9 @@
 # JIT caches across sessions: a fresh machine spends minutes building Triton kernels (fla's Gated DeltaNet kernels
 # took over 250 s on 2026-12-03) and compiling vLLM's graphs (~50 s at 3B). End a session's last call with
 # `bash tools/gpu_batch.sh caches $OUT` (its pieces are up to five files, 50 MiB: keep the call's other files at
-# three or fewer; 2026-12-03's Triton cache was 21 MiB, vLLM's 28 MiB); copy what came back into .gpu/jit/ here,
+# three or fewer and small, or give it a call of its own; at 2026-12-03 16:30 the Triton cache held 302 MiB of
+# files after the 3B and Qwen3.5 runs, 54 MiB as tar.gz, and vLLM's 58 MiB as tar.gz: both were left out, which
+# is why it now packs with xz); copy what came back into .gpu/jit/ here, replacing the older pieces,
 # and carry .gpu/jit in the call that runs `setup`, which joins the pieces and unpacks them where the kernels' and
 # vLLM's caches look. A stale entry is only a miss: each
 # cache keys its entries by source, versions and device.
@@ -62,9 +64,12 @@ setup)
   for part in .gpu/chunk-*/part-*; do [ -f "$part" ] && cp "$part" /opt/vb/; done  # the chunks this call carries
   (cd /opt/vb && cat part-* | tar -x && bash install.sh)
   if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .whl/*.whl; fi
-  for first in .gpu/jit/jit-*.tgz.part-aa; do  # an earlier session's JIT caches (see `caches`), where carried
+  for first in .gpu/jit/jit-*.part-aa; do  # an earlier session's JIT caches (see `caches`), where carried
     [ -f "$first" ] || continue
-    cat "${first%aa}"* | tar -xz -C / && echo "unpacked $(basename "${first%.part-aa}")"
+    case "$first" in
+      *.txz.part-aa) cat "${first%aa}"* | xz -dc | tar -x -C / ;;
+      *) cat "${first%aa}"* | tar -xz -C / ;;
+    esac && echo "unpacked $(basename "${first%.part-aa}")"
   done
   . /opt/vb/env.sh
   python3 -c "import omegaconf, mathruler, pylatexenc, compressed_tensors, loguru, fla.ops; print('vlrl packages ready')"
@@ -102,26 +107,29 @@ run)
   reap_gpu "after the last job"
   ;;
 caches)
-  # Triton's kernel cache, vLLM's compile cache and inductor's, each as one tar.gz (absolute paths inside, for
-  # `setup`) cut into 15 MiB pieces, within JIT_FILES files (default 5) and JIT_MIB MiB (default 50) in all: a call
-  # brings back 8 files of 16 MiB, and the call that carries them back with .gpu/src, .whl and chunk-5 takes 64 MiB.
-  # A cache that would pass what is left is left out
+  # Triton's kernel cache, vLLM's compile cache and inductor's, each as one tar.xz (absolute paths inside, for
+  # `setup`; xz, multi-threaded: the Triton cache of 2026-12-03, 302 MiB of files, is 43 MiB as tar.gz and 18 MiB
+  # as tar.xz) cut into 15 MiB pieces, within JIT_FILES files (default 5) and JIT_MIB MiB (default 50) in all: a
+  # call brings back 8 files of 16 MiB, and the call that carries them back with .gpu/src, .whl and chunk-5 takes
+  # 64 MiB. A cache that would pass what is left is left out
   OUT=$2; mkdir -p "$OUT"
   room=$(( ${JIT_MIB:-50} << 20 )); files=${JIT_FILES:-5}
   for entry in triton:${TRITON_CACHE_DIR:-$HOME/.triton/cache} vllm:${VLLM_CACHE_ROOT:-$HOME/.cache/vllm} \
       inductor:${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}; do
     name=${entry%%:*}; dir=${entry#*:}
     [ -d "$dir" ] || { echo "jit-$name: no $dir"; continue; }
-    tar -czf "/tmp/jit-$name.tgz" -C / "${dir#/}"
-    size=$(stat -c %s "/tmp/jit-$name.tgz"); pieces=$(( (size + (15 << 20) - 1) / (15 << 20) ))
+    ext=txz; command -v xz > /dev/null || ext=tgz  # gzip where the image has no xz (setup reads either)
+    if [ $ext = txz ]; then tar -cf - -C / "${dir#/}" | xz -T0 -6 > "/tmp/jit-$name.$ext"
+    else tar -czf "/tmp/jit-$name.$ext" -C / "${dir#/}"; fi
+    size=$(stat -c %s "/tmp/jit-$name.$ext"); pieces=$(( (size + (15 << 20) - 1) / (15 << 20) ))
     if [ "$size" -gt "$room" ] || [ "$pieces" -gt "$files" ]; then
       echo "jit-$name: $((size >> 20)) MiB from $dir in $pieces pieces, more than is left to bring back: left out"
     else
-      split -b 15m -a 2 "/tmp/jit-$name.tgz" "$OUT/jit-$name.tgz.part-"
+      split -b 15m -a 2 "/tmp/jit-$name.$ext" "$OUT/jit-$name.$ext.part-"
       room=$((room - size)); files=$((files - pieces))
       echo "jit-$name: $((size >> 10)) KiB from $dir in $pieces piece(s)"
     fi
-    rm -f "/tmp/jit-$name.tgz"
+    rm -f "/tmp/jit-$name.$ext"
   done
   ;;
 *)

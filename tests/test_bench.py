@@ -70,6 +70,9 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     # the update packs by the --set micro-batch size (256), which comes after --max-tokens (512 would fit one)
     assert 256 < result["row_tokens"] <= 512 and result["train_microbatches"] >= 2, result["row_tokens"]
     assert result["empty_cache"] is True and result["device_allocs_per_step"] == 0  # no CUDA cache on CPU
+    # the host's cores over the timed update steps, named as the loop's summary names them (NVML's only on CUDA)
+    assert 0 < result["main_thread_cores_train"] <= result["process_cores_train"] * 1.01
+    assert "util_pct_mean_train" not in result
     profile = (tmp_path / "prof.txt").read_text()
     assert profile.startswith("profiled step:") and "aten::" in profile
 

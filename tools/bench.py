@@ -204,7 +204,10 @@ def _run_standalone(args) -> dict:
 # --- the in-process measurements -------------------------------------------------------------
 def bench_train(trainer, args) -> dict:
     """SFT-shaped steps over packed prompt+response sequences: the cost of a PPO update."""
+    from contextlib import nullcontext
+
     from grpo.update import PackedStep, optimizer_step
+    from rollout.telemetry import host_clock, phase
 
     prompts = trainer.feeder.next(max(args.train_seqs // args.group, 1))
     g = torch.Generator().manual_seed(0)
@@ -235,13 +238,23 @@ def bench_train(trainer, args) -> dict:
 
     def emptied():
         empty()
-        return _timed(step)[0]
+        with phase("perf/train_s"):  # the NVML readings, where the trainer's sampler runs
+            return _timed(step)[0]
 
     step()  # warm-up: optimizer state, allocator, kernels
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     retries, allocs = _alloc_retries(), _device_allocs()
-    times = [emptied() for _ in range(args.train_steps)]
+    # the loop's trainer.gpu_telemetry readings for the same pass (GPU busy, clocks; the host's cores), so the update
+    # alone and in the loop compare on more than time
+    sampler, start = trainer.telemetry, host_clock()
+    with sampler or nullcontext():
+        times = [emptied() for _ in range(args.train_steps)]
+        readings = sampler.step_metrics(trainer.policy.device) if sampler else {}
+    end = host_clock()
+    wall = end[0] - start[0]
+    readings.update({"host/process_cores_train": (end[1] - start[1]) / wall,
+                     "host/main_thread_cores_train": (end[3] - start[3]) / wall})
     retries = (_alloc_retries() - retries) / max(args.train_steps, 1)
     allocs = (_device_allocs() - allocs) / max(args.train_steps, 1)
     seconds = statistics.median(times)
@@ -265,6 +278,8 @@ def bench_train(trainer, args) -> dict:
         "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
         "alloc_retries_per_step": retries, "device_allocs_per_step": allocs, "empty_cache": args.empty_cache,
         **({"host_syncs": syncs} if syncs is not None else {}),
+        # named as tools/loop_summary.py names the loop's: util_pct_mean_train, main_thread_cores_train, ...
+        **{k.split("/", 1)[1]: v for k, v in readings.items() if k.startswith(("gpu/", "host/"))},
     }
 
 

@@ -424,6 +424,7 @@ class DevicePeak:
         self._peak = self._used() if self._cuda else 0
         self._retries = self._retry_count()
         self._phases = {}
+        self.pass_label = None
 
     def _retry_count(self) -> int:
         return int(self._stats().get("num_alloc_retries", 0)) if self._cuda else 0

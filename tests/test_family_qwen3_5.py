@@ -939,3 +939,22 @@ def test_auto_trains_qwen3_5_full_attention_with_the_varlen_kernel_on_cuda(monke
     assert resolve_attn_implementation("auto", "cuda", ok, torch.bfloat16) == "varlen"
     assert resolve_attn_implementation("auto", "cpu", ok, torch.bfloat16) == "sdpa"
     assert resolve_attn_implementation("auto", "cuda", ok, torch.float32) == "sdpa"
+
+
+def test_kernel_build_notice_once_and_only_where_the_cache_lacks_the_kernels(tmp_path, monkeypatch):
+    """Before the first packed pass on CUDA the trainer says that fla's kernels build and autotune (minutes)
+    where Triton's cache holds none of them; once per process; never off CUDA or once the cache has them."""
+    from models.families import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "_fla_rule", lambda: object())
+    monkeypatch.setattr(qwen3_5, "_build_noticed", set())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    assert qwen3_5.kernel_build_notice(torch.device("cpu")) is None
+    line = qwen3_5.kernel_build_notice(torch.device("cuda", 0))
+    assert line.startswith(f"Gated DeltaNet: Triton's cache ({tmp_path / 'triton'}) holds none of fla's kernels")
+    assert qwen3_5.kernel_build_notice(torch.device("cuda", 0)) is None  # once
+    monkeypatch.setattr(qwen3_5, "_build_noticed", set())
+    entry = tmp_path / "triton" / "3f2a9c"
+    entry.mkdir(parents=True)
+    (entry / f"{qwen3_5.FLA_PROBE_KERNEL}.json").write_text("{}")
+    assert qwen3_5.kernel_build_notice(torch.device("cuda", 0)) is None

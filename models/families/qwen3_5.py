@@ -40,10 +40,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +104,27 @@ def _fla_rule():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule
+
+
+log = logging.getLogger("vlrl")
+# fla 0.6's chunked forward state kernel: Triton's cache holds it once any Gated DeltaNet pass has run on the machine
+FLA_PROBE_KERNEL = "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
+_build_noticed: set[str] = set()
+
+
+def kernel_build_notice(device: torch.device) -> str | None:
+    """Once per process, before the first packed pass on CUDA: where Triton's cache holds none of fla's Gated
+    DeltaNet kernels yet, the line that says the first passes build and autotune them (minutes, silent
+    otherwise); None where the cache has them, off CUDA, without fla, and after the first call."""
+    if device.type != "cuda" or _fla_rule() is None or "cuda" in _build_noticed:
+        return None
+    _build_noticed.add("cuda")
+    cache_dir = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    if cache_dir.is_dir() and any(cache_dir.glob(f"*/{FLA_PROBE_KERNEL}.*")):
+        return None
+    return (f"Gated DeltaNet: Triton's cache ({cache_dir}) holds none of fla's kernels yet, so the first logprob and "
+            "update passes build and autotune them: minutes on a fresh machine (22 kernels, fla's and vLLM's, took "
+            "213 s on an H200), read from the cache by later runs")
 
 
 @cache
@@ -397,6 +421,9 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     def run_language_model(self, model, embeds, position_ids, image_mask, extra_streams):
         decoder = self.language_model(model)
         apply_packed_linear_attention(decoder)
+        notice = kernel_build_notice(embeds.device)
+        if notice:
+            log.info(notice)
         if torch.is_grad_enabled():  # a backward may follow: can fla's run on this GPU? (a no-op off CUDA)
             prepare_delta_rule_backward(decoder, embeds.device, embeds.dtype)
         # masks prebuilt where the varlen kernel runs (none: it reads the row's boundaries), so the decoder does not

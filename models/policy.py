@@ -636,6 +636,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
 
         adapter.vision_tower(model).config._attn_implementation = VISION_NAME
     model.forward = _bind_forward(model)
+    conv3d_windows_as_linear(model)  # the patch embedding as the engine computes it
     lora = getattr(cfg_model, "lora", None)
     if trainable and lora is not None and lora.rank > 0:  # before sharding: adapters live in their layer's unit
         names = lora_module_names(model, adapter, lora.targets, lora.vision_targets)
@@ -796,6 +797,32 @@ def liger_patch(model_type: str, hint: bool = False) -> tuple[Callable[..., None
             log.info("model.liger_kernel: liger-kernel fuses RMSNorm and SwiGLU for model type '%s'; the rotary "
                      "embedding stays unfused (liger has no rotary kernel for it)", model_type)
     return apply, kwargs
+
+
+def conv3d_windows_as_linear(model: nn.Module) -> int:
+    """Route every Conv3d whose stride is its kernel (no padding, dilation or groups), the vision patch
+    embedding's, to one matmul over each flattened window when its input is exactly one window per item, as
+    vLLM's Conv3dLayer computes it (a GEMM over the patches; torch ≥ 2.9 also runs such a Conv3d without cuDNN).
+    The same function of the weights, rounded as the engine rounds it. Other inputs keep the convolution.
+    Returns how many were routed."""
+    routed = 0
+    for m in model.modules():
+        if (isinstance(m, nn.Conv3d) and tuple(m.stride) == tuple(m.kernel_size) and m.groups == 1
+                and m.padding in ((0, 0, 0), "valid") and tuple(m.dilation) == (1, 1, 1)):
+            m.forward = _windows_as_linear(m, m.forward)
+            routed += 1
+    return routed
+
+
+def _windows_as_linear(conv: nn.Conv3d, convolve: Callable) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 5 or tuple(x.shape[2:]) != tuple(conv.kernel_size):
+            return convolve(x)
+        w = conv.weight
+        out = nn.functional.linear(x.reshape(x.shape[0], -1), w.reshape(w.shape[0], -1), conv.bias)
+        return out.view(x.shape[0], w.shape[0], 1, 1, 1)
+
+    return forward
 
 
 def _bind_forward(model: nn.Module):

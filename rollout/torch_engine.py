@@ -33,7 +33,7 @@ from torch import nn
 from models.family import FamilyAdapter, build_adapter
 from models.logits import head_logits
 from models.moe import RouteRecorder
-from models.policy import canonical_weight_name, load_model_config
+from models.policy import canonical_weight_name, conv3d_windows_as_linear, load_model_config
 from rollout.base import Engine, Generation, PromptInput, SamplingParams
 
 
@@ -67,6 +67,7 @@ class TorchEngine(Engine):
             model_path, config=config, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
         )
         self.model: nn.Module = model.to(self.device).eval()
+        conv3d_windows_as_linear(self.model)  # the patch embedding as the policy and vLLM compute it
         self.vocab_size: int = self.adapter.lm_head(self.model).weight.shape[0]
         self._cache_kwarg = cache_kwarg_name(self.model.model)
         self._asleep = False

@@ -62,6 +62,9 @@ class TrainerConfig:
     # missing); false: never. Booleans read as true/false
     gpu_telemetry: Literal["auto", "true", "false"] = "auto"
     gpu_telemetry_interval_s: float = 0.05  # seconds between readings
+    # the step (1-based) whose logprob and update passes run under torch.profiler (the update alone in SFT), its op
+    # tables written to <run_dir>/profile_step_<N>.txt by the first rank (rollout.telemetry.profiled); 0: none
+    profile_step: int = 0
 
 
 @dataclass
@@ -731,7 +734,7 @@ AT_LEAST_ONE = (
     "algorithm.ppo_epochs", "optim.max_tokens_per_microbatch", "parallel.tp",
 )
 AT_LEAST_ZERO = (
-    "trainer.seed", "trainer.eval_every", "model.lora.rank", "trainer.max_nonfinite_in_row",
+    "trainer.seed", "trainer.eval_every", "model.lora.rank", "trainer.max_nonfinite_in_row", "trainer.profile_step",
     "model.router_aux_loss_coef",
     "rollout.temperature", "rollout.processor_cache_gb", "rollout.max_tool_images", "rollout.max_tool_errors", "rollout.max_context_tokens",
     "algorithm.tool_error_penalty",

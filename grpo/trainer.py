@@ -45,7 +45,7 @@ from rollout.factory import build_engine
 from rollout.gen_probe import breakdown_metrics
 from rollout.groups import EngineGroup
 from rollout.rollouts import Rollouts, context_tokens, tool_prompt
-from rollout.telemetry import build_telemetry
+from rollout.telemetry import build_telemetry, profiled
 
 log = logging.getLogger("vlrl")
 MISMATCH_ALARM = 1.05
@@ -295,6 +295,15 @@ class Trainer:
         return (f"step {self.step} ran out of device memory {where} (model.dtype={cfg.model.dtype}{planned}): "
                 f"{fix}; {saved}")
 
+    def _profiling(self, what: str):
+        """torch.profiler around the passes of trainer.profile_step on the first rank (op tables to
+        <run_dir>/profile_step_<N>.txt), elsewhere nothing."""
+        if self.step != self.cfg.trainer.profile_step or not self.dims.is_main:
+            return nullcontext()
+        out = Path(self.run_dir) / f"profile_step_{self.step}.txt"
+        print(f"profiling step {self.step}'s {what}: {out}", flush=True)
+        return profiled(out, f"step {self.step}'s {what}")
+
     # --- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
         """Run steps until trainer.max_steps, or until a SIGTERM/SIGINT (then checkpoint and return)."""
@@ -320,7 +329,7 @@ class Trainer:
                 group["lr"] = lr
             try:
                 if cfg.trainer.mode == "sft":
-                    with self.colocation.peak.training("update"):
+                    with self.colocation.peak.training("update"), self._profiling("update"):
                         metrics = self.sft_step(per_rank)
                 else:
                     metrics = self.grpo_step(per_rank)
@@ -467,18 +476,19 @@ class Trainer:
 
         reuse = self._old_logprobs_from_update()
         peak = self.colocation.peak  # two labelled passes; the step's peak is the same as over one
-        with peak.training("logprob"):
-            with timed(timings, "perf/logprob_s"):
-                step = self._experience(episodes, old_logprobs=not reuse)
-            with timed(timings, "perf/score_s"):
-                rewards = self._advantages(step, episodes, rewards_info)
-                if not reuse:  # the mismatch mask needs the old logprobs before the update
+        with self._profiling("logprob and update passes"):
+            with peak.training("logprob"):
+                with timed(timings, "perf/logprob_s"):
+                    step = self._experience(episodes, old_logprobs=not reuse)
+                with timed(timings, "perf/score_s"):
+                    rewards = self._advantages(step, episodes, rewards_info)
+                    if not reuse:  # the mismatch mask needs the old logprobs before the update
+                        fidelity = self._fidelity(step)
+            with peak.training("update"):
+                with timed(timings, "perf/train_s"):
+                    train = self._ppo_update(step, old_from_update=reuse)
+                if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now
                     fidelity = self._fidelity(step)
-        with peak.training("update"):
-            with timed(timings, "perf/train_s"):
-                train = self._ppo_update(step, old_from_update=reuse)
-            if reuse:  # the update's own forward gave the old logprobs; compare them with the engine's now
-                fidelity = self._fidelity(step)
 
         with timed(timings, "perf/refit_s"):
             self.refit()

@@ -261,3 +261,59 @@ def build_telemetry(setting: str, device: torch.device, interval_s: float,
     log.info("trainer.gpu_telemetry=%s: on (%s; NVML every %.0f ms, max SM clock %.0f MHz, power limit %.0f W)",
              setting, device, 1000 * interval_s, telemetry.sm_clock_max_mhz, telemetry.power_limit_w)
     return telemetry
+
+
+# the memory-bound ops (casts, copies, element-wise) whose input shapes tell which tensor each one reads
+_SMALL_OPS = ("aten::copy_", "aten::mul", "aten::add_", "aten::add", "aten::_to_copy", "aten::cat", "aten::pow",
+              "aten::mean", "aten::rsqrt", "aten::silu", "aten::neg", "aten::sum")
+
+
+@contextmanager
+def profiled(out, label: str):
+    """The block under torch.profiler, its op tables written to `out` after it: by self device time (CPU time
+    without CUDA), on CUDA also by self CPU time and the casts, copies and element-wise ops by input shapes,
+    under a first line with the wall seconds, the device kernels' busy seconds, the host's waits for the GPU
+    (`cudaStreamSynchronize`) and the allocator's driver calls. Yields a dict that gets `host_syncs` (None
+    without CUDA) and `wall_s`."""
+    from pathlib import Path
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    result: dict = {}
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 record_shapes=True) as prof:
+        yield result
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    # kernels and copies only: an op row also carries its kernels' time, a user range overlaps them
+    busy = sum(e.self_device_time_total for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)) / 1e6 if cuda else 0.0
+    # the host waiting for the GPU's queue to drain (a read back, a blocking copy): the GPU idles after each
+    waits = [e for e in events if e.key == "cudaStreamSynchronize"]
+    syncs, sync_s = sum(e.count for e in waits), sum(e.cpu_time_total for e in waits) / 1e6
+    # the caching allocator going to the driver: a cudaFree waits for the device too (an allocation retry
+    # frees the whole cache; an empty_cache between phases makes the next pass allocate again)
+    driver = {name: sum(e.count for e in events if e.key == name) for name in ("cudaMalloc", "cudaFree")}
+    head = (f"{label}: {wall:.2f} s wall (profiler overhead included), device kernels busy {busy:.2f} s"
+            f" ({busy / wall:.0%} of wall), {syncs} cudaStreamSynchronize ({sync_s * 1e3:.0f} ms of host time),"
+            f" {driver['cudaMalloc']} cudaMalloc, {driver['cudaFree']} cudaFree\n"
+            if cuda else f"{label}: {wall:.2f} s wall\n")
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    tables = [head, "--- by self device time ---" if cuda else "--- by self CPU time ---",
+              events.table(sort_by=key, row_limit=45)]
+    if cuda:  # a pass the GPU waits through is bound by the host: show where the host spends it
+        tables += ["--- by self CPU time ---", events.table(sort_by="self_cpu_time_total", row_limit=25)]
+        grouped = prof.key_averages(group_by_input_shape=True)
+        rows = sorted((e for e in grouped if e.key in _SMALL_OPS), key=lambda e: -e.self_device_time_total)[:30]
+        tables.append(f"--- casts, copies and element-wise ops by input shapes (top {len(rows)}) ---")
+        tables += [f"{e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key:16s} {e.input_shapes}"
+                   for e in rows]
+    Path(out).write_text("\n".join(tables) + "\n", encoding="utf-8")
+    result.update(host_syncs=syncs if cuda else None, wall_s=wall)

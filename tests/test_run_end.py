@@ -77,3 +77,21 @@ def test_out_of_memory_names_the_pass_and_what_lowers_it(tiny_model, clevr_parqu
     message = str(info.value)
     assert "step 1 ran out of device memory outside the logprob and update passes" in message
     assert "rollout.gpu_memory_utilization" in message and "this run has no checkpoint yet" in message
+
+
+def test_profile_step_writes_that_steps_op_tables(tiny_model, clevr_parquet, tmp_path):
+    """trainer.profile_step=2: step 2's logprob and update passes run under torch.profiler, their op tables in
+    <run_dir>/profile_step_2.txt; the other steps are not profiled."""
+    run = tmp_path / "run"
+    small_trainer(tiny_model, clevr_parquet, run, "trainer.max_steps=2", "trainer.profile_step=2").train()
+    (written,) = run.glob("profile_step_*.txt")
+    assert written.name == "profile_step_2.txt"
+    text = written.read_text()
+    assert text.startswith("step 2's logprob and update passes: ") and "aten::" in text
+
+
+def test_profile_step_must_not_be_negative():
+    from grpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.profile_step"):
+        load_config(None, ["trainer.profile_step=-1"])

@@ -284,50 +284,15 @@ def bench_train(trainer, args) -> dict:
 
 
 def _profile(step, out: Path) -> int | None:
-    """One step under torch.profiler: the ops by device time (by CPU time without CUDA). Returns the step's
-    `cudaStreamSynchronize` calls (each a wait of the host for the GPU's queue; None without CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
+    """One step under torch.profiler (`rollout.telemetry.profiled`: the ops by device time, by CPU time without
+    CUDA). Returns the step's `cudaStreamSynchronize` calls (each a wait of the host for the GPU's queue; None
+    without CUDA)."""
+    from rollout.telemetry import profiled
 
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    _sync()
-    t0 = time.perf_counter()
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profiled(out, "profiled step") as result:
         step()
-        _sync()
-    wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    from torch.autograd import DeviceType
-
-    # kernels and copies only: an op row also carries its kernels' time, a user range overlaps them
-    busy = sum(e.self_device_time_total for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
-               and not getattr(e, "is_user_annotation", False)) / 1e6 if cuda else 0.0
-    # the host waiting for the GPU's queue to drain (a read back, a blocking copy): the GPU idles after each
-    waits = [e for e in events if e.key == "cudaStreamSynchronize"]
-    syncs, sync_s = sum(e.count for e in waits), sum(e.cpu_time_total for e in waits) / 1e6
-    # the caching allocator going to the driver: a cudaFree waits for the device too (an allocation retry
-    # frees the whole cache; an empty_cache between phases makes the next pass allocate again)
-    driver = {name: sum(e.count for e in events if e.key == name) for name in ("cudaMalloc", "cudaFree")}
-    head = (f"profiled step: {wall:.2f} s wall (profiler overhead included), device kernels busy {busy:.2f} s"
-            f" ({busy / wall:.0%} of wall), {syncs} cudaStreamSynchronize ({sync_s * 1e3:.0f} ms of host time),"
-            f" {driver['cudaMalloc']} cudaMalloc, {driver['cudaFree']} cudaFree\n"
-            if cuda else f"profiled step: {wall:.2f} s wall\n")
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    tables = [head, f"--- by self device time ---" if cuda else "--- by self CPU time ---",
-              events.table(sort_by=key, row_limit=45)]
-    if cuda:  # a step the GPU waits through is bound by the host: show where the host spends it
-        tables += ["--- by self CPU time ---", events.table(sort_by="self_cpu_time_total", row_limit=25)]
-        # the memory-bound ops (casts, copies, element-wise) by input shapes: which tensor each one reads
-        small = ("aten::copy_", "aten::mul", "aten::add_", "aten::add", "aten::_to_copy", "aten::cat", "aten::pow",
-                 "aten::mean", "aten::rsqrt", "aten::silu", "aten::neg", "aten::sum")
-        grouped = prof.key_averages(group_by_input_shape=True)
-        rows = sorted((e for e in grouped if e.key in small), key=lambda e: -e.self_device_time_total)[:30]
-        tables.append(f"--- casts, copies and element-wise ops by input shapes (top {len(rows)}) ---")
-        tables += [f"{e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key:16s} {e.input_shapes}"
-                   for e in rows]
-    out.write_text("\n".join(tables) + "\n", encoding="utf-8")
     print(f"bench: profile of one training step written to {out}", flush=True)
-    return syncs if cuda else None
+    return result["host_syncs"]
 
 
 def _alloc_retries() -> int:

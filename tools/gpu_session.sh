@@ -79,6 +79,7 @@ recipe_loop() {
   echo "$label GRPO loop rc=$?"
   cp $W/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
   cp $W/$name/config.yaml "$OUT/${name}_config.yaml" 2>/dev/null
+  for f in $W/$name/profile_step_*.txt; do [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"; done  # trainer.profile_step
   $PY tools/loop_summary.py "$OUT/${name}_metrics.jsonl" --config "$OUT/${name}_config.yaml" | tee "$OUT/${name}_summary.json"
   # the steady steps' clocks and host per phase in one line (trainer.gpu_telemetry), where they were logged
   $PY -c "import json, sys; s = json.load(open(sys.argv[1])); print('telemetry (max %s MHz): ' % s.get('sm_clock_max_mhz') + '; '.join(

@@ -39,6 +39,13 @@ def test_summary_takes_steady_steps_and_the_run_settings(tmp_path, capsys):
     assert out["loop_step_s"] == pytest.approx(10.0)
 
 
+def test_the_profiled_step_is_no_steady_step(tmp_path, capsys):
+    metrics, config = _write(tmp_path, ["trainer.profile_step=5"])
+    main([str(metrics), "--config", str(config)])
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == [3, 4] and out["loop_step_s"] == pytest.approx(9.5) and out["profile_step"] == 5
+
+
 def test_summary_sets_the_loop_generation_against_a_standalone_run(tmp_path, capsys):
     metrics, config = _write(tmp_path, [])
     loop = summarize(read_rows(metrics))["gen_tokens_per_s"]

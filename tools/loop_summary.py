@@ -70,7 +70,7 @@ SETTINGS = {
     "max_tokens_per_microbatch": ("optim", "max_tokens_per_microbatch"), "prefetch": ("data", "prefetch"),
     "shared_prompts": ("model", "shared_prompts"), "fp32_logits": ("model", "fp32_logits"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
-    "gen_breakdown": ("rollout", "gen_breakdown"),
+    "gen_breakdown": ("rollout", "gen_breakdown"), "profile_step": ("trainer", "profile_step"),
 }
 # settings config.yaml holds as the words true/false (an auto key the trainer settled): read as booleans
 WORD_BOOLEANS = ("liger_kernel",)
@@ -118,8 +118,9 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict], from_step: int = 3) -> dict:
-    steady = [r for r in rows if r.get("step", 0) >= from_step]
+def summarize(rows: list[dict], from_step: int = 3, skip: int = 0) -> dict:
+    """The steady steps' means (steps from `from_step` on, less `skip`: a step run under the profiler)."""
+    steady = [r for r in rows if r.get("step", 0) >= from_step and r.get("step") != skip]
     if not steady:
         raise SystemExit(f"no steps >= {from_step} in the metrics ({len(rows)} rows)")
     mean = lambda k: statistics.mean(r.get(k, 0.0) for r in steady)  # noqa: E731
@@ -262,9 +263,10 @@ def main(argv=None) -> int:
                    help="tools/bench.py's JSON with standalone_gen_tokens_per_s: add loop_gen_vs_standalone "
                         "(and loop_engine_vs_standalone)")
     args = p.parse_args(argv)
-    out = summarize(read_rows(args.metrics), args.from_step)
-    if args.config is not None:
-        out.update(read_settings(args.config))
+    settings = read_settings(args.config) if args.config is not None else {}
+    # trainer.profile_step: that step ran under torch.profiler, slower, so it is no steady step
+    out = summarize(read_rows(args.metrics), args.from_step, int(settings.get("profile_step") or 0))
+    out.update(settings)
     if args.standalone is not None:
         out.update(read_standalone(args.standalone, out))
     print(json.dumps(out, indent=1))

@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -269,14 +270,12 @@ _SMALL_OPS = ("aten::copy_", "aten::mul", "aten::add_", "aten::add", "aten::_to_
 
 
 @contextmanager
-def profiled(out, label: str):
+def profiled(out: str | Path, label: str):
     """The block under torch.profiler, its op tables written to `out` after it: by self device time (CPU time
     without CUDA), on CUDA also by self CPU time and the casts, copies and element-wise ops by input shapes,
     under a first line with the wall seconds, the device kernels' busy seconds, the host's waits for the GPU
     (`cudaStreamSynchronize`) and the allocator's driver calls. Yields a dict that gets `host_syncs` (None
     without CUDA) and `wall_s`."""
-    from pathlib import Path
-
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -250,11 +250,13 @@ def bench_train(trainer, args) -> dict:
     sampler, start = trainer.telemetry, host_clock()
     with sampler or nullcontext():
         times = [emptied() for _ in range(args.train_steps)]
-        readings = sampler.step_metrics(trainer.policy.device) if sampler else {}
-    end = host_clock()
-    wall = end[0] - start[0]
-    readings.update({"host/process_cores_train": (end[1] - start[1]) / wall,
-                     "host/main_thread_cores_train": (end[3] - start[3]) / wall})
+        if sampler:  # its phase readings hold the host's cores over the timed steps too
+            readings = sampler.step_metrics(trainer.policy.device)
+        else:  # no sampler (no CUDA or NVML): the host's cores over the steps from the same clocks
+            end = host_clock()
+            wall = end[0] - start[0]
+            readings = {"host/process_cores_train": (end[1] - start[1]) / wall,
+                        "host/main_thread_cores_train": (end[3] - start[3]) / wall}
     retries = (_alloc_retries() - retries) / max(args.train_steps, 1)
     allocs = (_device_allocs() - allocs) / max(args.train_steps, 1)
     seconds = statistics.median(times)

@@ -19,6 +19,7 @@ from models.packing import (
     PackedMicrobatch, bins_fit, first_fit_decreasing, grouped_bins, image_groups, pack, plan_microbatches,
     prompt_groups, shared_row_tokens, unpack_per_sequence,
 )
+from models.phases import phase_range
 from models.policy import Policy
 
 
@@ -90,9 +91,10 @@ class PackedStep:
 
     def __init__(self, batch: Batch, max_tokens: int, device, share_prompts: bool = False):
         self.batch = batch
-        self.bins = common_microbatches(batch, max_tokens, device, share_prompts)
-        self.microbatches = [(pack(batch, b, share_prompts) if b else dummy_microbatch()).to(device)
-                             for b in self.bins]
+        with phase_range("pack"):
+            self.bins = common_microbatches(batch, max_tokens, device, share_prompts)
+            self.microbatches = [(pack(batch, b, share_prompts) if b else dummy_microbatch()).to(device)
+                                 for b in self.bins]
         self.fields: list[dict[str, torch.Tensor]] = [{} for _ in self.microbatches]
         self.device = device
 
@@ -206,8 +208,9 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
             mb.fields = fields
             if mb.sample_indices:
                 lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
-                loss, m = loss_fn(lp, mb, denominators)
-                sums.setdefault("loss/entropy_sum", []).append(ent.detach().float().sum())
+                with phase_range("loss"):
+                    loss, m = loss_fn(lp, mb, denominators)
+                    sums.setdefault("loss/entropy_sum", []).append(ent.detach().float().sum())
                 if policy.router_aux is not None:  # MoE: each micro-batch's share of the step's scored tokens
                     aux = policy.router_aux * (mb.num_targets / denominators["tokens"])
                     loss = loss + policy.router_aux_coef * aux
@@ -215,25 +218,27 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
             else:
                 lp, _ = policy.logprobs(mb, temperature=temperature)
                 loss, m = lp.sum() * 0.0, {}
-            (loss * dp).backward()
+            with phase_range("backward"):
+                (loss * dp).backward()
             totals.append(loss.detach().float().reshape(()))
             for k, v in m.items():
                 sums.setdefault(k, []).append(v)
     finally:
         if hold:
             _hold_unsharded(policy.model, False)
-    loss_total = float(torch.stack(totals).sum()) if totals else 0.0
-    sums = {k: float(sum(v)) for k, v in sums.items()}  # one device read per key
-    params = [p for p in policy.model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    grad_norm = float(grad_norm)
-    (loss_global,) = all_reduce_sum([loss_total], device)
-    finite = math.isfinite(loss_global) and math.isfinite(grad_norm)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with phase_range("clip and optimizer step"):
+        loss_total = float(torch.stack(totals).sum()) if totals else 0.0
+        sums = {k: float(sum(v)) for k, v in sums.items()}  # one device read per key
+        params = [p for p in policy.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        (loss_global,) = all_reduce_sum([loss_total], device)
+        finite = math.isfinite(loss_global) and math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return {"loss/total": loss_global, "loss/grad_norm": grad_norm, "loss/skipped_nonfinite": 0.0 if finite else 1.0,
             **sums}
 

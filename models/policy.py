@@ -34,6 +34,7 @@ from models.lora import (
 from models.moe import apply_routing_replay, load_balancing_loss, routes_as
 from models.packing import PackedMicrobatch
 from models.parallel import ParallelDims, apply_parallelism
+from models.phases import phase_range
 
 log = logging.getLogger("vlrl")
 
@@ -294,7 +295,8 @@ class Policy:
         if mb.pixel_values is None and mb.pixel_values_videos is None:
             keepalive = self._vision_keepalive().to(embeds.dtype)
         else:
-            embeds, image_mask, extra = self._with_vision_features(mb, embeds, image_mask)
+            with phase_range("vision tower"):
+                embeds, image_mask, extra = self._with_vision_features(mb, embeds, image_mask)
             keepalive = None
         if mb.routed_experts is not None:  # MoE routing replay: the engine's experts per token
             apply_routing_replay(a.routers(self.model))
@@ -302,10 +304,11 @@ class Policy:
         if a.packable or mb.cu_seqlens.numel() <= 2:
             bounds = {} if host is None else {"bounds": host.cu_seqlens, "bounds_k": host.cu_seqlens_k}
             with packed_row(mb.cu_seqlens.to(embeds.device), mb.input_ids.shape[1], mb.kv_index,
-                            mb.cu_seqlens_k, **bounds), routes_as(mb.routed_experts):
+                            mb.cu_seqlens_k, **bounds), routes_as(mb.routed_experts), phase_range("language model"):
                 hidden = a.run_language_model(self.model, embeds, mb.position_ids, image_mask, extra)[0]
         else:
-            hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, extra))
+            with phase_range("language model"):
+                hidden = torch.cat(self._per_sequence(mb, embeds, image_mask, extra))
         return hidden if keepalive is None else hidden + keepalive
 
     def _with_vision_features(self, mb: PackedMicrobatch, embeds, image_mask):
@@ -430,6 +433,11 @@ class Policy:
                 self.router_aux = None
         finally:
             self._router_logits = None
+        with phase_range("logprobs"):
+            return self._head_logprobs(hidden, mb, temperature, with_entropy)
+
+    def _head_logprobs(self, hidden: torch.Tensor, mb: PackedMicrobatch, temperature: float, with_entropy: bool):
+        """The scored tokens' logprobs (and entropies) from the row's last hidden states, LOGPROB_CHUNK at a time."""
         picked = hidden.index_select(0, mb.target_positions)
         head = self.adapter.lm_head(self.model)
         lps, ents = [], []

@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from models.phases import PHASE_PREFIX
+
 log = logging.getLogger("vlrl")
 
 # NVML's clock-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*)
@@ -274,8 +276,10 @@ def profiled(out: str | Path, label: str):
     """The block under torch.profiler, its op tables written to `out` after it: by self device time (CPU time
     without CUDA), on CUDA also by self CPU time and the casts, copies and element-wise ops by input shapes,
     under a first line with the wall seconds, the device kernels' busy seconds, the host's waits for the GPU
-    (`cudaStreamSynchronize`) and the allocator's driver calls. Yields a dict that gets `host_syncs` (None
-    without CUDA) and `wall_s`."""
+    (`cudaStreamSynchronize`) and the allocator's driver calls; on CUDA last, where the device sat idle between
+    kernels and what its host was doing then (`idle_gaps`). Yields a dict that gets `host_syncs` (None without
+    CUDA), `wall_s`, `block_s` (the block alone, without the profiler's stop and parsing) and on CUDA `busy_s` and
+    `idle_s`."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -289,6 +293,7 @@ def profiled(out: str | Path, label: str):
         yield result
         if cuda:
             torch.cuda.synchronize()
+        inner = time.perf_counter() - t0  # the block alone; `wall` adds the profiler's stop and trace parsing
     wall = time.perf_counter() - t0
     events = prof.key_averages()
     # kernels and copies only: an op row also carries its kernels' time, a user range overlaps them
@@ -314,5 +319,117 @@ def profiled(out: str | Path, label: str):
         tables.append(f"--- casts, copies and element-wise ops by input shapes (top {len(rows)}) ---")
         tables += [f"{e.self_device_time_total / 1e3:10.1f} ms {e.count:7d}x  {e.key:16s} {e.input_shapes}"
                    for e in rows]
+    events_list = prof.events()
+    tables.append(phase_table(events_list))
+    if cuda:
+        gaps = idle_gaps(events_list)
+        tables.append(gap_report(gaps, inner))
+        result.update(idle_s=gaps["idle_s"], busy_s=gaps["busy_s"])
     Path(out).write_text("\n".join(tables) + "\n", encoding="utf-8")
-    result.update(host_syncs=syncs if cuda else None, wall_s=wall)
+    result.update(host_syncs=syncs if cuda else None, wall_s=wall, block_s=inner)
+
+
+def phase_table(events) -> str:
+    """The `vlrl: ` phase ranges of a profile (models.phases.phase_range): count and host wall time of each."""
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.name.startswith(PHASE_PREFIX):
+            entry = totals.setdefault(e.name[len(PHASE_PREFIX):], [0.0, 0])
+            entry[0] += (e.time_range.end - e.time_range.start) / 1e3
+            entry[1] += 1
+    lines = ["--- phases (vlrl: ranges; host wall time under the profiler, nested ranges counted in each) ---"]
+    lines += [f"  {ms:10.1f} ms {n:6d}x  {name}" for name, (ms, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
+    return "\n".join(lines)
+
+
+def idle_gaps(events, min_gap_us: float = 20.0) -> dict:
+    """Where the device waited on the host, from a profile's events (`profile.events()`).
+
+    The device's kernels, copies and memsets, in start order, make its busy intervals; a gap of at least
+    `min_gap_us` between them (and the lead from the block's first host op to the first kernel) is idle time.
+    Each gap is charged to what ended it: the kernel after it, the host op that launched that kernel (by the
+    profiler's correlation id) and that op's outermost op, and the innermost `vlrl: ` phase range open on any
+    host thread when the op started (the backward's ops run on autograd's thread, its ranges on the caller's).
+    Returns busy_s, idle_s, window_s, gaps (count), buckets ({label: [seconds, count]}), by_phase and by_op
+    ({key: [seconds, count]}) and largest (the 12 longest gaps: seconds, offset_s, before, after, op).
+    """
+    from torch.autograd import DeviceType
+
+    def device(e):
+        return e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+
+    kernels = sorted((e for e in events if device(e)), key=lambda e: e.time_range.start)
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    ops = {e.id: e for e in host if getattr(e, "linked_correlation_id", 0) == 0}
+    phases = sorted((e for e in host if e.name.startswith(PHASE_PREFIX)), key=lambda e: e.time_range.start)
+    out = {"busy_s": 0.0, "idle_s": 0.0, "window_s": 0.0, "gaps": 0, "buckets": {}, "by_phase": {}, "by_op": {},
+           "largest": []}
+    if not kernels:
+        return out
+
+    def phase_at(t: float) -> str:
+        open_ = [p for p in phases if p.time_range.start <= t <= p.time_range.end]
+        if not open_:
+            return "(no phase)"
+        inner = max(open_, key=lambda p: p.time_range.start)
+        return inner.name[len(PHASE_PREFIX):]
+
+    def launcher(k) -> tuple[str, float | None]:
+        op = ops.get(getattr(k, "linked_correlation_id", 0))
+        if op is None:
+            return "(unknown op)", None
+        top = op
+        while getattr(top, "cpu_parent", None) is not None and not top.cpu_parent.name.startswith(PHASE_PREFIX):
+            top = top.cpu_parent
+        name = op.name if top is op else f"{top.name} > {op.name}"
+        return name, op.time_range.start
+
+    buckets = (("20-100 us", 100.0), ("0.1-1 ms", 1e3), ("1-10 ms", 1e4), (">= 10 ms", float("inf")))
+    start = min([e.time_range.start for e in host] + [kernels[0].time_range.start])
+    busy_end, busy, gaps = start, 0.0, []
+    before = None
+    for k in kernels:
+        s, e = k.time_range.start, k.time_range.end
+        if s - busy_end >= min_gap_us:
+            gaps.append((s - busy_end, busy_end - start, before, k))
+        if e > busy_end:
+            busy += e - max(s, busy_end)
+            busy_end = e
+            before = k
+    for length, offset, prev, k in gaps:
+        name, launched = launcher(k)
+        phase = phase_at(launched if launched is not None else k.time_range.start)
+        for key, table in ((phase, out["by_phase"]), (name, out["by_op"])):
+            entry = table.setdefault(key, [0.0, 0])
+            entry[0] += length / 1e6
+            entry[1] += 1
+        label = next(lab for lab, top in buckets if length < top)
+        entry = out["buckets"].setdefault(label, [0.0, 0])
+        entry[0] += length / 1e6
+        entry[1] += 1
+    for length, offset, prev, k in sorted(gaps, key=lambda g: -g[0])[:12]:
+        out["largest"].append({"seconds": length / 1e6, "offset_s": offset / 1e6,
+                               "before": prev.name if prev is not None else "(block start)", "after": k.name,
+                               "op": launcher(k)[0]})
+    out.update(busy_s=busy / 1e6, window_s=(busy_end - start) / 1e6, gaps=len(gaps),
+               idle_s=sum(g[0] for g in gaps) / 1e6)
+    return out
+
+
+def gap_report(gaps: dict, block_s: float) -> str:
+    """`idle_gaps`' result as text for a profile file."""
+    lines = [f"--- device idle: gaps between kernels (the host runs slower under the profiler, so more of it shows "
+             f"here than in an unprofiled step) ---",
+             f"block {block_s:.3f} s under the profiler; from its first host op to the last kernel "
+             f"{gaps['window_s']:.3f} s: kernels busy {gaps['busy_s']:.3f} s, idle {gaps['idle_s']:.3f} s in "
+             f"{gaps['gaps']} gaps of 20 us or more"]
+    lines += [f"  {label:>10s}: {sec * 1e3:9.1f} ms in {n} gaps" for label, (sec, n) in gaps["buckets"].items()]
+    for title, table in (("by phase (the vlrl: range open when the next kernel's op started)", gaps["by_phase"]),
+                         ("by the op whose launch ended the gap (outermost op > launching op)", gaps["by_op"])):
+        lines.append(title)
+        rows = sorted(table.items(), key=lambda kv: -kv[1][0])[:20]
+        lines += [f"  {sec * 1e3:9.1f} ms {n:6d} gaps  {key[:150]}" for key, (sec, n) in rows]
+    lines.append("largest gaps")
+    lines += [f"  {g['seconds'] * 1e3:8.2f} ms at +{g['offset_s']:.3f} s  after {g['before'][:50]}  before "
+              f"{g['after'][:50]}  launched by {g['op'][:100]}" for g in gaps["largest"]]
+    return "\n".join(lines)

@@ -75,6 +75,8 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     assert "util_pct_mean_train" not in result
     profile = (tmp_path / "prof.txt").read_text()
     assert profile.startswith("profiled step:") and "aten::" in profile
+    assert "x  backward\n" in profile.split("--- phases")[1]  # the update's phases, each with its host time
+    assert 0 < result["profiled_block_s"] and "profiled_idle_s" not in result  # kernels' idle time: CUDA only
 
 
 def test_current_table_reads_the_recipe_as_shipped():

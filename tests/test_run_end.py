@@ -88,6 +88,10 @@ def test_profile_step_writes_that_steps_op_tables(tiny_model, clevr_parquet, tmp
     assert written.name == "profile_step_2.txt"
     text = written.read_text()
     assert text.startswith("step 2's logprob and update passes: ") and "aten::" in text
+    # the passes' phases by name (models.phases.phase_range), each with its host time
+    phases = text.split("--- phases (vlrl: ranges")[1]
+    for name in ("pack", "vision tower", "language model", "logprobs", "loss", "backward", "clip and optimizer step"):
+        assert f"x  {name}\n" in phases, name
 
 
 def test_profile_step_must_not_be_negative():

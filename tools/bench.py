@@ -262,7 +262,7 @@ def bench_train(trainer, args) -> dict:
     seconds = statistics.median(times)
     if args.profile:
         empty()
-    syncs = _profile(step, Path(args.profile)) if args.profile else None
+    prof = _profile(step, Path(args.profile)) if args.profile else None
     rows = [mb for mb in packed().microbatches if mb.sample_indices]
     bins = [mb.sample_indices for mb in rows]
     slots = sum(max(sum(seqlens[i] for i in b), 2) for b in bins)
@@ -279,22 +279,25 @@ def bench_train(trainer, args) -> dict:
         "achieved_tflops_llm": f_llm / seconds / 1e12, "achieved_tflops_total": (f_llm + f_vis) / seconds / 1e12,
         "padding_waste": 1.0 - sum(seqlens) / slots, "peak_mem_gb_train": _peak_gb(),
         "alloc_retries_per_step": retries, "device_allocs_per_step": allocs, "empty_cache": args.empty_cache,
-        **({"host_syncs": syncs} if syncs is not None else {}),
+        # the profiled step: its host waits for the GPU, and on CUDA its kernels' busy and idle seconds under the profiler
+        **({"host_syncs": prof["host_syncs"]} if prof and prof["host_syncs"] is not None else {}),
+        **({f"profiled_{k}": prof[k] for k in ("block_s", "busy_s", "idle_s") if k in prof} if prof else {}),
         # named as tools/loop_summary.py names the loop's: util_pct_mean_train, main_thread_cores_train, ...
         **{k.split("/", 1)[1]: v for k, v in readings.items() if k.startswith(("gpu/", "host/"))},
     }
 
 
-def _profile(step, out: Path) -> int | None:
+def _profile(step, out: Path) -> dict:
     """One step under torch.profiler (`rollout.telemetry.profiled`: the ops by device time, by CPU time without
-    CUDA). Returns the step's `cudaStreamSynchronize` calls (each a wait of the host for the GPU's queue; None
-    without CUDA)."""
+    CUDA; on CUDA where the device sat idle). Returns profiled's result: `host_syncs`, the step's
+    `cudaStreamSynchronize` calls (each a wait of the host for the GPU's queue; None without CUDA), `block_s`,
+    and on CUDA `busy_s` and `idle_s`."""
     from rollout.telemetry import profiled
 
     with profiled(out, "profiled step") as result:
         step()
     print(f"bench: profile of one training step written to {out}", flush=True)
-    return result["host_syncs"]
+    return result
 
 
 def _alloc_retries() -> int:

@@ -106,7 +106,7 @@ standalone_vs_loop() {
 }
 # One line from a bench.py --phases train JSON: update_summary FILE
 update_summary() {
-  $PY -c "import json;d=json.load(open('$1'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f attn=%s liger=%s busy=%s%% main_thread_cores=%.2f device_allocs=%.0f' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train'], d['attn_implementation'], d['liger_kernel'], '%.0f' % d['util_pct_mean_train'] if 'util_pct_mean_train' in d else '-', d.get('main_thread_cores_train', float('nan')), d.get('device_allocs_per_step', float('nan'))))" 2>&1 | tail -1
+  $PY -c "import json;d=json.load(open('$1'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f attn=%s liger=%s busy=%s%% main_thread_cores=%.2f device_allocs=%.0f' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train'], d['attn_implementation'], d['liger_kernel'], '%.0f' % d['util_pct_mean_train'] if 'util_pct_mean_train' in d else '-', d.get('main_thread_cores_train', float('nan')), d.get('device_allocs_per_step', float('nan'))) + ('' if 'profiled_idle_s' not in d else ' profiled: block %.2f s, kernels busy %.2f s, idle %.2f s' % (d['profiled_block_s'], d['profiled_busy_s'], d['profiled_idle_s'])))" 2>&1 | tail -1
 }
 # The update alone (bench.py --phases train: 128 sequences x 256 tokens, 448x448 images, 3 timed steps) once per
 # set of overrides in SETS (";"-separated sets of space-separated config overrides, "-" for none; a word that

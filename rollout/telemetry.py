@@ -360,7 +360,11 @@ def idle_gaps(events, min_gap_us: float = 20.0) -> dict:
 
     kernels = sorted((e for e in events if device(e)), key=lambda e: e.time_range.start)
     host = [e for e in events if e.device_type == DeviceType.CPU]
-    ops = {e.id: e for e in host if getattr(e, "linked_correlation_id", 0) == 0}
+    # a kernel shares its correlation id with the runtime call that launched it (cudaLaunchKernel, cuLaunchKernelEx,
+    # cudaMemcpyAsync, ...), which nests in the launching op on its thread; where the runtime call is missing, the
+    # kernel's link to the op (newer torch) is the fallback
+    runtime = {e.id: e for e in host if e.id and e.name.startswith("cu")}
+    ops = {e.id: e for e in host if e.id and getattr(e, "linked_correlation_id", 0) == 0}
     phases = sorted((e for e in host if e.name.startswith(PHASE_PREFIX)), key=lambda e: e.time_range.start)
     out = {"busy_s": 0.0, "idle_s": 0.0, "window_s": 0.0, "gaps": 0, "buckets": {}, "by_phase": {}, "by_op": {},
            "largest": []}
@@ -375,14 +379,18 @@ def idle_gaps(events, min_gap_us: float = 20.0) -> dict:
         return inner.name[len(PHASE_PREFIX):]
 
     def launcher(k) -> tuple[str, float | None]:
-        op = ops.get(getattr(k, "linked_correlation_id", 0))
+        call = runtime.get(k.id) if getattr(k, "id", 0) else None
+        op = getattr(call, "cpu_parent", None)
         if op is None:
-            return "(unknown op)", None
+            op = ops.get(getattr(k, "linked_correlation_id", 0) or -1)
+        if op is None:
+            return "(unknown op)", None if call is None else call.time_range.start
+        when = call.time_range.start if call is not None else op.time_range.start
         top = op
         while getattr(top, "cpu_parent", None) is not None and not top.cpu_parent.name.startswith(PHASE_PREFIX):
             top = top.cpu_parent
         name = op.name if top is op else f"{top.name} > {op.name}"
-        return name, op.time_range.start
+        return name, when
 
     buckets = (("20-100 us", 100.0), ("0.1-1 ms", 1e3), ("1-10 ms", 1e4), (">= 10 ms", float("inf")))
     start = min([e.time_range.start for e in host] + [kernels[0].time_range.start])

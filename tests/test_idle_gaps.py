@@ -19,14 +19,18 @@ def _events():
     backward = _event("vlrl: backward", 200, 400, annotation=True)
     top = _event("autograd::engine::evaluate_function: MmBackward0", 205, 300)  # autograd's thread: no range parent
     mm = _event("aten::mm", 210, 220, id=2, parent=top)
+    # the runtime call that launched a kernel shares its id and nests in the op; the first kernel is found by its
+    # link to the op instead (no runtime call recorded)
+    launch = _event("cudaLaunchKernel", 215, 218, id=71, parent=mm)
+    no_phase = _event("Activity Buffer Request", 0, 1)  # id 0, like the profiler's own events: never a launcher
     kernels = [
-        _event("memcpy HtoD", 150, 160, DeviceType.CUDA, linked=1),  # 150 us after the block's first host op
-        _event("nvjet gemm", 300, 310, DeviceType.CUDA, linked=2),  # 140 us after the copy
-        _event("nvjet gemm", 310, 390, DeviceType.CUDA, linked=2),  # back to back: no gap
-        _event("elementwise", 395, 400, DeviceType.CUDA, linked=2),  # 5 us: under the 20 us threshold
+        _event("memcpy HtoD", 150, 160, DeviceType.CUDA, id=70, linked=1),  # 150 us after the block's first host op
+        _event("nvjet gemm", 300, 310, DeviceType.CUDA, id=71),  # 140 us after the copy
+        _event("nvjet gemm", 310, 390, DeviceType.CUDA, id=72, linked=2),  # back to back: no gap
+        _event("elementwise", 395, 400, DeviceType.CUDA, id=73, linked=2),  # 5 us: under the 20 us threshold
         _event("gpu_user_annotation", 150, 400, DeviceType.CUDA, annotation=True),  # a range, not a kernel
     ]
-    return [pack, copy, backward, top, mm, *kernels]
+    return [no_phase, pack, copy, backward, top, mm, launch, *kernels]
 
 
 def test_gaps_are_charged_to_the_phase_and_the_op_that_ended_them():

@@ -110,6 +110,14 @@ class ModelConfig:
     # required (an error names what stands in the way); off. true/false read as on/off. The 3B recipe's
     # step on one H200: 8.56 -> 5.80 s (docs/benchmarks.md)
     shared_prompts: Literal["auto", "on", "off"] = "auto"
+    # Each pass over a step's micro-batches (reference, old logprobs, the update) runs the vision tower once over
+    # all their images, in calls of up to max_tokens_per_microbatch / 2 feature rows, instead of once per
+    # micro-batch; a trained tower then runs its backward once, after the last micro-batch, from the summed
+    # gradients of its features (one more forward of the tower, at the full batch's size). The same gradients
+    # up to rounding (tests/test_vision_once.py); fewer, larger tower calls. Needs a family whose image
+    # features come from the tower's module alone (the Qwen-VL families and GLM-4.1V). auto: on there on CUDA,
+    # off with rollout.exact (whose tower must batch its images as the engine does); on: required; off
+    vision_once: Literal["auto", "on", "off"] = "auto"
     trust_remote_code: bool = False
     # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and
     # GLM families its merger too, a separate projector such as LLaVA's still trains) keeps its weights, gets no
@@ -643,7 +651,7 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 # keys with an `auto` that read a boolean as one of their words: key -> (the word for true, the word for false)
-BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.liger_kernel": ("true", "false"),
+BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.vision_once": ("on", "off"), "model.liger_kernel": ("true", "false"),
                     "trainer.gpu_telemetry": ("true", "false")}
 
 
@@ -806,6 +814,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
     yield from _algorithm_errors(cfg.algorithm)
     yield from _lora_errors(cfg)
     yield from _shared_prompt_errors(cfg)
+    yield from _vision_once_errors(cfg)
     yield from _liger_errors(cfg.model)
     if not cfg.optim.lr > 0:
         yield f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}"
@@ -913,6 +922,12 @@ def _shared_prompt_blockers(cfg: Config) -> Iterator[str]:
         yield f"config key 'model.shared_prompts' is on with parallel.tp={cfg.parallel.tp}; it needs 1"
 
 
+def _vision_once_errors(cfg: Config) -> Iterator[str]:
+    """model.vision_once=on with rollout.exact: exact mode's tower must see the images batched as the engine's does."""
+    if cfg.model.vision_once == "on" and cfg.rollout.exact:
+        yield "config key 'model.vision_once' is on with rollout.exact=true; set it to auto or off"
+
+
 def _shared_prompt_errors(cfg: Config) -> Iterator[str]:
     """model.shared_prompts=on with something that rules it out is an error (`auto` settles instead)."""
     if cfg.model.shared_prompts == "on":
@@ -937,11 +952,14 @@ def _given_errors(cfg: Config, given: set[str] | frozenset[str]) -> Iterator[str
 
 
 def _settle_auto_keys(cfg: Config) -> None:
-    """`auto` keys the config alone decides: model.shared_prompts is off where the config rules it out, and
-    model.liger_kernel with rollout.exact or model.compile (the family, the device and the installed packages
-    decide the rest when the policy is built: models.policy.shares_prompts and models.policy.uses_liger)."""
+    """`auto` keys the config alone decides: model.shared_prompts is off where the config rules it out,
+    model.vision_once with rollout.exact, and model.liger_kernel with rollout.exact or model.compile (the family,
+    the device and the installed packages decide the rest when the policy is built: models.policy.shares_prompts,
+    models.policy.runs_vision_once and models.policy.uses_liger)."""
     if cfg.model.shared_prompts == "auto" and any(_shared_prompt_blockers(cfg)):
         cfg.model.shared_prompts = "off"
+    if cfg.model.vision_once == "auto" and cfg.rollout.exact:
+        cfg.model.vision_once = "off"
     if cfg.model.liger_kernel == "auto" and (cfg.rollout.exact or cfg.model.compile):
         cfg.model.liger_kernel = "false"
     if cfg.rollout.exact:  # model.fp32_logits: its default gives way to exact mode's own lm_head

@@ -153,6 +153,8 @@ class Trainer:
             print("start-up: " + _seconds(self._startup), flush=True)
             print(f"shared prompts: {'on' if self.policy.shared_prompts else 'off'} "
                   f"(model.shared_prompts={cfg.model.shared_prompts})", flush=True)
+            print(f"vision tower: {'once per pass' if self.policy.vision_once else 'once per micro-batch'} "
+                  f"(model.vision_once={cfg.model.vision_once})", flush=True)
             print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={liger_asked})",
                   flush=True)
 

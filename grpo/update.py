@@ -20,7 +20,7 @@ from models.packing import (
     prompt_groups, shared_row_tokens, unpack_per_sequence,
 )
 from models.phases import phase_range
-from models.policy import Policy
+from models.policy import Policy, vision_plan
 
 
 def all_reduce_sum(values: list[float], device) -> list[float]:
@@ -91,6 +91,7 @@ class PackedStep:
 
     def __init__(self, batch: Batch, max_tokens: int, device, share_prompts: bool = False):
         self.batch = batch
+        self.max_tokens = max_tokens
         with phase_range("pack"):
             self.bins = common_microbatches(batch, max_tokens, device, share_prompts)
             self.microbatches = [(pack(batch, b, share_prompts) if b else dummy_microbatch()).to(device)
@@ -143,11 +144,22 @@ def as_packed(batch: "Batch | PackedStep", max_tokens: int, device) -> PackedSte
     return batch if isinstance(batch, PackedStep) else PackedStep(batch, max_tokens, device)
 
 
+def pass_vision(policy: Policy, step: PackedStep):
+    """The pass's vision tower calls (model.vision_once: `Policy.pass_vision`), the same count on every rank; a
+    context yielding None where the tower runs per micro-batch."""
+    if not policy.vision_once:
+        return policy.pass_vision(step.microbatches, None)
+    plan = vision_plan(policy, step.microbatches, step.max_tokens)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        plan += [[]] * (all_reduce_max_int(len(plan), step.device) - len(plan))
+    return policy.pass_vision(step.microbatches, plan)
+
+
 @torch.no_grad()
 def packed_logprobs(policy: Policy, step: PackedStep, name: str, temperature: float = 1.0) -> None:
     """Scored-token logprobs of every micro-batch into the packed field `name`, on the device
     (old or reference logprobs); a collective across ranks."""
-    with policy.gathered():
+    with policy.gathered(), pass_vision(policy, step):
         for mb, f in step:
             lp, _ = policy.logprobs(mb, temperature=temperature)
             if mb.sample_indices:
@@ -159,7 +171,7 @@ def sequence_logprobs(policy: Policy, batch: "Batch | PackedStep", max_tokens: i
                       with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Scored-token logprobs (and entropies) per sample, in batch order, on CPU; collective across ranks."""
     step = as_packed(batch, max_tokens, policy.device)
-    with policy.gathered():
+    with policy.gathered(), pass_vision(policy, step):
         for mb, f in step:
             lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=with_entropy)
             if mb.sample_indices:
@@ -201,6 +213,31 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     sums: dict[str, list] = {}
     hold = unsharded_accumulation and dp == 1 and hasattr(policy.model, "set_requires_gradient_sync")
     last = len(step.microbatches) - 1
+    with pass_vision(policy, step) as vision:
+        _microbatch_passes(policy, step, loss_fn, denominators, temperature, dp, hold, last, totals, sums)
+        if vision is not None:  # a trained tower's backward, once, from its features' summed gradients
+            with phase_range("backward"):
+                vision.backward()
+    with phase_range("clip and optimizer step"):
+        loss_total = float(torch.stack(totals).sum()) if totals else 0.0
+        sums = {k: float(sum(v)) for k, v in sums.items()}  # one device read per key
+        params = [p for p in policy.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        (loss_global,) = all_reduce_sum([loss_total], device)
+        finite = math.isfinite(loss_global) and math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"loss/total": loss_global, "loss/grad_norm": grad_norm, "loss/skipped_nonfinite": 0.0 if finite else 1.0,
+            **sums}
+
+
+def _microbatch_passes(policy: Policy, step: PackedStep, loss_fn: LossFn, denominators: dict, temperature: float,
+                       dp: int, hold: bool, last: int, totals: list, sums: dict) -> None:
+    """optimizer_step's forward and backward of every micro-batch, each loss into `totals`, metrics into `sums`."""
     try:
         for i, (mb, fields) in enumerate(step):
             if hold:
@@ -226,21 +263,6 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     finally:
         if hold:
             _hold_unsharded(policy.model, False)
-    with phase_range("clip and optimizer step"):
-        loss_total = float(torch.stack(totals).sum()) if totals else 0.0
-        sums = {k: float(sum(v)) for k, v in sums.items()}  # one device read per key
-        params = [p for p in policy.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        (loss_global,) = all_reduce_sum([loss_total], device)
-        finite = math.isfinite(loss_global) and math.isfinite(grad_norm)
-        if finite:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return {"loss/total": loss_global, "loss/grad_norm": grad_norm, "loss/skipped_nonfinite": 0.0 if finite else 1.0,
-            **sums}
 
 
 def lr_at(step: int, cfg_optim, max_steps: int) -> float:

@@ -133,6 +133,9 @@ class FamilyAdapter:
     # True: the vision tower takes its images' (and windows') boundaries as `cu_seqlens`; where the decoder's
     # attention is varlen, the tower's runs them in one call too (models.attention.VISION_NAME)
     varlen_vision: bool = False
+    # True: `image_features` runs the vision tower's module alone (its merger inside it, no projector of the
+    # root's), so a pass can run it over all of its micro-batches' images at once (model.vision_once)
+    vision_in_tower: bool = False
     # model.shared_prompts: causal attention with no mask of the family's own, so a row of a shared
     # prompt's segments (models.packing.pack_shared) computes what one sequence at a time does
     shares_prompts: bool = False

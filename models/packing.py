@@ -80,6 +80,11 @@ class PackedMicrobatch:
     cu_seqlens_k: torch.Tensor | None = None
     # The same boundaries and grids as Python ints (`host_layout`), carried through `to`.
     host: HostLayout | None = None
+    # The vision feature streams of this micro-batch's distinct image and video groups, computed for the whole
+    # pass at once (models.policy.Policy.pass_vision; model.vision_once), in the order the family's
+    # `image_features` returns them; the forward takes them instead of running the tower. [] for a micro-batch
+    # without images in such a pass (the pass ran the tower's collectives); None: the forward runs the tower.
+    vision: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,7 +135,7 @@ class PackedMicrobatch:
             pixel_values_videos=move(self.pixel_values_videos), video_grid_thw=move(self.video_grid_thw),
             video_group=self.video_group, videos_per_group=self.videos_per_group,
             routed_experts=move(self.routed_experts), kv_index=move(self.kv_index),
-            cu_seqlens_k=move(self.cu_seqlens_k), host=self.host_layout(),
+            cu_seqlens_k=move(self.cu_seqlens_k), host=self.host_layout(), vision=self.vision,
         )
 
 

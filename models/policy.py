@@ -15,6 +15,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -234,7 +235,8 @@ class Policy:
     """A sharded VLM plus its family adapter; runs packed micro-batches and yields full weights."""
 
     def __init__(self, model: nn.Module, adapter: FamilyAdapter, dims: ParallelDims, path: str, dtype: torch.dtype,
-                 shared_prompts: bool = False, liger_kernel: bool = False, fp32_logits: bool = False):
+                 shared_prompts: bool = False, liger_kernel: bool = False, fp32_logits: bool = False,
+                 vision_once: bool = False):
         self.model = model
         self.adapter = adapter
         self.dims = dims
@@ -259,6 +261,8 @@ class Policy:
         # model.fp32_logits as settled by the config (off with rollout.exact): the lm_head's logits with fp32
         # output from the model-dtype operands (models.logits.head_logits), as vLLM's head_dtype=float32
         self.fp32_logits = fp32_logits
+        # model.vision_once as settled for this family and device (models.policy.runs_vision_once)
+        self.vision_once = vision_once
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -274,6 +278,28 @@ class Policy:
         with image_grid(rows):
             streams = self.adapter.image_features(self.model, pixels, grid)
         return sum(s.float().sum() for s in streams) * 0.0
+
+    def _vision_chunk(self, chunk: "VisionChunk") -> list[torch.Tensor]:
+        """The feature streams of a pass's vision tower call; a keep-alive's zero-weighted scalar without pixels."""
+        if chunk.pixels is None:
+            return [self._vision_keepalive()]
+        with phase_range("vision tower"), image_grid(chunk.rows) if chunk.rows is not None else nullcontext():
+            return self.adapter.image_features(self.model, chunk.pixels, chunk.grid)
+
+    @contextmanager
+    def pass_vision(self, microbatches: list[PackedMicrobatch], plan: list[list[int]] | None
+                    ) -> Iterator["PassVision | None"]:
+        """A pass over `microbatches` with the vision tower run per chunk of `plan` (`vision_plan`, padded with
+        empty chunks to the count every rank runs) instead of per micro-batch; None: per micro-batch."""
+        if plan is None:
+            yield None
+            return
+        run = PassVision(self, microbatches, plan)
+        try:
+            run.encode()
+            yield run
+        finally:
+            run.close()
 
     def hidden_states(self, mb: PackedMicrobatch) -> torch.Tensor:
         """Last hidden states (L, H) of a packed row.
@@ -293,7 +319,8 @@ class Policy:
         image_mask = mb.input_ids == a.image_token_id
         extra: list[torch.Tensor] = []
         if mb.pixel_values is None and mb.pixel_values_videos is None:
-            keepalive = self._vision_keepalive().to(embeds.dtype)
+            # in a pass that ran the tower for all its micro-batches (`pass_vision`) its collectives ran there
+            keepalive = None if mb.vision is not None else self._vision_keepalive().to(embeds.dtype)
         else:
             with phase_range("vision tower"):
                 embeds, image_mask, extra = self._with_vision_features(mb, embeds, image_mask)
@@ -359,18 +386,17 @@ class Policy:
         """(image streams, video streams) in row order, each a list over feature streams of (tokens, H).
 
         The vision tower runs once over the micro-batch's distinct image groups and video groups
-        together (a video's patch rows are an image's with t > 1); each group's features are then
-        repeated into every sequence that uses it.
+        together (a video's patch rows are an image's with t > 1), or once for the whole pass
+        (`pass_vision`, which leaves this micro-batch's share in `mb.vision`); each group's features are
+        then repeated into every sequence that uses it.
         """
         a = self.adapter
-        parts = [(mb.pixel_values, mb.image_grid_thw), (mb.pixel_values_videos, mb.video_grid_thw)]
-        present = [(p, g) for p, g in parts if p is not None]
-        pixels = torch.cat([p for p, _ in present]) if len(present) > 1 else present[0][0]
-        grid = torch.cat([g for _, g in present]) if len(present) > 1 else present[0][1]
-        host = mb.host_layout()
-        rows = None if host is None else [*(host.image_grid or ()), *(host.video_grid or ())]
-        with image_grid(rows) if rows is not None else nullcontext():
-            streams = a.image_features(self.model, pixels, grid)
+        pixels, grid, rows = _tower_inputs(mb)
+        if mb.vision is not None:  # the pass ran the tower already
+            streams = mb.vision
+        else:
+            with image_grid(rows) if rows is not None else nullcontext():
+                streams = a.image_features(self.model, pixels, grid)
         n_images = 0 if mb.image_grid_thw is None else mb.image_grid_thw.shape[0]
         counted = grid if rows is None else torch.tensor(rows)  # the host's copy: no read back per image
         tokens = ([a.image_token_count(g) for g in counted[:n_images]]
@@ -672,7 +698,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         if dims.is_main:
             log.info("model.freeze_vision_tower: %d vision tower tensors (%.1fM weights) keep their values", *frozen)
     policy = Policy(model, adapter, dims, cfg_model.path, dtype, shared_prompts=shared, liger_kernel=liger,
-                    fp32_logits=bool(getattr(cfg_model, "fp32_logits", False)))
+                    fp32_logits=bool(getattr(cfg_model, "fp32_logits", False)),
+                    vision_once=runs_vision_once(getattr(cfg_model, "vision_once", "off"), adapter, dims.device_type))
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)
@@ -712,6 +739,21 @@ def shares_prompts(setting: str | bool, adapter: FamilyAdapter, attn_implementat
     if setting == "auto":
         return (adapter.shares_prompts and device_type == "cuda" and dtype in HALF_DTYPES
                 and attn_implementation in ("auto", "varlen"))
+    return setting == "on"
+
+
+def runs_vision_once(setting: str | bool, adapter: FamilyAdapter, device_type: str) -> bool:
+    """Whether a pass runs the vision tower once over all its micro-batches' images (model.vision_once, after
+    the config's checks). `on` needs a family whose image features come from the tower's module alone
+    (`FamilyAdapter.vision_in_tower`); `auto` takes it there on CUDA, where a tower call per micro-batch leaves
+    the device waiting on the host's launches; `off` never."""
+    setting = {True: "on", False: "off"}.get(setting, setting)
+    if setting == "on" and not adapter.vision_in_tower:
+        raise ValueError(f"config key 'model.vision_once' is on, but model family '{adapter.name}' computes its image "
+                         "features outside its vision tower's module (a projector of the language model's); set it "
+                         "to auto or off")
+    if setting == "auto":
+        return adapter.vision_in_tower and device_type == "cuda"
     return setting == "on"
 
 
@@ -833,6 +875,128 @@ def _windows_as_linear(conv: nn.Conv3d, convolve: Callable) -> Callable:
     return forward
 
 
+def _tower_inputs(mb: PackedMicrobatch) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+    """(pixel rows, grid rows, the grid's host copy or None) of a micro-batch's distinct image groups, then its
+    video groups, as one vision tower call takes them."""
+    present = [(p, g) for p, g in ((mb.pixel_values, mb.image_grid_thw), (mb.pixel_values_videos, mb.video_grid_thw))
+               if p is not None]
+    pixels = torch.cat([p for p, _ in present]) if len(present) > 1 else present[0][0]
+    grid = torch.cat([g for _, g in present]) if len(present) > 1 else present[0][1]
+    host = mb.host_layout()
+    rows = None if host is None else [*(host.image_grid or ()), *(host.video_grid or ())]
+    return pixels, grid, rows
+
+
+@dataclass
+class VisionChunk:
+    """One vision tower call of a pass (`Policy.pass_vision`): several micro-batches' images and videos, in
+    micro-batch order. No pixels: a keep-alive call, for a rank with fewer chunks than another."""
+
+    pixels: torch.Tensor | None
+    grid: torch.Tensor | None
+    rows: list | None  # the grid's rows as ints, the host's copy; None: read from `grid`
+
+
+class PassVision:
+    """The vision tower of one pass over a step's micro-batches, run once per chunk of micro-batches instead of
+    once per micro-batch (model.vision_once).
+
+    Before the pass, each chunk's features are computed without a graph and each micro-batch's share is left in
+    `mb.vision`; in a pass that trains the tower those shares are leaves, and each micro-batch's backward leaves
+    its features' gradient in them. `backward` then runs each chunk's forward again, with a graph, and its
+    backward from those gradients: the gradient the tower gets is the sum over micro-batches that running it in
+    every micro-batch gives, from one call per chunk.
+    """
+
+    def __init__(self, policy: "Policy", microbatches: list[PackedMicrobatch], plan: list[list[int]]):
+        self.policy = policy
+        self.microbatches = microbatches
+        self.plan = plan
+        tower = policy.adapter.vision_tower(policy.model)
+        self.trains = torch.is_grad_enabled() and any(p.requires_grad for p in tower.parameters())
+        self.chunks = [self._chunk([microbatches[j] for j in members]) for members in plan]
+        self._ran_backward = False
+
+    def _chunk(self, members: list[PackedMicrobatch]) -> tuple[VisionChunk, list[int]]:
+        """The chunk's tower call and the feature rows each member takes."""
+        if not members:
+            return VisionChunk(None, None, None), []
+        a = self.policy.adapter
+        parts = [_tower_inputs(mb) for mb in members]
+        rows = None if any(r is None for _, _, r in parts) else [r for _, _, rs in parts for r in rs]
+        tokens = []
+        for mb, (_, grid, mb_rows) in zip(members, parts):
+            counted = grid.tolist() if mb_rows is None else mb_rows
+            n_images = 0 if mb.image_grid_thw is None else mb.image_grid_thw.shape[0]
+            tokens.append(sum(a.image_token_count(g) for g in counted[:n_images])
+                          + sum(a.video_token_count(g) for g in counted[n_images:]))
+        pixels = torch.cat([p for p, _, _ in parts]) if len(parts) > 1 else parts[0][0]
+        grid = torch.cat([g for _, g, _ in parts]) if len(parts) > 1 else parts[0][1]
+        return VisionChunk(pixels, grid, rows), tokens
+
+    def encode(self) -> None:
+        """Each chunk's features, without a graph, into its micro-batches' `vision` ([] for the others)."""
+        for mb in self.microbatches:
+            mb.vision = []
+        with torch.no_grad():
+            for members, (chunk, tokens) in zip(self.plan, self.chunks):
+                streams = self.policy.model(chunk)
+                if not members:
+                    continue
+                per_mb = [torch.split(s, tokens) for s in streams]
+                for j, index in enumerate(members):
+                    shares = [parts[j] for parts in per_mb]
+                    self.microbatches[index].vision = [s.requires_grad_() for s in shares] if self.trains else shares
+
+    def backward(self) -> None:
+        """The tower's backward from the gradients the pass's micro-batches left in their features (a trained
+        tower only; every chunk on every rank, so the tower's collectives line up)."""
+        if not self.trains or self._ran_backward:
+            return
+        self._ran_backward = True
+        for members, (chunk, _) in zip(self.plan, self.chunks):
+            streams = self.policy.model(chunk)
+            if not members:
+                streams[0].backward()  # a keep-alive: zero-weighted
+                continue
+            grads = []
+            for k, s in enumerate(streams):
+                shares = [self.microbatches[j].vision[k] for j in members]
+                grads.append(torch.cat([x.grad if x.grad is not None else torch.zeros_like(x) for x in shares]))
+            torch.autograd.backward(streams, grads)
+
+    def close(self) -> None:
+        for mb in self.microbatches:
+            mb.vision = None
+
+
+def vision_plan(policy: "Policy", microbatches: list[PackedMicrobatch], max_tokens: int) -> list[list[int]]:
+    """The micro-batches with images or videos grouped into the pass's vision tower calls, in order: each call
+    holds at most max_tokens // 2 feature rows (a micro-batch with more has a call of its own), which keeps the
+    tower's activations within what a micro-batch of the language model holds (the 3B recipe's tower keeps
+    ~1.6 MB per 14x14 patch, four to a feature row, against ~3.6 MB per token of the decoder)."""
+    a = policy.adapter
+    limit = max(max_tokens // 2, 1)
+    plan: list[list[int]] = []
+    load = 0
+    for j, mb in enumerate(microbatches):
+        if mb.pixel_values is None and mb.pixel_values_videos is None:
+            continue
+        host = mb.host_layout()
+        images = (host.image_grid or ()) if host is not None else (
+            mb.image_grid_thw.tolist() if mb.image_grid_thw is not None else ())
+        videos = (host.video_grid or ()) if host is not None else (
+            mb.video_grid_thw.tolist() if mb.video_grid_thw is not None else ())
+        n = sum(a.image_token_count(r) for r in images) + sum(a.video_token_count(r) for r in videos)
+        if plan and load + n <= limit:
+            plan[-1].append(j)
+            load += n
+        else:
+            plan.append([j])
+            load = n
+    return plan
+
+
 def _bind_forward(model: nn.Module):
     """Route the root module's forward to the packed logprob forward.
 
@@ -841,6 +1005,8 @@ def _bind_forward(model: nn.Module):
     """
 
     def forward(mb, temperature=1.0, with_entropy=False):
+        if isinstance(mb, VisionChunk):  # a pass's vision tower call (PassVision)
+            return model._vlrl_policy._vision_chunk(mb)
         return model._vlrl_policy._forward(mb, temperature, with_entropy)
 
     return forward

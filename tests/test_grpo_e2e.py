@@ -39,6 +39,7 @@ def test_grpo_two_ranks_smoke_and_resume(tiny_model, clevr_parquet, tmp_path):
         assert "loss/kl" in row and "reward/std" in row and "loss/entropy" in row
     assert "eval/accuracy" in r[1] and "final" in proc.stdout
     assert "shared prompts: off (model.shared_prompts=auto)" in proc.stdout  # auto shares on CUDA only
+    assert "vision tower: once per micro-batch (model.vision_once=auto)" in proc.stdout  # auto: on CUDA only
     for row in r:  # a random model never answers: equal rewards give zero advantages, so nothing to learn
         assert row["loss/entropy"] > 0
         if row["reward/std"] == 0:
@@ -70,11 +71,14 @@ def test_grpo_with_a_two_rank_engine_group(tiny_model, clevr_parquet, tmp_path):
 
 def test_grpo_two_ranks_with_shared_prompts(tiny_model, clevr_parquet, tmp_path):
     """model.shared_prompts over two ranks (each its own micro-batch plan, the count agreed): the rows hold
-    each prompt once, and the step's losses, KL and gradient norm are the unshared run's."""
+    each prompt once, and the step's losses, KL and gradient norm are the unshared run's. The shared run also
+    takes model.vision_once (each pass's tower calls per chunk, the count agreed, the tower's backward once)."""
     knobs = ["algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2", "trainer.eval_every=0"]
     plain, shared = tmp_path / "plain", tmp_path / "shared"
     run_torchrun(grpo_args(tiny_model, clevr_parquet, plain, 2, knobs), nproc=2)
-    run_torchrun(grpo_args(tiny_model, clevr_parquet, shared, 2, [*knobs, "model.shared_prompts=true"]), nproc=2)
+    proc = run_torchrun(grpo_args(tiny_model, clevr_parquet, shared, 2, [*knobs, "model.shared_prompts=true",
+                                                                        "model.vision_once=on"]), nproc=2)
+    assert "vision tower: once per pass (model.vision_once=on)" in proc.stdout
     for a, b in zip(rows(plain), rows(shared)):
         assert a["perf/row_token_share"] == 1.0 and b["perf/row_token_share"] < 0.9
         assert 1.0 <= b["fidelity/token_mult_prob_error"] <= 1.0001  # the torch engine's logprobs, shared rows

@@ -27,6 +27,10 @@ def policy(tiny_model):
 
 @pytest.fixture(scope="module")
 def batch(tiny_model, policy):
+    return episode_rows(tiny_model, policy.adapter)
+
+
+def episode_rows(tiny_model, adapter):
     """Three prompts x 3 episodes: some answer at once, some zoom first (a tool image in the second turn)."""
     processor = load_processor(str(tiny_model))
     answers = ["<answer>2</answer><|im_end|>", "<answer>10</answer><|im_end|>", "<answer>three</answer><|im_end|>"]
@@ -39,7 +43,7 @@ def batch(tiny_model, policy):
     finally:
         rollouts.close()
     assert any(len(e.turns) == 2 for e in episodes) and any(len(e.turns) == 1 for e in episodes)
-    return episode_batch(episodes, policy.adapter)
+    return episode_batch(episodes, adapter)
 
 
 def _logprobs_and_grads(policy, batch, max_tokens: int, share: bool):

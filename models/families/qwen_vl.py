@@ -189,6 +189,7 @@ class QwenVLAdapter(FamilyAdapter):
     )
     varlen_attention: bool = True  # tests/gpu/test_varlen_attention.py on the H200 (Qwen2.5-VL)
     varlen_vision: bool = True  # every Qwen-VL tower (and GLM-4.1V's) takes its boundaries as cu_seqlens
+    vision_in_tower: bool = True  # `_run_tower`: model.visual with its merger (and Qwen3-VL's deepstack mergers)
     shares_prompts: bool = True  # tests/test_shared_prompts.py
     # the decoder takes its masks prebuilt, one per layer type (`run_language_model`; GLM-4.1V's builds its own
     # whatever it is given)

@@ -1,0 +1,138 @@
+"""model.vision_once: a pass runs the vision tower once per chunk of micro-batches (models.policy.PassVision)
+instead of once per micro-batch; a trained tower runs its backward once, after the last micro-batch, from its
+features' summed gradients. The logprobs and every gradient equal the per-micro-batch pass's (fp32, CPU), with
+prompt images shared by a group's episodes, tool images in second turns, and the step split over micro-batches
+and tower calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.config import ConfigError, ModelConfig, load_config
+from grpo.update import PackedStep, optimizer_step, packed_logprobs
+from models.policy import runs_vision_once, vision_plan
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+
+    init_distributed()
+    torch.manual_seed(0)
+    return build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on"),
+                        build_parallel_dims())
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model, policy):
+    from tests.test_shared_prompts import episode_rows
+
+    return episode_rows(tiny_model, policy.adapter)
+
+
+class _Recorder:
+    """An optimizer that keeps the gradients `optimizer_step` hands it and changes nothing."""
+
+    def __init__(self, model):
+        self.model = model
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+def _tower_calls(policy) -> list[int]:
+    calls: list[int] = []
+    policy.adapter.vision_tower(policy.model).register_forward_hook(lambda m, a, o: calls.append(1))
+    return calls
+
+
+def _step(policy, batch, max_tokens: int, once: bool, calls: list[int]):
+    policy.vision_once = once
+    step = PackedStep(batch, max_tokens, policy.device, True)
+    seed = torch.Generator().manual_seed(1)
+    step.set_per_token("w", [torch.rand(int(m[1:].sum()), generator=seed) for m in batch["loss_mask"].items])
+    recorder = _Recorder(policy.model)
+
+    def loss_fn(lp, mb, denominators):
+        return (lp * mb.fields["w"]).sum(), {"w_sum": mb.fields["w"].sum()}
+
+    calls.clear()
+    out = optimizer_step(policy, recorder, step, loss_fn, max_tokens=max_tokens, grad_clip=0.0, denominators={})
+    update_calls = len(calls)
+    packed_logprobs(policy, step, "lp")
+    assert all(mb.vision is None for mb in step.microbatches)  # nothing of the pass is left on the micro-batches
+    return step, out, recorder.grads, update_calls, len(calls) - update_calls
+
+
+@pytest.mark.parametrize("max_tokens", [1 << 20, 160, 40])
+def test_vision_once_gives_the_per_microbatch_logprobs_and_gradients(policy, batch, max_tokens):
+    calls = _tower_calls(policy)
+    try:
+        step, out, grads, calls_update, calls_lp = _step(policy, batch, max_tokens, False, calls)
+        step_once, out_once, grads_once, calls_update_once, calls_lp_once = _step(policy, batch, max_tokens, True,
+                                                                                  calls)
+    finally:
+        policy.vision_once = True
+    for a, b in zip(step.per_sample("lp"), step_once.per_sample("lp")):
+        assert a.numel() > 0
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    assert out_once["w_sum"] == pytest.approx(out["w_sum"])
+    assert out_once["loss/total"] == pytest.approx(out["loss/total"], rel=1e-5)
+    tower = {n for n, _ in policy.adapter.vision_tower(policy.model).named_parameters()}
+    assert grads.keys() == grads_once.keys() and any(n.endswith(t) for n in grads for t in tower)
+    for name in grads:
+        torch.testing.assert_close(grads_once[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    with_images = sum(mb.pixel_values is not None for mb in step.microbatches)
+    plan = vision_plan(policy, step_once.microbatches, max_tokens)
+    assert calls_update == calls_lp == with_images  # per micro-batch: one tower call each
+    assert calls_lp_once == len(plan) and calls_update_once == 2 * len(plan)  # per chunk: encode, then recompute
+    assert sorted(j for members in plan for j in members) == [
+        j for j, mb in enumerate(step_once.microbatches) if mb.pixel_values is not None]
+    if max_tokens == 160:  # several micro-batches, their images in one tower call
+        assert with_images > 1 and len(plan) == 1
+    if max_tokens == 40:  # chunks of at most 20 feature rows
+        assert len(plan) > 1
+
+
+def test_a_frozen_tower_runs_no_second_forward(tiny_model, batch):
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy
+
+    torch.manual_seed(0)
+    frozen = build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on",
+                                      freeze_vision_tower=True), build_parallel_dims())
+    calls = _tower_calls(frozen)
+    try:
+        step, _, grads, _, _ = _step(frozen, batch, 160, False, calls)
+        _, _, grads_once, calls_update_once, _ = _step(frozen, batch, 160, True, calls)
+    finally:
+        frozen.vision_once = True
+    assert calls_update_once == len(vision_plan(frozen, step.microbatches, 160)) == 1
+    assert grads.keys() == grads_once.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads_once[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_vision_once_settles_by_family_device_and_exact_mode(tiny_model):
+    from models.family import FamilyAdapter, build_adapter
+    from models.policy import load_model_config
+
+    projected = FamilyAdapter("projected", "ProjectedForConditionalGeneration", 0)  # vision_in_tower false
+    assert not runs_vision_once("auto", projected, "cuda")
+    with pytest.raises(ValueError, match="model.vision_once' is on, but model family 'projected'"):
+        runs_vision_once("on", projected, "cuda")
+    qwen = build_adapter(load_model_config(str(tiny_model)))
+    assert runs_vision_once("auto", qwen, "cuda") and not runs_vision_once("auto", qwen, "cpu")
+    assert runs_vision_once("on", qwen, "cpu") and not runs_vision_once("off", qwen, "cuda")
+    cfg = load_config(None, [f"model.path={tiny_model}"])
+    assert cfg.model.vision_once == "auto"
+    assert load_config(None, [f"model.path={tiny_model}", "rollout.exact=true"]).model.vision_once == "off"
+    assert load_config(None, [f"model.path={tiny_model}", "model.vision_once=true"]).model.vision_once == "on"
+    with pytest.raises(ConfigError, match="'model.vision_once' is on with rollout.exact=true"):
+        load_config(None, [f"model.path={tiny_model}", "model.vision_once=on", "rollout.exact=true"])

@@ -272,7 +272,8 @@ def bench_train(trainer, args) -> dict:
     f_llm = row_flops(text_cfg, rows)  # the FLOPs the rows run: with shared prompts each prompt once a row
     f_vis = vision_flops(trainer.adapter.vision_tower(model), distinct)
     return {
-        "shared_prompts": share, "row_tokens": sum(mb.num_tokens for mb in rows),
+        "shared_prompts": share, "vision_once": trainer.policy.vision_once,
+        "row_tokens": sum(mb.num_tokens for mb in rows),
         "train_seqs": len(seqlens), "train_tokens": sum(seqlens), "train_microbatches": len(bins),
         "train_step_s": seconds, "train_step_s_all": times, "train_tokens_per_s": sum(seqlens) / seconds,
         "llm_tflops_per_step": f_llm / 1e12, "vision_tflops_per_step": f_vis / 1e12,

@@ -189,7 +189,7 @@ loop)
   # STANDALONE=1 then times a standalone vLLM on the same requests (~2 min more).
   build_3b
   recipe_loop $M loop "3B" ${STEPS:-8}
-  [ "${STANDALONE:-0}" = 1 ] && standalone_vs_loop loop --size 3b
+  if [ "${STANDALONE:-0}" = 1 ]; then standalone_vs_loop loop --size 3b; fi
   ;;
 profile)
   # The update alone at the loop's shape, profiled (op tables), and the engine in-process against a
@@ -343,7 +343,7 @@ qwen35)
   if [[ $parts == *" loop "* ]]; then
     LOOP_ARGS="optim.max_tokens_per_microbatch=${Q35_MAX_TOKENS:-4096} ${LOOP_ARGS:-}" \
       recipe_loop $Q q35_loop "qwen3.5-4b" ${STEPS:-4}
-    [ "${STANDALONE:-0}" = 1 ] && standalone_vs_loop q35_loop --family qwen3_5 --size qwen3_5_4b
+    if [ "${STANDALONE:-0}" = 1 ]; then standalone_vs_loop q35_loop --family qwen3_5 --size qwen3_5_4b; fi
   fi
   ;;
 tests)

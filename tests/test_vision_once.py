@@ -136,3 +136,42 @@ def test_vision_once_settles_by_family_device_and_exact_mode(tiny_model):
     assert load_config(None, [f"model.path={tiny_model}", "model.vision_once=true"]).model.vision_once == "on"
     with pytest.raises(ConfigError, match="'model.vision_once' is on with rollout.exact=true"):
         load_config(None, [f"model.path={tiny_model}", "model.vision_once=on", "rollout.exact=true"])
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vision_once_with_videos_and_deepstack_streams(family, tiny_model, tmp_path_factory):
+    """Rows of videos, images then videos, text only and images only, over several micro-batches: the pass's
+    tower calls hold videos and images together, and Qwen3-VL's DeepStack streams (several per call) each get
+    their gradient back; logprobs and gradients equal the per-micro-batch pass's."""
+    from data.processing import load_processor
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+    from tests.test_video_model import _batch, _rows
+    from tools.make_tiny_model import make_tiny_model
+
+    path = tiny_model if family == "qwen2_5_vl" else make_tiny_model(
+        tmp_path_factory.mktemp("models") / "tiny_qwen3_vl", family="qwen3_vl", size="tiny", seed=0)
+    init_distributed()
+    torch.manual_seed(0)
+    policy = build_policy(ModelConfig(path=str(path), shared_prompts=True, vision_once="on"), build_parallel_dims())
+    processor = load_processor(str(path))
+    batch = _batch(policy.adapter, _rows(processor, policy.adapter, processor.images.factor), [0, 0, 1, 1, 2, 3])
+    from models.policy import VisionChunk
+
+    with torch.no_grad():  # through the root module, as a pass calls it (FSDP gathers from the root first)
+        streams = policy.model(VisionChunk(batch["pixel_values"].items[5], batch["image_grid_thw"].items[5], None))
+    assert (len(streams) > 1) == (family == "qwen3_vl")  # DeepStack: a stream per level
+    calls = _tower_calls(policy)
+    max_tokens = 60
+    step, _, grads, _, _ = _step(policy, batch, max_tokens, False, calls)
+    step_once, _, grads_once, calls_update, _ = _step(policy, batch, max_tokens, True, calls)
+    plan = vision_plan(policy, step_once.microbatches, max_tokens)
+    assert sum(mb.pixel_values_videos is not None for mb in step.microbatches) >= 1 and len(step.microbatches) > 2, len(step.microbatches)
+    assert calls_update == 2 * len(plan) and len(plan) < sum(
+        mb.pixel_values is not None or mb.pixel_values_videos is not None for mb in step.microbatches)
+    for a, b in zip(step.per_sample("lp"), step_once.per_sample("lp")):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    tower = {n for n, _ in policy.adapter.vision_tower(policy.model).named_parameters()}
+    assert grads.keys() == grads_once.keys() and any(n.endswith(t) for n in grads for t in tower)
+    for name in grads:
+        torch.testing.assert_close(grads_once[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)

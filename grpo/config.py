@@ -118,6 +118,11 @@ class ModelConfig:
     # features come from the tower's module alone (the Qwen-VL families and GLM-4.1V). auto: on there on CUDA,
     # off with rollout.exact (whose tower must batch its images as the engine does); on: required; off
     vision_once: Literal["auto", "on", "off"] = "auto"
+    # run the vision tower's gated MLPs whose width is not a multiple of 128 (Qwen2.5-VL's 3420) at the next
+    # multiple, zero-padded in each forward (models.policy.pad_mlp_widths): the same function, on the GPU
+    # matrix-product kernels aligned widths get. Not yet measured on a GPU, so off by default; an error with
+    # rollout.exact (whose tower computes as the engine's)
+    pad_vision_mlp: bool = False
     trust_remote_code: bool = False
     # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and
     # GLM families its merger too, a separate projector such as LLaVA's still trains) keeps its weights, gets no
@@ -923,9 +928,12 @@ def _shared_prompt_blockers(cfg: Config) -> Iterator[str]:
 
 
 def _vision_once_errors(cfg: Config) -> Iterator[str]:
-    """model.vision_once=on with rollout.exact: exact mode's tower must see the images batched as the engine's does."""
+    """model.vision_once=on or model.pad_vision_mlp=true with rollout.exact: exact mode's tower computes as the
+    engine's, its images batched and its products shaped as there."""
     if cfg.model.vision_once == "on" and cfg.rollout.exact:
         yield "config key 'model.vision_once' is on with rollout.exact=true; set it to auto or off"
+    if cfg.model.pad_vision_mlp and cfg.rollout.exact:
+        yield "config key 'model.pad_vision_mlp' is true with rollout.exact=true; set it to false"
 
 
 def _shared_prompt_errors(cfg: Config) -> Iterator[str]:

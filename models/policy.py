@@ -671,6 +671,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         adapter.vision_tower(model).config._attn_implementation = VISION_NAME
     model.forward = _bind_forward(model)
     conv3d_windows_as_linear(model)  # the patch embedding as the engine computes it
+    if getattr(cfg_model, "pad_vision_mlp", False) and adapter.vision_tower(model) is not None:
+        pad_mlp_widths(adapter.vision_tower(model))
     lora = getattr(cfg_model, "lora", None)
     if trainable and lora is not None and lora.rank > 0:  # before sharding: adapters live in their layer's unit
         names = lora_module_names(model, adapter, lora.targets, lora.vision_targets)
@@ -871,6 +873,50 @@ def _windows_as_linear(conv: nn.Conv3d, convolve: Callable) -> Callable:
         w = conv.weight
         out = nn.functional.linear(x.reshape(x.shape[0], -1), w.reshape(w.shape[0], -1), conv.bias)
         return out.view(x.shape[0], w.shape[0], 1, 1, 1)
+
+    return forward
+
+
+# MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)), plain nn.Linear projections: the
+# ones `pad_mlp_widths` may widen. Qwen2.5-VL's vision blocks: intermediate 3420 (not a multiple of 8 elements),
+# whose products cuBLAS runs with sm80 CUTLASS kernels on an H200 (the tower's forward spent 71 ms in them at
+# 16 images of 448², 2026-12-04 profile) where aligned widths get the sm90 ones
+PADDABLE_MLPS = frozenset({"Qwen2_5_VLMLP"})
+
+
+def pad_mlp_widths(module: nn.Module, multiple: int = 128) -> int:
+    """Run every gated MLP of `module` (`PADDABLE_MLPS`) whose intermediate width is not a multiple of `multiple`
+    at the next multiple: its gate and up rows and its down columns padded with zeros in each forward (the
+    parameters keep their shapes, so loading, checkpoints, the engine's refit and the optimizer see nothing).
+    The padded lanes are exactly zero through the product (act(0)·0) and add zeros to the down projection, so
+    the outputs and gradients are the unpadded MLP's up to rounding order. Returns how many were padded."""
+    padded = 0
+    for m in module.modules():
+        if type(m).__name__ not in PADDABLE_MLPS:
+            continue
+        gate, up, down = (getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+        if not all(type(p) is nn.Linear for p in (gate, up, down)):  # LoRA-wrapped or replaced: left alone
+            continue
+        width = gate.out_features
+        if width % multiple == 0 or up.out_features != width or down.in_features != width:
+            continue
+        m.forward = _padded_mlp(m, -width % multiple)
+        padded += 1
+    return padded
+
+
+def _padded_mlp(mlp: nn.Module, pad: int) -> Callable:
+    F = nn.functional
+
+    def rows(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias = None if linear.bias is None else F.pad(linear.bias, (0, pad))
+        return F.pad(linear.weight, (0, 0, 0, pad)), bias
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate_w, gate_b = rows(mlp.gate_proj)
+        up_w, up_b = rows(mlp.up_proj)
+        hidden = mlp.act_fn(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b)
+        return F.linear(hidden, F.pad(mlp.down_proj.weight, (0, pad)), mlp.down_proj.bias)
 
     return forward
 

@@ -175,3 +175,32 @@ def test_vision_once_with_videos_and_deepstack_streams(family, tiny_model, tmp_p
     assert grads.keys() == grads_once.keys() and any(n.endswith(t) for n in grads for t in tower)
     for name in grads:
         torch.testing.assert_close(grads_once[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_padded_vision_mlp_gives_the_unpadded_logprobs_and_gradients(tiny_model, batch):
+    """model.pad_vision_mlp: the tower's gated MLPs run at a width that is a multiple of 128 (the tiny model's 64
+    → 128), zero-padded in each forward; the parameters keep their shapes and the logprobs and gradients are the
+    unpadded model's (fp32)."""
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy, pad_mlp_widths
+
+    policies = []
+    for pad in (False, True):
+        torch.manual_seed(0)
+        policies.append(build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on",
+                                                 pad_vision_mlp=pad), build_parallel_dims()))
+    plain, padded = policies
+    tower = padded.adapter.vision_tower(padded.model)
+    assert [n for n, m in tower.named_modules() if "forward" in m.__dict__ and n.endswith("mlp")]
+    assert pad_mlp_widths(plain.adapter.vision_tower(plain.model), multiple=64) == 0  # already a multiple
+    calls: list[int] = []
+    step, _, grads, _, _ = _step(plain, batch, 160, True, calls)
+    step_padded, _, grads_padded, _, _ = _step(padded, batch, 160, True, calls)
+    for a, b in zip(step.per_sample("lp"), step_padded.per_sample("lp")):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    assert grads.keys() == grads_padded.keys() and any(".mlp.gate_proj." in n and "visual" in n for n in grads)
+    for name in grads:
+        assert grads_padded[name].shape == grads[name].shape
+        torch.testing.assert_close(grads_padded[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ConfigError, match="'model.pad_vision_mlp' is true with rollout.exact=true"):
+        load_config(None, [f"model.path={tiny_model}", "model.pad_vision_mlp=true", "rollout.exact=true"])

@@ -216,7 +216,7 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     with pass_vision(policy, step) as vision:
         _microbatch_passes(policy, step, loss_fn, denominators, temperature, dp, hold, last, totals, sums)
         if vision is not None:  # a trained tower's backward, once, from its features' summed gradients
-            with phase_range("backward"):
+            with phase_range("vision tower backward"):
                 vision.backward()
     with phase_range("clip and optimizer step"):
         loss_total = float(torch.stack(totals).sum()) if totals else 0.0

@@ -204,6 +204,9 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     FSDP unit keeps its low-precision compute copy and its unsharded fp32 gradient from one
     micro-batch to the next, so FSDP's copy-out and cast of the parameters, and its reduce copy of
     the gradients, run once per step instead of once per micro-batch.
+
+    With `model.vision_once` the vision tower runs over the step's images before the micro-batches, per chunk,
+    and a trained tower's backward once after them, before the clip (`Policy.pass_vision`).
     """
     device = policy.device
     dp = policy.dims.dp

@@ -656,8 +656,8 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 # keys with an `auto` that read a boolean as one of their words: key -> (the word for true, the word for false)
-BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.vision_once": ("on", "off"), "model.liger_kernel": ("true", "false"),
-                    "trainer.gpu_telemetry": ("true", "false")}
+BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.vision_once": ("on", "off"),
+                    "model.liger_kernel": ("true", "false"), "trainer.gpu_telemetry": ("true", "false")}
 
 
 def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
@@ -819,7 +819,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
     yield from _algorithm_errors(cfg.algorithm)
     yield from _lora_errors(cfg)
     yield from _shared_prompt_errors(cfg)
-    yield from _vision_once_errors(cfg)
+    yield from _vision_tower_errors(cfg)
     yield from _liger_errors(cfg.model)
     if not cfg.optim.lr > 0:
         yield f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}"
@@ -927,7 +927,7 @@ def _shared_prompt_blockers(cfg: Config) -> Iterator[str]:
         yield f"config key 'model.shared_prompts' is on with parallel.tp={cfg.parallel.tp}; it needs 1"
 
 
-def _vision_once_errors(cfg: Config) -> Iterator[str]:
+def _vision_tower_errors(cfg: Config) -> Iterator[str]:
     """model.vision_once=on or model.pad_vision_mlp=true with rollout.exact: exact mode's tower computes as the
     engine's, its images batched and its products shaped as there."""
     if cfg.model.vision_once == "on" and cfg.rollout.exact:

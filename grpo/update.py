@@ -217,7 +217,31 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     hold = unsharded_accumulation and dp == 1 and hasattr(policy.model, "set_requires_gradient_sync")
     last = len(step.microbatches) - 1
     with pass_vision(policy, step) as vision:
-        _microbatch_passes(policy, step, loss_fn, denominators, temperature, dp, hold, last, totals, sums)
+        try:
+            for i, (mb, fields) in enumerate(step):
+                if hold:
+                    _hold_unsharded(policy.model, i < last)
+                mb.fields = fields
+                if mb.sample_indices:
+                    lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
+                    with phase_range("loss"):
+                        loss, m = loss_fn(lp, mb, denominators)
+                        sums.setdefault("loss/entropy_sum", []).append(ent.detach().float().sum())
+                    if policy.router_aux is not None:  # MoE: each micro-batch's share of the step's scored tokens
+                        aux = policy.router_aux * (mb.num_targets / denominators["tokens"])
+                        loss = loss + policy.router_aux_coef * aux
+                        sums.setdefault("loss/router_aux_sum", []).append(aux.detach())
+                else:
+                    lp, _ = policy.logprobs(mb, temperature=temperature)
+                    loss, m = lp.sum() * 0.0, {}
+                with phase_range("backward"):
+                    (loss * dp).backward()
+                totals.append(loss.detach().float().reshape(()))
+                for k, v in m.items():
+                    sums.setdefault(k, []).append(v)
+        finally:
+            if hold:
+                _hold_unsharded(policy.model, False)
         if vision is not None:  # a trained tower's backward, once, from its features' summed gradients
             with phase_range("vision tower backward"):
                 vision.backward()
@@ -236,36 +260,6 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
         optimizer.zero_grad(set_to_none=True)
     return {"loss/total": loss_global, "loss/grad_norm": grad_norm, "loss/skipped_nonfinite": 0.0 if finite else 1.0,
             **sums}
-
-
-def _microbatch_passes(policy: Policy, step: PackedStep, loss_fn: LossFn, denominators: dict, temperature: float,
-                       dp: int, hold: bool, last: int, totals: list, sums: dict) -> None:
-    """optimizer_step's forward and backward of every micro-batch, each loss into `totals`, metrics into `sums`."""
-    try:
-        for i, (mb, fields) in enumerate(step):
-            if hold:
-                _hold_unsharded(policy.model, i < last)
-            mb.fields = fields
-            if mb.sample_indices:
-                lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
-                with phase_range("loss"):
-                    loss, m = loss_fn(lp, mb, denominators)
-                    sums.setdefault("loss/entropy_sum", []).append(ent.detach().float().sum())
-                if policy.router_aux is not None:  # MoE: each micro-batch's share of the step's scored tokens
-                    aux = policy.router_aux * (mb.num_targets / denominators["tokens"])
-                    loss = loss + policy.router_aux_coef * aux
-                    sums.setdefault("loss/router_aux_sum", []).append(aux.detach())
-            else:
-                lp, _ = policy.logprobs(mb, temperature=temperature)
-                loss, m = lp.sum() * 0.0, {}
-            with phase_range("backward"):
-                (loss * dp).backward()
-            totals.append(loss.detach().float().reshape(()))
-            for k, v in m.items():
-                sums.setdefault(k, []).append(v)
-    finally:
-        if hold:
-            _hold_unsharded(policy.model, False)
 
 
 def lr_at(step: int, cfg_optim, max_steps: int) -> float:

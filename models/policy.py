@@ -391,16 +391,14 @@ class Policy:
         then repeated into every sequence that uses it.
         """
         a = self.adapter
-        pixels, grid, rows = _tower_inputs(mb)
         if mb.vision is not None:  # the pass ran the tower already
             streams = mb.vision
         else:
+            pixels, grid, rows = _tower_inputs(mb)
             with image_grid(rows) if rows is not None else nullcontext():
                 streams = a.image_features(self.model, pixels, grid)
         n_images = 0 if mb.image_grid_thw is None else mb.image_grid_thw.shape[0]
-        counted = grid if rows is None else torch.tensor(rows)  # the host's copy: no read back per image
-        tokens = ([a.image_token_count(g) for g in counted[:n_images]]
-                  + [a.video_token_count(g) for g in counted[n_images:]])
+        tokens = _feature_rows(a, mb)
         per_item = [list(torch.split(s, tokens)) for s in streams]
         images = self._in_row_order([p[:n_images] for p in per_item], mb.images_per_group, mb.image_group)
         videos = self._in_row_order([p[n_images:] for p in per_item], mb.videos_per_group or [], mb.video_group or [])
@@ -671,8 +669,9 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         adapter.vision_tower(model).config._attn_implementation = VISION_NAME
     model.forward = _bind_forward(model)
     conv3d_windows_as_linear(model)  # the patch embedding as the engine computes it
-    if getattr(cfg_model, "pad_vision_mlp", False) and adapter.vision_tower(model) is not None:
-        pad_mlp_widths(adapter.vision_tower(model))
+    tower = adapter.vision_tower(model)
+    if getattr(cfg_model, "pad_vision_mlp", False) and tower is not None:
+        pad_mlp_widths(tower)
     lora = getattr(cfg_model, "lora", None)
     if trainable and lora is not None and lora.rank > 0:  # before sharding: adapters live in their layer's unit
         names = lora_module_names(model, adapter, lora.targets, lora.vision_targets)
@@ -933,6 +932,18 @@ def _tower_inputs(mb: PackedMicrobatch) -> tuple[torch.Tensor, torch.Tensor, lis
     return pixels, grid, rows
 
 
+def _feature_rows(adapter: FamilyAdapter, mb: PackedMicrobatch) -> list[int]:
+    """The vision feature rows (placeholder tokens) of each of a micro-batch's distinct images, then videos, in
+    the order one tower call over them returns them: from the host's copy of the grids, else read back once."""
+    host = mb.host_layout()
+    if host is not None:
+        images, videos = host.image_grid or (), host.video_grid or ()
+    else:
+        images = () if mb.image_grid_thw is None else mb.image_grid_thw.tolist()
+        videos = () if mb.video_grid_thw is None else mb.video_grid_thw.tolist()
+    return [adapter.image_token_count(r) for r in images] + [adapter.video_token_count(r) for r in videos]
+
+
 @dataclass
 class VisionChunk:
     """One vision tower call of a pass (`Policy.pass_vision`): several micro-batches' images and videos, in
@@ -961,21 +972,14 @@ class PassVision:
         tower = policy.adapter.vision_tower(policy.model)
         self.trains = torch.is_grad_enabled() and any(p.requires_grad for p in tower.parameters())
         self.chunks = [self._chunk([microbatches[j] for j in members]) for members in plan]
-        self._ran_backward = False
 
     def _chunk(self, members: list[PackedMicrobatch]) -> tuple[VisionChunk, list[int]]:
         """The chunk's tower call and the feature rows each member takes."""
         if not members:
             return VisionChunk(None, None, None), []
-        a = self.policy.adapter
         parts = [_tower_inputs(mb) for mb in members]
         rows = None if any(r is None for _, _, r in parts) else [r for _, _, rs in parts for r in rs]
-        tokens = []
-        for mb, (_, grid, mb_rows) in zip(members, parts):
-            counted = grid.tolist() if mb_rows is None else mb_rows
-            n_images = 0 if mb.image_grid_thw is None else mb.image_grid_thw.shape[0]
-            tokens.append(sum(a.image_token_count(g) for g in counted[:n_images])
-                          + sum(a.video_token_count(g) for g in counted[n_images:]))
+        tokens = [sum(_feature_rows(self.policy.adapter, mb)) for mb in members]
         pixels = torch.cat([p for p, _, _ in parts]) if len(parts) > 1 else parts[0][0]
         grid = torch.cat([g for _, g, _ in parts]) if len(parts) > 1 else parts[0][1]
         return VisionChunk(pixels, grid, rows), tokens
@@ -997,9 +1001,8 @@ class PassVision:
     def backward(self) -> None:
         """The tower's backward from the gradients the pass's micro-batches left in their features (a trained
         tower only; every chunk on every rank, so the tower's collectives line up)."""
-        if not self.trains or self._ran_backward:
+        if not self.trains:
             return
-        self._ran_backward = True
         for members, (chunk, _) in zip(self.plan, self.chunks):
             streams = self.policy.model(chunk)
             if not members:
@@ -1021,19 +1024,13 @@ def vision_plan(policy: "Policy", microbatches: list[PackedMicrobatch], max_toke
     holds at most max_tokens // 2 feature rows (a micro-batch with more has a call of its own), which keeps the
     tower's activations within what a micro-batch of the language model holds (the 3B recipe's tower keeps
     ~1.6 MB per 14x14 patch, four to a feature row, against ~3.6 MB per token of the decoder)."""
-    a = policy.adapter
     limit = max(max_tokens // 2, 1)
     plan: list[list[int]] = []
     load = 0
     for j, mb in enumerate(microbatches):
         if mb.pixel_values is None and mb.pixel_values_videos is None:
             continue
-        host = mb.host_layout()
-        images = (host.image_grid or ()) if host is not None else (
-            mb.image_grid_thw.tolist() if mb.image_grid_thw is not None else ())
-        videos = (host.video_grid or ()) if host is not None else (
-            mb.video_grid_thw.tolist() if mb.video_grid_thw is not None else ())
-        n = sum(a.image_token_count(r) for r in images) + sum(a.video_token_count(r) for r in videos)
+        n = sum(_feature_rows(policy.adapter, mb))
         if plan and load + n <= limit:
             plan[-1].append(j)
             load += n

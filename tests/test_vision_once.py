@@ -166,7 +166,8 @@ def test_vision_once_with_videos_and_deepstack_streams(family, tiny_model, tmp_p
     step, _, grads, _, _ = _step(policy, batch, max_tokens, False, calls)
     step_once, _, grads_once, calls_update, _ = _step(policy, batch, max_tokens, True, calls)
     plan = vision_plan(policy, step_once.microbatches, max_tokens)
-    assert sum(mb.pixel_values_videos is not None for mb in step.microbatches) >= 1 and len(step.microbatches) > 2, len(step.microbatches)
+    with_videos = sum(mb.pixel_values_videos is not None for mb in step.microbatches)
+    assert with_videos >= 1 and len(step.microbatches) > 2, len(step.microbatches)
     assert calls_update == 2 * len(plan) and len(plan) < sum(
         mb.pixel_values is not None or mb.pixel_values_videos is not None for mb in step.microbatches)
     for a, b in zip(step.per_sample("lp"), step_once.per_sample("lp")):

@@ -120,7 +120,7 @@ update_sets() {
     args=""; [ "$v" != "-" ] && for kv in $v; do [[ $kv == --* ]] && args="$args $kv" || args="$args --set $kv"; done
     prof=""; [ $n = 0 ] && [ "${UPDATE_PROFILE:-1}" = 1 ] && prof="--profile $OUT/${prefix}profile.txt"
     timeout $limit $PY tools/bench.py --phases train --train-seqs 128 --group 8 --response-len 256 --image-size 448 \
-      --train-steps 3 "$@" $args $prof --json-out "$OUT/${prefix}update_$n.json" > "$OUT/${prefix}update_$n.log" 2>&1
+      --train-steps ${UPDATE_STEPS:-3} "$@" $args $prof --json-out "$OUT/${prefix}update_$n.json" > "$OUT/${prefix}update_$n.log" 2>&1
     echo "$label [$v] rc=$? $(update_summary "$OUT/${prefix}update_$n.json")"
     n=$((n+1))
   done

@@ -120,9 +120,10 @@ class ModelConfig:
     vision_once: Literal["auto", "on", "off"] = "auto"
     # run the vision tower's gated MLPs whose width is not a multiple of 128 (Qwen2.5-VL's 3420) at the next
     # multiple, zero-padded in each forward (models.policy.pad_mlp_widths): the same function, on the GPU
-    # matrix-product kernels aligned widths get. Not yet measured on a GPU, so off by default; an error with
-    # rollout.exact (whose tower computes as the engine's)
-    pad_vision_mlp: bool = False
+    # matrix-product kernels aligned widths get (the 3B update on one H200: 2.09-2.18 s against 2.29-2.33 s at
+    # 16384-token micro-batches, docs/benchmarks.md). auto: on CUDA, off with rollout.exact (whose tower
+    # computes as the engine's); true: on (an error with rollout.exact); false: off
+    pad_vision_mlp: Literal["auto", "true", "false"] = "auto"
     trust_remote_code: bool = False
     # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and
     # GLM families its merger too, a separate projector such as LLaVA's still trains) keeps its weights, gets no
@@ -657,7 +658,8 @@ def _strings(value: Any) -> Iterator[str]:
 
 # keys with an `auto` that read a boolean as one of their words: key -> (the word for true, the word for false)
 BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.vision_once": ("on", "off"),
-                    "model.liger_kernel": ("true", "false"), "trainer.gpu_telemetry": ("true", "false")}
+                    "model.liger_kernel": ("true", "false"), "trainer.gpu_telemetry": ("true", "false"),
+                    "model.pad_vision_mlp": ("true", "false")}
 
 
 def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
@@ -932,7 +934,7 @@ def _vision_tower_errors(cfg: Config) -> Iterator[str]:
     engine's, its images batched and its products shaped as there."""
     if cfg.model.vision_once == "on" and cfg.rollout.exact:
         yield "config key 'model.vision_once' is on with rollout.exact=true; set it to auto or off"
-    if cfg.model.pad_vision_mlp and cfg.rollout.exact:
+    if cfg.model.pad_vision_mlp == "true" and cfg.rollout.exact:
         yield "config key 'model.pad_vision_mlp' is true with rollout.exact=true; set it to false"
 
 
@@ -961,13 +963,15 @@ def _given_errors(cfg: Config, given: set[str] | frozenset[str]) -> Iterator[str
 
 def _settle_auto_keys(cfg: Config) -> None:
     """`auto` keys the config alone decides: model.shared_prompts is off where the config rules it out,
-    model.vision_once with rollout.exact, and model.liger_kernel with rollout.exact or model.compile (the family,
+    model.vision_once and model.pad_vision_mlp with rollout.exact, and model.liger_kernel with rollout.exact or model.compile (the family,
     the device and the installed packages decide the rest when the policy is built: models.policy.shares_prompts,
     models.policy.runs_vision_once and models.policy.uses_liger)."""
     if cfg.model.shared_prompts == "auto" and any(_shared_prompt_blockers(cfg)):
         cfg.model.shared_prompts = "off"
     if cfg.model.vision_once == "auto" and cfg.rollout.exact:
         cfg.model.vision_once = "off"
+    if cfg.model.pad_vision_mlp == "auto" and cfg.rollout.exact:
+        cfg.model.pad_vision_mlp = "false"
     if cfg.model.liger_kernel == "auto" and (cfg.rollout.exact or cfg.model.compile):
         cfg.model.liger_kernel = "false"
     if cfg.rollout.exact:  # model.fp32_logits: its default gives way to exact mode's own lm_head

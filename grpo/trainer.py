@@ -105,6 +105,8 @@ class Trainer:
         liger_asked = cfg.model.liger_kernel
         # what ran, not `auto`: config.yaml, the trackers and the reference built below see the settled value
         cfg.model.liger_kernel = "true" if self.policy.liger_kernel else "false"
+        pad_asked = cfg.model.pad_vision_mlp
+        cfg.model.pad_vision_mlp = "true" if self.policy.pad_vision_mlp else "false"
         self.adapter = self.policy.adapter
         self.optimizer = build_optimizer(self.policy, cfg.optim)
         with timed(self._startup, "perf/data_build_s"):  # processor, tokenizer, datasets
@@ -154,7 +156,8 @@ class Trainer:
             print(f"shared prompts: {'on' if self.policy.shared_prompts else 'off'} "
                   f"(model.shared_prompts={cfg.model.shared_prompts})", flush=True)
             print(f"vision tower: {'once per pass' if self.policy.vision_once else 'once per micro-batch'} "
-                  f"(model.vision_once={cfg.model.vision_once})", flush=True)
+                  f"(model.vision_once={cfg.model.vision_once}); {self.policy.padded_vision_mlps} of its MLPs "
+                  f"widened to a multiple of 128 (model.pad_vision_mlp={pad_asked})", flush=True)
             print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={liger_asked})",
                   flush=True)
 

@@ -263,6 +263,10 @@ class Policy:
         self.fp32_logits = fp32_logits
         # model.vision_once as settled for this family and device (models.policy.runs_vision_once)
         self.vision_once = vision_once
+        # model.pad_vision_mlp as settled for this device (models.policy.pads_vision_mlp), and how many of the
+        # tower's MLPs it widened (build_policy)
+        self.pad_vision_mlp = False
+        self.padded_vision_mlps = 0
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -670,8 +674,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     model.forward = _bind_forward(model)
     conv3d_windows_as_linear(model)  # the patch embedding as the engine computes it
     tower = adapter.vision_tower(model)
-    if getattr(cfg_model, "pad_vision_mlp", False) and tower is not None:
-        pad_mlp_widths(tower)
+    pad = pads_vision_mlp(getattr(cfg_model, "pad_vision_mlp", "false"), dims.device_type)
+    padded = pad_mlp_widths(tower) if pad and tower is not None else 0
     lora = getattr(cfg_model, "lora", None)
     if trainable and lora is not None and lora.rank > 0:  # before sharding: adapters live in their layer's unit
         names = lora_module_names(model, adapter, lora.targets, lora.vision_targets)
@@ -701,6 +705,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     policy = Policy(model, adapter, dims, cfg_model.path, dtype, shared_prompts=shared, liger_kernel=liger,
                     fp32_logits=bool(getattr(cfg_model, "fp32_logits", False)),
                     vision_once=runs_vision_once(getattr(cfg_model, "vision_once", "off"), adapter, dims.device_type))
+    policy.pad_vision_mlp, policy.padded_vision_mlps = pad, padded
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)
@@ -881,6 +886,14 @@ def _windows_as_linear(conv: nn.Conv3d, convolve: Callable) -> Callable:
 # whose products cuBLAS runs with sm80 CUTLASS kernels on an H200 (the tower's forward spent 71 ms in them at
 # 16 images of 448², 2026-12-04 profile) where aligned widths get the sm90 ones
 PADDABLE_MLPS = frozenset({"Qwen2_5_VLMLP"})
+
+
+def pads_vision_mlp(setting: str | bool, device_type: str) -> bool:
+    """model.pad_vision_mlp as settled: `true` (or True) on, `false` (or False) off, `auto` on CUDA (the config
+    settles it to false with rollout.exact)."""
+    if setting in (True, "true"):
+        return True
+    return setting == "auto" and device_type == "cuda"
 
 
 def pad_mlp_widths(module: nn.Module, multiple: int = 128) -> int:

@@ -25,6 +25,12 @@ process's, over the same wall seconds: cores that other processes (other ranks o
 busy meanwhile; and `host/main_thread_cores_<phase>`, the CPU seconds of the thread that times the phases (the
 trainer's, which also drives the in-process engine) over the same wall seconds: the process's cores beyond it
 are its other threads' (OpenMP's workers, spinning after a CPU op, among them). Means over ranks.
+
+Which threads those are: the first rank logs, per step and phase, one line of the threads that kept more
+than 0.02 of a core busy during it, busiest first (`threads in gen, cores: MainThread 0.97, gpu-telemetry
+0.01, pt_autograd_0 0.40`): a Python thread by its name, any other by the name the OS gives it (Linux's
+/proc/self/task; none elsewhere), threads of one name summed (`python3 x3`); a thread that ended before the
+phase did is not counted.
 """
 
 from __future__ import annotations
@@ -67,12 +73,15 @@ def phase(key: str):
         return
     outer = t.open
     t.open = outer + (key,)  # one reference swapped: the sampler reads a whole tuple
-    start = host_clock()
+    start, threads_at = host_clock(), time.monotonic()
+    threads = thread_cpu()
     try:
         yield
     finally:
         t.open = outer
         t.add_host(key, start, host_clock())
+        threads_end = thread_cpu()  # the wall around both readings: the threads' CPU while they were taken counts
+        t.add_threads(key, threads, threads_end, time.monotonic() - threads_at)
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -90,6 +99,43 @@ def machine_busy_s() -> float | None:
         return None
     ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
     return (sum(ticks) - ticks[3] - ticks[4]) * _TICK_S
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Each of this process's threads by native id: (its name, CPU seconds so far). A Python thread's name is
+    its `threading` name, any other's the OS's (/proc/self/task/<id>/comm); empty where there is no /proc."""
+    try:
+        ids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in ids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        head, _, rest = stat.rpartition(")")  # the OS's name is in parentheses and may hold spaces or ')'
+        fields = rest.split()  # from the state on: utime and stime are the stat's 14th and 15th fields
+        if len(fields) < 13:
+            continue
+        out[int(tid)] = (named.get(int(tid), head.partition("(")[2]), (int(fields[11]) + int(fields[12])) * _TICK_S)
+    return out
+
+
+def thread_cores(start: dict[int, tuple[str, float]], end: dict[int, tuple[str, float]],
+                 wall: float) -> dict[str, float]:
+    """Cores each thread name kept busy between two `thread_cpu` readings `wall` seconds apart: threads of one
+    name summed (keyed `name xN` for N of them), a thread that started in between counted from zero."""
+    cpu: dict[str, list[float]] = {}
+    for tid, (name, seconds) in end.items():
+        before = start.get(tid)
+        used = seconds - (before[1] if before is not None and before[0] == name else 0.0)
+        entry = cpu.setdefault(name, [0.0, 0])
+        entry[0] += max(used, 0.0)
+        entry[1] += 1
+    return {(name if n == 1 else f"{name} x{n}"): total / wall for name, (total, n) in cpu.items() if wall > 0}
 
 
 def host_clock() -> tuple[float, float, float | None, float]:
@@ -116,6 +162,8 @@ class GpuTelemetry:
         self._lock = threading.Lock()
         self._stats: dict[str, list[float]] = {}
         self._host: dict[str, list[float]] = {}  # per phase: wall s, process CPU s, machine busy CPU s, thread CPU s
+        self._threads: dict[str, dict[str, float]] = {}  # per phase: CPU s by thread name (add_threads)
+        self._thread_wall: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first = True
@@ -170,11 +218,36 @@ class GpuTelemetry:
         s = self._host.setdefault(key, [0.0, 0.0, 0.0, 0.0])
         s[0], s[1], s[2], s[3] = s[0] + wall, s[1] + cpu, s[2] + busy, s[3] + thread
 
+    def add_threads(self, key: str, start: dict, end: dict, wall: float) -> None:
+        """A phase's CPU seconds by thread (`thread_cpu` at its start and end, `wall` seconds apart), summed over
+        the step."""
+        self._thread_wall[key] = self._thread_wall.get(key, 0.0) + wall
+        into = self._threads.setdefault(key, {})
+        for name, seconds in thread_cores(start, end, 1.0).items():  # over 1 s: CPU seconds
+            into[name] = into.get(name, 0.0) + seconds
+
+    def thread_lines(self) -> list[str]:
+        """This step's busy threads per phase (the module's docstring), and starts the next step's."""
+        lines = []
+        for key, cpu in self._threads.items():
+            wall = self._thread_wall.get(key, 0.0)
+            busy = sorted(((s / wall, name) for name, s in cpu.items() if wall > 0 and s / wall > 0.02), reverse=True)
+            if busy:
+                name = key.removeprefix("perf/").removesuffix("_s")
+                lines.append(f"threads in {name}, cores: " + ", ".join(f"{n} {c:.2f}" for c, n in busy))
+        self._threads, self._thread_wall = {}, {}
+        return lines
+
     def step_metrics(self, device) -> dict[str, float]:
         """The step's gpu/* metrics over all ranks (a collective: every rank calls it); starts the next step's."""
         with self._lock:
             stats, self._stats = self._stats, {}
         host, self._host = self._host, {}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for line in self.thread_lines():
+                log.info(line)
+        else:
+            self.thread_lines()
         n = len(self.phases)
         sums = torch.zeros(n, len(_SUMS) + 4, dtype=torch.float64)  # the readings' sums, then the host's cores
         highs = torch.full((2 * n + 2,), -float("inf"), dtype=torch.float64)  # -clock min, temp max, -once values

@@ -312,3 +312,45 @@ def test_two_ranks_reduce_their_readings(tiny_model, clevr_parquet, tmp_path):
         assert 1000 < row["gpu/sm_clock_mhz_mean_gen"] < 1500 and 0 < row["gpu/power_capped_frac_gen"] < 1
         assert row["gpu/power_w_mean_gen"] == 600 and row["gpu/thermal_frac_gen"] == 0
         assert 40 < row["gpu/util_pct_mean_gen"] < 80 and 20 < row["gpu/mem_util_pct_mean_gen"] < 60
+
+
+def test_a_phase_logs_the_threads_that_kept_cores_busy(monkeypatch, caplog):
+    """The step's line per phase names each thread busier than 0.02 of a core, busiest first: a thread that
+    spins through most of the phase shows near one core, the sleeping main thread does not show."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("no /proc/self/task")
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)
+    stop, started = threading.Event(), threading.Event()
+
+    def spin():
+        started.set()
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, name="spinner")
+    times = {}
+    with t:
+        spinner.start()
+        started.wait()
+        with timed(times, "perf/gen_s"):
+            time.sleep(0.5)
+        stop.set()
+        spinner.join()
+        with timed(times, "perf/train_s"):  # the spinner gone: not in this phase's line
+            time.sleep(0.3)
+        with caplog.at_level("INFO", logger="vlrl"):
+            t.step_metrics(torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("threads in")]
+    assert lines and lines[0].startswith("threads in gen, cores: spinner ")
+    assert not [line for line in lines[1:] if "spinner" in line]
+    cores = float(lines[0].split("spinner ")[1].split(",")[0])
+    assert 0.5 <= cores <= 1.05
+    assert "MainThread" not in lines[0]
+    assert t.thread_lines() == []  # the next step starts afresh
+
+
+def test_thread_cores_sums_threads_of_one_name_and_counts_new_ones_from_zero():
+    start = {1: ("MainThread", 10.0), 2: ("python3", 1.0)}
+    end = {1: ("MainThread", 11.0), 2: ("python3", 1.5), 3: ("python3", 0.5), 4: ("pt_worker", 0.25)}
+    assert telemetry.thread_cores(start, end, 2.0) == {"MainThread": 0.5, "python3 x2": 0.5, "pt_worker": 0.125}

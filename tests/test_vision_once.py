@@ -205,3 +205,15 @@ def test_padded_vision_mlp_gives_the_unpadded_logprobs_and_gradients(tiny_model,
         torch.testing.assert_close(grads_padded[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
     with pytest.raises(ConfigError, match="'model.pad_vision_mlp' is true with rollout.exact=true"):
         load_config(None, [f"model.path={tiny_model}", "model.pad_vision_mlp=true", "rollout.exact=true"])
+
+
+def test_pad_vision_mlp_settles(tiny_model):
+    """auto: on CUDA, off elsewhere and with rollout.exact; true/false (or booleans) as given."""
+    from models.policy import pads_vision_mlp
+
+    assert load_config(None, [f"model.path={tiny_model}"]).model.pad_vision_mlp == "auto"
+    assert load_config(None, [f"model.path={tiny_model}", "rollout.exact=true"]).model.pad_vision_mlp == "false"
+    assert load_config(None, [f"model.path={tiny_model}", "model.pad_vision_mlp=false"]).model.pad_vision_mlp == "false"
+    assert [pads_vision_mlp(s, d) for s, d in (("auto", "cuda"), ("auto", "cpu"), ("true", "cpu"), (True, "cpu"),
+                                               ("false", "cuda"), (False, "cuda"))] == [True, False, True, True,
+                                                                                      False, False]

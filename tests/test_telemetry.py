@@ -353,4 +353,7 @@ def test_a_phase_logs_the_threads_that_kept_cores_busy(monkeypatch, caplog):
 def test_thread_cores_sums_threads_of_one_name_and_counts_new_ones_from_zero():
     start = {1: ("MainThread", 10.0), 2: ("python3", 1.0)}
     end = {1: ("MainThread", 11.0), 2: ("python3", 1.5), 3: ("python3", 0.5), 4: ("pt_worker", 0.25)}
-    assert telemetry.thread_cores(start, end, 2.0) == {"MainThread": 0.5, "python3 x2": 0.5, "pt_worker": 0.125}
+    seconds = telemetry.thread_seconds(start, end)
+    assert seconds == {("MainThread", 1): 1.0, ("python3", 2): 0.5, ("python3", 3): 0.5, ("pt_worker", 4): 0.25}
+    assert telemetry.thread_cores(seconds, 2.0) == [(0.5, "python3 x2 (busiest 0.25)"), (0.5, "MainThread"),
+                                                    (0.125, "pt_worker")]

@@ -27,8 +27,8 @@ trainer's, which also drives the in-process engine) over the same wall seconds: 
 are its other threads' (OpenMP's workers, spinning after a CPU op, among them). Means over ranks.
 
 Which threads those are: the first rank logs, per step and phase, one line of the threads that kept more
-than 0.02 of a core busy during it, busiest first (`threads in gen, cores: MainThread 0.97, gpu-telemetry
-0.01, python3 x74 (busiest 0.65) 0.70`): a Python thread by its name, any other by the name the OS gives it
+than 0.02 of a core busy during it, busiest first (`threads in gen, cores: NAME CORES, NAME xN (busiest
+CORES) CORES, ...`): a Python thread by its name, any other by the name the OS gives it
 (Linux's /proc/self/task; none elsewhere), threads of one name summed with the busiest one's share; a thread
 that ended before the phase did is not counted.
 """

@@ -124,6 +124,11 @@ class ModelConfig:
     # 16384-token micro-batches, docs/benchmarks.md). auto: on CUDA, off with rollout.exact (whose tower
     # computes as the engine's); true: on (an error with rollout.exact); false: off
     pad_vision_mlp: Literal["auto", "true", "false"] = "auto"
+    # run the Qwen-VL and GLM-4.1V RMSNorms (language model and vision tower) through torch's fused rms_norm
+    # instead of liger-kernel's or transformers' own (models.policy.route_rms_norms_to_torch): one C++-dispatched
+    # CUDA kernel each way, for an update whose host is the bottleneck; rounded once where transformers rounds
+    # twice (~1 bf16 ulp apart). Not yet measured in the loop, so off; an error with rollout.exact
+    torch_rms_norm: bool = False
     trust_remote_code: bool = False
     # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and
     # GLM families its merger too, a separate projector such as LLaVA's still trains) keeps its weights, gets no
@@ -821,7 +826,7 @@ def _cross_errors(cfg: Config) -> Iterator[str]:
     yield from _algorithm_errors(cfg.algorithm)
     yield from _lora_errors(cfg)
     yield from _shared_prompt_errors(cfg)
-    yield from _vision_tower_errors(cfg)
+    yield from _exact_rounding_errors(cfg)
     yield from _liger_errors(cfg.model)
     if not cfg.optim.lr > 0:
         yield f"config key 'optim.lr' must be a finite positive number, got {cfg.optim.lr}"
@@ -929,13 +934,17 @@ def _shared_prompt_blockers(cfg: Config) -> Iterator[str]:
         yield f"config key 'model.shared_prompts' is on with parallel.tp={cfg.parallel.tp}; it needs 1"
 
 
-def _vision_tower_errors(cfg: Config) -> Iterator[str]:
-    """model.vision_once=on or model.pad_vision_mlp=true with rollout.exact: exact mode's tower computes as the
-    engine's, its images batched and its products shaped as there."""
+def _exact_rounding_errors(cfg: Config) -> Iterator[str]:
+    """Settings that round otherwise than the engine, with rollout.exact: model.vision_once=on or
+    model.pad_vision_mlp=true (exact mode's tower computes as the engine's, its images batched and its products
+    shaped as there) and model.torch_rms_norm=true."""
     if cfg.model.vision_once == "on" and cfg.rollout.exact:
         yield "config key 'model.vision_once' is on with rollout.exact=true; set it to auto or off"
     if cfg.model.pad_vision_mlp == "true" and cfg.rollout.exact:
         yield "config key 'model.pad_vision_mlp' is true with rollout.exact=true; set it to false"
+    if cfg.model.torch_rms_norm and cfg.rollout.exact:
+        yield ("config key 'model.torch_rms_norm' is true with rollout.exact=true (torch's kernel rounds as the "
+               "engine's does not); set it to false")
 
 
 def _shared_prompt_errors(cfg: Config) -> Iterator[str]:

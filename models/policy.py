@@ -267,6 +267,8 @@ class Policy:
         # tower's MLPs it widened (build_policy)
         self.pad_vision_mlp = False
         self.padded_vision_mlps = 0
+        # model.torch_rms_norm: how many RMSNorms run torch's fused kernel (build_policy)
+        self.torch_rms_norms = 0
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -655,8 +657,9 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
                          "has no MoE router; set it to 0")
     liger = uses_liger(getattr(cfg_model, "liger_kernel", "false"), config.model_type, dims.device_type,
                        importlib.util.find_spec("liger_kernel") is not None, hint=trainable)
+    torch_norm = bool(getattr(cfg_model, "torch_rms_norm", False))
     if liger:  # before the model is built: liger swaps classes that the decoder layers look up when made
-        apply_liger_kernels(config.model_type, dims.device_type, hint=trainable)
+        apply_liger_kernels(config.model_type, dims.device_type, hint=trainable, rms_norm=not torch_norm)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
     attn_name = cfg_model.attn_implementation
     shared = shares_prompts(getattr(cfg_model, "shared_prompts", "off"), adapter, attn_name, dims.device_type, dtype)
@@ -674,6 +677,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     model.forward = _bind_forward(model)
     conv3d_windows_as_linear(model)  # the patch embedding as the engine computes it
     tower = adapter.vision_tower(model)
+    normed = route_rms_norms_to_torch(model) if torch_norm else 0
     pad = pads_vision_mlp(getattr(cfg_model, "pad_vision_mlp", "false"), dims.device_type)
     padded = pad_mlp_widths(tower) if pad and tower is not None else 0
     lora = getattr(cfg_model, "lora", None)
@@ -706,6 +710,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
                     fp32_logits=bool(getattr(cfg_model, "fp32_logits", False)),
                     vision_once=runs_vision_once(getattr(cfg_model, "vision_once", "off"), adapter, dims.device_type))
     policy.pad_vision_mlp, policy.padded_vision_mlps = pad, padded
+    policy.torch_rms_norms = normed
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)
@@ -788,14 +793,16 @@ def uses_liger(setting: str | bool, model_type: str, device_type: str, importabl
     return measured and importable
 
 
-def apply_liger_kernels(model_type: str, device_type: str, hint: bool = False) -> None:
-    """Swap in liger-kernel's fused RMSNorm and SwiGLU MLP, and its rotary embedding where it has one for the
-    family (`liger_patch`), for this family's transformers modules. Runs before the model is built: liger
-    replaces classes in transformers' modeling module. The lm_head keeps the chunked logprob path."""
+def apply_liger_kernels(model_type: str, device_type: str, hint: bool = False, rms_norm: bool = True) -> None:
+    """Swap in liger-kernel's fused RMSNorm (unless `rms_norm` is False: model.torch_rms_norm) and SwiGLU MLP,
+    and its rotary embedding where it has one for the family (`liger_patch`), for this family's transformers
+    modules. Runs before the model is built: liger replaces classes in transformers' modeling module. The
+    lm_head keeps the chunked logprob path."""
     if device_type != "cuda":
         raise RuntimeError("model.liger_kernel=true needs CUDA (its kernels are Triton); set it to auto or false "
                            "on CPU")
     apply, kwargs = liger_patch(model_type, hint)
+    kwargs["rms_norm"] = rms_norm
     apply(**kwargs)
     if kwargs.get("rope"):
         route_rotary_to_liger(model_type)
@@ -877,6 +884,35 @@ def _windows_as_linear(conv: nn.Conv3d, convolve: Callable) -> Callable:
         w = conv.weight
         out = nn.functional.linear(x.reshape(x.shape[0], -1), w.reshape(w.shape[0], -1), conv.bias)
         return out.view(x.shape[0], w.shape[0], 1, 1, 1)
+
+    return forward
+
+
+# RMSNorm classes whose forward is weight * (x·rsqrt(mean(x²) + variance_epsilon), computed in fp32 and rounded to
+# x's dtype): the ones `route_rms_norms_to_torch` may route (Gemma's and Qwen3.5's scale by 1 + weight)
+TORCH_RMS_NORMS = frozenset({"Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm", "Glm4vRMSNorm"})
+
+
+def route_rms_norms_to_torch(module: nn.Module) -> int:
+    """model.torch_rms_norm: every RMSNorm of `module` in TORCH_RMS_NORMS runs torch's `rms_norm` (one fused
+    CUDA kernel each way, dispatched from C++: a fifth of liger's host time a call and a quarter of the
+    transformers module's on an H200, `tools/norm_cost.py`), the same function rounded once, after the
+    weight, where transformers rounds the normalized input before it (at most ~1.3 bf16 ulps of the output
+    apart). A call whose weight is not in the input's dtype keeps the module's own forward. Returns how many
+    were routed."""
+    routed = 0
+    for m in module.modules():
+        if type(m).__name__ in TORCH_RMS_NORMS and isinstance(getattr(m, "weight", None), torch.Tensor):
+            m.forward = _torch_rms_norm(m, m.forward)
+            routed += 1
+    return routed
+
+
+def _torch_rms_norm(norm: nn.Module, own: Callable) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if norm.weight.dtype != x.dtype:
+            return own(x)
+        return nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
     return forward
 

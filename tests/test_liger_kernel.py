@@ -212,9 +212,9 @@ def test_qwen3_5_policy_is_built_from_the_swapped_classes(fake_liger, monkeypatc
         if swiglu:
             monkeypatch.setattr(modeling, "Qwen3_5MLP", FusedMLP)
 
-    def without_the_cuda_check(model_type, device_type, hint=False):
+    def without_the_cuda_check(model_type, device_type, hint=False, rms_norm=True):
         apply, kwargs = liger_patch(model_type, hint)
-        apply(**kwargs)
+        apply(**{**kwargs, "rms_norm": rms_norm})
 
     fake_liger.swap = swap
     monkeypatch.setattr(policy_module, "apply_liger_kernels", without_the_cuda_check)
@@ -232,6 +232,17 @@ def test_qwen3_5_policy_is_built_from_the_swapped_classes(fake_liger, monkeypatc
     assert all(type(m) is FusedNorm for m in norms) and all(type(layer.mlp) is FusedMLP for layer in layers)
     swapped = [n for n, m in policy.model.named_modules() if isinstance(m, (FusedNorm, FusedMLP))]
     assert len(swapped) == len(norms) + len(layers)  # the vision tower and the Gated DeltaNet's gated norm keep theirs
+
+
+def test_torch_rms_norm_leaves_liger_the_rest(fake_liger, monkeypatch):
+    """model.torch_rms_norm with liger: liger is asked for its SwiGLU and rotary but not its RMSNorm."""
+    from models.policy import apply_liger_kernels
+
+    monkeypatch.setattr(policy_module, "route_rotary_to_liger", lambda model_type: None)  # liger's rope module
+    apply_liger_kernels("qwen2_5_vl", "cuda", rms_norm=False)
+    apply_liger_kernels("qwen2_5_vl", "cuda")
+    assert [c[1]["rms_norm"] for c in fake_liger.calls] == [False, True]
+    assert all(c[1]["swiglu"] for c in fake_liger.calls)
 
 
 # --- the trainer ----------------------------------------------------------------------------------------------------
@@ -312,7 +323,8 @@ def test_qwen2_5_vl_s_rotary_calls_reach_liger_s_kernels(fake_liger, monkeypatch
         want = reference.logprobs(packed)[0]  # transformers' own rotary functions
     on_cuda = policy_module.apply_liger_kernels  # the whole function, as on a GPU
     monkeypatch.setattr(policy_module, "apply_liger_kernels",
-                        lambda model_type, device_type, hint=False: on_cuda(model_type, "cuda", hint))
+                        lambda model_type, device_type, hint=False, rms_norm=True: on_cuda(model_type, "cuda", hint,
+                                                                                            rms_norm))
     fused = build_policy(ModelConfig(path=str(tiny_model), dtype="float32", attn_implementation="sdpa",
                                      liger_kernel="true"), dims)
     assert modeling.apply_rotary_pos_emb is rope and modeling.apply_rotary_pos_emb_vision is rope_vision

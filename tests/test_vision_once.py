@@ -207,6 +207,34 @@ def test_padded_vision_mlp_gives_the_unpadded_logprobs_and_gradients(tiny_model,
         load_config(None, [f"model.path={tiny_model}", "model.pad_vision_mlp=true", "rollout.exact=true"])
 
 
+def test_torch_rms_norm_gives_the_module_s_logprobs_and_gradients(tiny_model, batch):
+    """model.torch_rms_norm: every RMSNorm of the language model and the vision tower runs torch's rms_norm; the
+    logprobs and gradients are the transformers modules' (fp32); refused with rollout.exact."""
+    from models.parallel import build_parallel_dims
+    from models.policy import TORCH_RMS_NORMS, build_policy
+
+    policies = []
+    for routed in (False, True):
+        torch.manual_seed(0)
+        policies.append(build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on",
+                                                 torch_rms_norm=routed), build_parallel_dims()))
+    plain, routed = policies
+    norms = [n for n, m in routed.model.named_modules() if type(m).__name__ in TORCH_RMS_NORMS]
+    tower = routed.adapter.vision_tower(routed.model)
+    assert plain.torch_rms_norms == 0 and routed.torch_rms_norms == len(norms) > 0
+    assert any("forward" in m.__dict__ for m in tower.modules() if type(m).__name__ in TORCH_RMS_NORMS)
+    calls: list[int] = []
+    step, _, grads, _, _ = _step(plain, batch, 160, True, calls)
+    step_routed, _, grads_routed, _, _ = _step(routed, batch, 160, True, calls)
+    for a, b in zip(step.per_sample("lp"), step_routed.per_sample("lp")):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    assert grads.keys() == grads_routed.keys() and any("norm" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads_routed[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ConfigError, match="'model.torch_rms_norm' is true with rollout.exact=true"):
+        load_config(None, [f"model.path={tiny_model}", "model.torch_rms_norm=true", "rollout.exact=true"])
+
+
 def test_pad_vision_mlp_settles(tiny_model):
     """auto: on CUDA, off elsewhere and with rollout.exact; true/false (or booleans) as given."""
     from models.policy import pads_vision_mlp

@@ -17,7 +17,7 @@ from typing import Iterable, Literal
 
 import torch
 
-from rollout.telemetry import phase
+from rollout.telemetry import label_new_threads, phase
 
 
 @contextmanager
@@ -30,6 +30,7 @@ def timed(times: dict, key: str):
             yield
     finally:
         times[key] = times.get(key, 0.0) + time.monotonic() - start
+        label_new_threads(key)
 
 
 @dataclass

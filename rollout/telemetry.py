@@ -29,8 +29,9 @@ are its other threads' (OpenMP's workers, spinning after a CPU op, among them). 
 Which threads those are: the first rank logs, per step and phase, one line of the threads that kept more
 than 0.02 of a core busy during it, busiest first (`threads in gen, cores: NAME CORES, NAME xN (busiest
 CORES) CORES, ...`): a Python thread by its name, any other by the name the OS gives it
-(Linux's /proc/self/task; none elsewhere), threads of one name summed with the busiest one's share; a thread
-that ended before the phase did is not counted.
+(Linux's /proc/self/task; none elsewhere) and the timed block by whose end it first appeared (`python3 from
+engine_build`: `label_new_threads`), threads of one name summed with the busiest one's share; a thread that
+ended before the phase did is not counted.
 """
 
 from __future__ import annotations
@@ -101,9 +102,27 @@ def machine_busy_s() -> float | None:
     return (sum(ticks) - ticks[3] - ticks[4]) * _TICK_S
 
 
+_born: dict[int, str] = {}  # native thread id -> the timed block by whose end it was first seen
+
+
+def label_new_threads(key: str) -> None:
+    """Label the process's threads not seen before with `key`, the `rollout.base.timed` block ending now (the
+    trainer's start-up blocks, then each step's phases): `thread_cpu` names a native thread the OS gives no name
+    of its own by where it appeared (`python3 from engine_build`), which tells the engine's threads from the
+    policy's and the data's."""
+    try:
+        ids = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    label = key.removeprefix("perf/").removesuffix("_s")
+    for tid in ids:
+        _born.setdefault(int(tid), label)
+
+
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """Each of this process's threads by native id: (its name, CPU seconds so far). A Python thread's name is
-    its `threading` name, any other's the OS's (/proc/self/task/<id>/comm); empty where there is no /proc."""
+    its `threading` name, any other's the OS's (/proc/self/task/<id>/comm) and, where `label_new_threads` saw
+    it appear, the block it appeared in; empty where there is no /proc."""
     try:
         ids = os.listdir("/proc/self/task")
     except OSError:
@@ -120,7 +139,12 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
         fields = rest.split()  # from the state on: utime and stime are the stat's 14th and 15th fields
         if len(fields) < 13:
             continue
-        out[int(tid)] = (named.get(int(tid), head.partition("(")[2]), (int(fields[11]) + int(fields[12])) * _TICK_S)
+        name = named.get(int(tid))
+        if name is None:
+            name = head.partition("(")[2]
+            if int(tid) in _born:
+                name = f"{name} from {_born[int(tid)]}"
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) * _TICK_S)
     return out
 
 

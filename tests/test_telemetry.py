@@ -357,3 +357,35 @@ def test_thread_cores_sums_threads_of_one_name_and_counts_new_ones_from_zero():
     assert seconds == {("MainThread", 1): 1.0, ("python3", 2): 0.5, ("python3", 3): 0.5, ("pt_worker", 4): 0.25}
     assert telemetry.thread_cores(seconds, 2.0) == [(0.5, "python3 x2 (busiest 0.25)"), (0.5, "MainThread"),
                                                     (0.125, "pt_worker")]
+
+
+def test_a_native_thread_is_named_by_the_timed_block_it_appeared_in(monkeypatch):
+    """`timed` labels threads first seen at a block's end: a thread without a Python name (as a C library's),
+    started inside a block, reads as `<its OS name> from <that block>`; a Python thread keeps its own name."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("no /proc/self/task")
+    times, stop, ready = {}, threading.Event(), threading.Event()
+    with timed(times, "perf/policy_build_s"):
+        pass
+    info = {}
+
+    def native():
+        info["tid"] = threading.get_native_id()
+        ready.set()
+        stop.wait()
+
+    t = threading.Thread(target=native)
+    with timed(times, "perf/engine_build_s"):
+        t.start()
+        ready.wait()
+    try:
+        main = threading.main_thread()
+        monkeypatch.setattr(telemetry.threading, "enumerate", lambda: [main])  # `t` unknown to Python, as a C thread
+        names = {tid: name for tid, (name, _) in telemetry.thread_cpu().items()}
+        with open(f"/proc/self/task/{info['tid']}/comm") as f:
+            comm = f.read().strip()
+        assert names[info["tid"]] == f"{comm} from engine_build"
+        assert names[main.native_id] == "MainThread"
+    finally:
+        stop.set()
+        t.join()

@@ -47,3 +47,31 @@ def test_padded_vision_mlp_matches_in_bf16(tiny_model, batch):  # noqa: F811
     print(f"padded vision MLP: max |dlogprob| {d.max():.3e}")
     assert d.max() < 0.05
     _close(grads_padded, grads, {n for n, _ in plain.adapter.vision_tower(plain.model).named_parameters()})
+
+
+def test_torch_rms_norm_matches_the_modules_in_bf16(tiny_model, batch):  # noqa: F811
+    """model.torch_rms_norm on CUDA: torch's fused kernel runs (the norms' weights and inputs both bf16 under FSDP's
+    mixed precision, so no call falls back) and the logprobs and gradients are the modules' up to bf16 rounding."""
+    from grpo.config import ModelConfig
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy
+
+    runs = []
+    for routed in (False, True):
+        torch.manual_seed(0)
+        policy = build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on",
+                                          liger_kernel="false", torch_rms_norm=routed), build_parallel_dims())
+        fused = []
+        handle = torch.nn.functional.rms_norm
+        torch.nn.functional.rms_norm = lambda *a, **k: fused.append(a[0].dtype) or handle(*a, **k)
+        try:
+            step, _, grads, _, _ = _step(policy, batch, 160, True, [])
+        finally:
+            torch.nn.functional.rms_norm = handle
+        runs.append((step.per_sample("lp"), grads, policy, fused))
+    (lp, grads, plain, none), (lp_routed, grads_routed, routed_policy, fused) = runs
+    assert not none and fused and set(fused) == {torch.bfloat16} and routed_policy.torch_rms_norms > 0
+    d = torch.cat([(a - b).abs() for a, b in zip(lp, lp_routed)])
+    print(f"torch's RMSNorm: max |dlogprob| {d.max():.3e}, mean {d.mean():.3e}; {len(fused)} fused calls")
+    assert d.max() < 0.05
+    _close(grads_routed, grads, {n for n, _ in plain.adapter.vision_tower(plain.model).named_parameters()})

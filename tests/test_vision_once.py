@@ -178,31 +178,45 @@ def test_vision_once_with_videos_and_deepstack_streams(family, tiny_model, tmp_p
         torch.testing.assert_close(grads_once[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
+def _pair(tiny_model, key: str) -> tuple:
+    """Two fp32 policies of the tiny model, with the tower once per pass, `key` off then on."""
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy
+
+    policies = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        policies.append(build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on",
+                                                 **{key: on}), build_parallel_dims()))
+    return tuple(policies)
+
+
+def _same_step(plain, other, batch) -> dict:
+    """`other`'s update and logprob pass give `plain`'s logprobs and gradients (fp32); returns the gradients."""
+    calls: list[int] = []
+    step, _, grads, _, _ = _step(plain, batch, 160, True, calls)
+    step_other, _, grads_other, _, _ = _step(other, batch, 160, True, calls)
+    for a, b in zip(step.per_sample("lp"), step_other.per_sample("lp")):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    assert grads.keys() == grads_other.keys()
+    for name in grads:
+        assert grads_other[name].shape == grads[name].shape
+        torch.testing.assert_close(grads_other[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    return grads
+
+
 def test_padded_vision_mlp_gives_the_unpadded_logprobs_and_gradients(tiny_model, batch):
     """model.pad_vision_mlp: the tower's gated MLPs run at a width that is a multiple of 128 (the tiny model's 64
     → 128), zero-padded in each forward; the parameters keep their shapes and the logprobs and gradients are the
     unpadded model's (fp32)."""
-    from models.parallel import build_parallel_dims
-    from models.policy import build_policy, pad_mlp_widths
+    from models.policy import pad_mlp_widths
 
-    policies = []
-    for pad in (False, True):
-        torch.manual_seed(0)
-        policies.append(build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on",
-                                                 pad_vision_mlp=pad), build_parallel_dims()))
-    plain, padded = policies
+    plain, padded = _pair(tiny_model, "pad_vision_mlp")
     tower = padded.adapter.vision_tower(padded.model)
     assert [n for n, m in tower.named_modules() if "forward" in m.__dict__ and n.endswith("mlp")]
     assert pad_mlp_widths(plain.adapter.vision_tower(plain.model), multiple=64) == 0  # already a multiple
-    calls: list[int] = []
-    step, _, grads, _, _ = _step(plain, batch, 160, True, calls)
-    step_padded, _, grads_padded, _, _ = _step(padded, batch, 160, True, calls)
-    for a, b in zip(step.per_sample("lp"), step_padded.per_sample("lp")):
-        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
-    assert grads.keys() == grads_padded.keys() and any(".mlp.gate_proj." in n and "visual" in n for n in grads)
-    for name in grads:
-        assert grads_padded[name].shape == grads[name].shape
-        torch.testing.assert_close(grads_padded[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    grads = _same_step(plain, padded, batch)
+    assert any(".mlp.gate_proj." in n and "visual" in n for n in grads)
     with pytest.raises(ConfigError, match="'model.pad_vision_mlp' is true with rollout.exact=true"):
         load_config(None, [f"model.path={tiny_model}", "model.pad_vision_mlp=true", "rollout.exact=true"])
 
@@ -210,27 +224,15 @@ def test_padded_vision_mlp_gives_the_unpadded_logprobs_and_gradients(tiny_model,
 def test_torch_rms_norm_gives_the_module_s_logprobs_and_gradients(tiny_model, batch):
     """model.torch_rms_norm: every RMSNorm of the language model and the vision tower runs torch's rms_norm; the
     logprobs and gradients are the transformers modules' (fp32); refused with rollout.exact."""
-    from models.parallel import build_parallel_dims
-    from models.policy import TORCH_RMS_NORMS, build_policy
+    from models.policy import TORCH_RMS_NORMS
 
-    policies = []
-    for routed in (False, True):
-        torch.manual_seed(0)
-        policies.append(build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on",
-                                                 torch_rms_norm=routed), build_parallel_dims()))
-    plain, routed = policies
+    plain, routed = _pair(tiny_model, "torch_rms_norm")
     norms = [n for n, m in routed.model.named_modules() if type(m).__name__ in TORCH_RMS_NORMS]
     tower = routed.adapter.vision_tower(routed.model)
     assert plain.torch_rms_norms == 0 and routed.torch_rms_norms == len(norms) > 0
     assert any("forward" in m.__dict__ for m in tower.modules() if type(m).__name__ in TORCH_RMS_NORMS)
-    calls: list[int] = []
-    step, _, grads, _, _ = _step(plain, batch, 160, True, calls)
-    step_routed, _, grads_routed, _, _ = _step(routed, batch, 160, True, calls)
-    for a, b in zip(step.per_sample("lp"), step_routed.per_sample("lp")):
-        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
-    assert grads.keys() == grads_routed.keys() and any("norm" in n for n in grads)
-    for name in grads:
-        torch.testing.assert_close(grads_routed[name], grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    grads = _same_step(plain, routed, batch)
+    assert any("norm" in n for n in grads)
     with pytest.raises(ConfigError, match="'model.torch_rms_norm' is true with rollout.exact=true"):
         load_config(None, [f"model.path={tiny_model}", "model.torch_rms_norm=true", "rollout.exact=true"])
 

@@ -196,7 +196,7 @@ class GpuTelemetry:
         self._lock = threading.Lock()
         self._stats: dict[str, list[float]] = {}
         self._host: dict[str, list[float]] = {}  # per phase: wall s, process CPU s, machine busy CPU s, thread CPU s
-        self._threads: dict[str, dict[str, float]] = {}  # per phase: CPU s by thread name (add_threads)
+        self._threads: dict[str, dict[tuple, float]] = {}  # per phase: CPU s by (thread name, id) (add_threads)
         self._thread_wall: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -38,10 +38,11 @@ and `samples_<phase>`, the host's `process_cores_<phase>`,
 thread's per second of the phase), and the device's
 `sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
-`sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `vision_once`, `pad_vision_mlp`, `torch_rms_norm`, `lora_rank`, `lora_alpha`, `activation_checkpointing`,
-`prompts_per_step`, `n` and `max_new_tokens`. `liger_kernel` is what ran, true or false: the trainer writes
-`model.liger_kernel` and `model.pad_vision_mlp` settled (`auto` resolved for the family and device) as the words true/false, which
-read back as booleans, like the booleans that runs before `auto` wrote. With `--standalone` (the JSON of
+`sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `vision_once`, `pad_vision_mlp`, `torch_rms_norm`,
+`lora_rank`, `lora_alpha`, `activation_checkpointing`, `prompts_per_step`, `n` and `max_new_tokens`.
+`liger_kernel` and `pad_vision_mlp` are what ran, true or false: the trainer writes them settled (`auto`
+resolved for the family and device) as the words true/false, which read back as booleans, like the booleans
+that runs before `auto` wrote. With `--standalone` (the JSON of
 `tools/bench.py --phases engine`: a standalone vLLM on the loop's requests) it adds
 `standalone_gen_tokens_per_s` and `loop_gen_vs_standalone`, the loop's generation tokens/s over it, and
 (with `gen_engine_tokens_per_s`) `loop_engine_vs_standalone`, the loop's tokens/s without the data feed,

@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds[mode].append(s)
             print(f"round {r + 1} telemetry {mode:3s}: {1000 * s:.3f} ms a step", flush=True)
     ratio = statistics.median(rounds["on"]) / statistics.median(rounds["off"])
-    print(f"telemetry on / off, median step: {ratio:.4f} ({'graph' if args.graph else 'eager'}, "
-          f"{args.layers} layers, batch {args.batch}, host {args.host_ms} ms, NVML every {1000 * args.interval_s:.0f} ms)")
+    print(f"telemetry on / off, median step: {ratio:.4f} ({'graph' if args.graph else 'eager'}, {args.layers} layers, "
+          f"batch {args.batch}, host {args.host_ms} ms, NVML every {1000 * args.interval_s:.0f} ms)")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps({"graph": args.graph, "layers": args.layers, "batch": args.batch,
                                              "host_ms": args.host_ms, "interval_s": args.interval_s,

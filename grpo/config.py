@@ -129,6 +129,11 @@ class ModelConfig:
     # CUDA kernel each way, for an update whose host is the bottleneck; rounded once where transformers rounds
     # twice (~1 bf16 ulp apart). Not yet measured in the loop, so off; an error with rollout.exact
     torch_rms_norm: bool = False
+    # call torch's FlashAttention varlen kernels directly (models.attention.FlashVarlen) instead of through
+    # torch.nn.attention.varlen.varlen_attn: grouped K/V heads read by the kernel itself (torch 2.11's varlen_attn
+    # cannot, so K/V are repeated to every query head first) and no custom-operator layer per call. The same
+    # kernel; not yet measured on a GPU, so off
+    flash_direct: bool = False
     trust_remote_code: bool = False
     # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and
     # GLM families its merger too, a separate projector such as LLaVA's still trains) keeps its weights, gets no

@@ -235,6 +235,8 @@ def _run_kernel(query, key, value, cu: torch.Tensor, longest: int, scaling, caus
         k, v = k.index_select(0, keys[0]), v.index_select(0, keys[0])
         cu_k, longest_k = keys[1], keys[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if _DIRECT_FLASH[0]:
+        return FlashVarlen.apply(q, k, v, cu, cu_k, longest, longest_k, scaling, causal).unsqueeze(0)
     extra = {}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
@@ -247,6 +249,44 @@ def _run_kernel(query, key, value, cu: torch.Tensor, longest: int, scaling, caus
     else:
         extra["window_size"] = (-1, 0) if causal else (-1, -1)
     return kernel(q, k, v, cu, cu_k, longest, longest_k, scale=scaling, **extra).unsqueeze(0)
+
+
+# model.flash_direct (set_direct_flash): the kernel called through FlashVarlen instead of torch's varlen_attn
+_DIRECT_FLASH = [False]
+
+
+def set_direct_flash(on: bool) -> None:
+    """model.flash_direct, for the whole process (the policy and its reference share the attention functions)."""
+    _DIRECT_FLASH[0] = bool(on)
+
+
+def _flash_ops():
+    """(forward, backward): torch's FlashAttention varlen ops, the ones `varlen_attn` calls (a seam for tests)."""
+    return torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+
+
+class FlashVarlen(torch.autograd.Function):
+    """torch's FlashAttention varlen kernels called directly (model.flash_direct): q (L, H, D), k/v (Lk, Hkv, D)
+    with H a multiple of Hkv → (L, H, D). The kernel reads grouped K/V heads itself (torch 2.11's `varlen_attn`
+    has no `enable_gqa`, so the other path repeats them to H heads first and sums their gradients back), and
+    the call skips `varlen_attn`'s custom-operator layer: a plain autograd function, fewer host steps a layer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale, causal: bool):
+        forward, _ = _flash_ops()
+        out, lse, rng, unused, _ = forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+        ctx.shape = (max_q, max_k, scale, causal)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _, backward = _flash_ops()
+        q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
+        max_q, max_k, scale, causal = ctx.shape
+        dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng,
+                              unused, scale=scale)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def varlen_vision_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0, scaling=None,

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from models.attention import image_grid, packed_row
+from models.attention import image_grid, packed_row, set_direct_flash
 from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
 from models.logits import head_logits
 from models.lora import (
@@ -658,6 +658,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     liger = uses_liger(getattr(cfg_model, "liger_kernel", "false"), config.model_type, dims.device_type,
                        importlib.util.find_spec("liger_kernel") is not None, hint=trainable)
     torch_norm = bool(getattr(cfg_model, "torch_rms_norm", False))
+    set_direct_flash(bool(getattr(cfg_model, "flash_direct", False)))
     if liger:  # before the model is built: liger swaps classes that the decoder layers look up when made
         apply_liger_kernels(config.model_type, dims.device_type, hint=trainable, rms_norm=not torch_norm)
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)

@@ -40,7 +40,7 @@ The device may still show more than that during generation: `torch.cuda.empty_ca
 segments with no live block, and a segment holding one keeps its free part (AdamW's state made by the
 first step is cut from blocks the update cached, unless optim.allocate_state_at_start). `DevicePeak`
 reports that part (`memory/inactive_split_gb_generation`) and, per pass, the allocator's retries and
-growth.
+growth; during generation the engine's own retries, driver allocations and frees (`memory/*_generation`).
 """
 
 from __future__ import annotations
@@ -467,6 +467,26 @@ class DevicePeak:
             if label:
                 self._record(label, start, end, grown)
 
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """Around the awake engine's calls: the allocator's retries, driver allocations and frees meanwhile
+        (`memory/alloc_retries_generation`, `device_allocs_generation`, `device_frees_generation`, summed over a
+        step's calls). The engine's activations and sampler buffers come from torch's caching allocator: next to
+        a full device each allocation the cache cannot serve is a driver call, a retry or free waits for the
+        device, and the engine's steps slow down."""
+        if not self._cuda:
+            yield
+            return
+        start = self._stats()
+        try:
+            yield
+        finally:
+            end = self._stats()
+            for name, key in (("alloc_retries", "num_alloc_retries"), ("device_allocs", "num_device_alloc"),
+                              ("device_frees", "num_device_free")):
+                metric = f"memory/{name}_generation"
+                self._phases[metric] = self._phases.get(metric, 0.0) + float(end.get(key, 0) - start.get(key, 0))
+
     def _record(self, label: str, start: dict, end: dict, grown: int) -> None:
         """A pass's allocator metrics; a label seen again in the step adds its retries and driver allocations and
         frees, and keeps the larger growth."""
@@ -577,7 +597,8 @@ class Colocation:
         wake_s = time.monotonic() - t
         self.peak.sample()
         try:
-            yield engine
+            with self.peak.generating():
+                yield engine
         finally:
             self.peak.sample()
             t = time.monotonic()

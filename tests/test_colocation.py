@@ -424,3 +424,24 @@ def test_fsdp_unit_sizes_of_a_plain_module():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model[1].requires_grad_(False)
     assert fsdp_unit_sizes(model) == [(15 + 8, 15)]
+
+
+def test_generation_reports_the_engine_s_allocator_counts(monkeypatch):
+    """The awake engine's calls: the allocator's retries, driver allocations and frees, summed over a step's
+    calls (a multi-turn step generates more than once), none from the training passes around them."""
+    from rollout.colocation import DevicePeak
+
+    fake = _fake_cuda(monkeypatch)
+    peak = DevicePeak(torch.device("cuda", 0))
+    peak.begin()
+    with peak.training("update"):
+        fake.grow(allocated=4 * GIB, reserved=4 * GIB, retries=1)
+    for _ in range(2):
+        with peak.generating():
+            fake.grow(allocated=1 * GIB, reserved=2 * GIB, retries=1)
+            fake.grow(allocated=-1 * GIB)
+    m = peak.phase_metrics()
+    assert m["memory/alloc_retries_generation"] == 2.0 and m["memory/device_allocs_generation"] == 4.0
+    assert m["memory/device_frees_generation"] == 2.0 and m["memory/alloc_retries_update"] == 1.0
+    peak.begin()
+    assert "memory/device_allocs_generation" not in peak.phase_metrics()  # the next step starts afresh

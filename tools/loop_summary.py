@@ -92,7 +92,7 @@ GEN_OUTSIDE = ("gen_data_s", "gen_score_s")
 # steps that logged each
 MEMORY_PHASES = tuple(f"{m}_{p}" for p in ("logprob", "update") for m in (
     "alloc_retries", "reserved_growth_gb", "allocated_growth_gb", "inactive_split_gb", "device_allocs", "device_frees")) + (
-    "inactive_split_gb_generation",)
+    "inactive_split_gb_generation", "alloc_retries_generation", "device_allocs_generation", "device_frees_generation")
 # GPU telemetry per phase, per step as gpu/<name> (rollout/telemetry.py, where NVML answers): means over the steps
 # that logged each; GPU_ONCE from the first row that logged it
 TELEMETRY_PHASES = ("gen", "logprob", "score", "train", "refit")  # grpo/trainer.py STEP_PHASES' names

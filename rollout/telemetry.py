@@ -26,8 +26,9 @@ busy meanwhile; and `host/main_thread_cores_<phase>`, the CPU seconds of the thr
 trainer's, which also drives the in-process engine) over the same wall seconds: the process's cores beyond it
 are its other threads' (OpenMP's workers, spinning after a CPU op, among them). Means over ranks.
 
-Which threads those are: the first rank logs, per step and phase, one line of the threads that kept more
-than 0.02 of a core busy during it, busiest first (`threads in gen, cores: NAME CORES, NAME xN (busiest
+Which threads those are: the first rank logs, per phase of each of the first 5 steps and of every 50th step
+after (THREAD_LINE_STEPS, THREAD_LINE_EVERY), one line of the threads that kept more than 0.02 of a core busy
+during it, busiest first (`threads in gen, cores: NAME CORES, NAME xN (busiest
 CORES) CORES, ...`): a Python thread by its name, any other by the name the OS gives it
 (Linux's /proc/self/task; none elsewhere) and the timed block by whose end it first appeared (`python3 from
 engine_build`: `label_new_threads`), threads of one name summed with the busiest one's share; a thread that
@@ -62,6 +63,7 @@ THERMAL = SW_THERMAL | HW_THERMAL
 # NVML's utilization: the percent of its last sample period a kernel ran, and the device memory was read or written
 _SUMS = ("samples", "clock", "power", "throttled", "power_capped", "thermal", "util", "mem_util")
 _active: GpuTelemetry | None = None  # the started sampler, whose phases `phase` marks
+THREAD_LINE_STEPS, THREAD_LINE_EVERY = 5, 50  # the thread lines: every one of the first steps, then every 50th
 
 
 @contextmanager
@@ -201,6 +203,7 @@ class GpuTelemetry:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first = True
+        self._steps = 0  # step_metrics calls: the thread lines are logged for the first steps, then now and then
 
     def __enter__(self) -> GpuTelemetry:
         global _active
@@ -277,11 +280,12 @@ class GpuTelemetry:
         with self._lock:
             stats, self._stats = self._stats, {}
         host, self._host = self._host, {}
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            for line in self.thread_lines():
+        self._steps += 1
+        lines = self.thread_lines()
+        if (not dist.is_initialized() or dist.get_rank() == 0) and (self._steps <= THREAD_LINE_STEPS
+                                                                      or self._steps % THREAD_LINE_EVERY == 0):
+            for line in lines:
                 log.info(line)
-        else:
-            self.thread_lines()
         n = len(self.phases)
         sums = torch.zeros(n, len(_SUMS) + 4, dtype=torch.float64)  # the readings' sums, then the host's cores
         highs = torch.full((2 * n + 2,), -float("inf"), dtype=torch.float64)  # -clock min, temp max, -once values

@@ -389,3 +389,19 @@ def test_a_native_thread_is_named_by_the_timed_block_it_appeared_in(monkeypatch)
     finally:
         stop.set()
         t.join()
+
+
+def test_thread_lines_are_logged_for_the_first_steps_then_every_so_often(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    monkeypatch.setattr(telemetry, "THREAD_LINE_STEPS", 2)
+    monkeypatch.setattr(telemetry, "THREAD_LINE_EVERY", 3)
+    t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)
+    logged = []
+    with t:
+        for _ in range(6):
+            t._threads, t._thread_wall = {"perf/gen_s": {("spinner", 1): 0.5}}, {"perf/gen_s": 1.0}
+            caplog.clear()
+            with caplog.at_level("INFO", logger="vlrl"):
+                t.step_metrics(torch.device("cpu"))
+            logged.append(any(r.getMessage() == "threads in gen, cores: spinner 0.50" for r in caplog.records))
+    assert logged == [True, True, True, False, False, True]  # steps 1-2, then 3 and 6

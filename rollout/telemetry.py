@@ -77,14 +77,14 @@ def phase(key: str):
     outer = t.open
     t.open = outer + (key,)  # one reference swapped: the sampler reads a whole tuple
     start, threads_at = host_clock(), time.monotonic()
-    threads = thread_cpu()
+    threads = thread_cpu() if t.reads_threads() else None
     try:
         yield
     finally:
         t.open = outer
         t.add_host(key, start, host_clock())
-        threads_end = thread_cpu()  # the wall around both readings: the threads' CPU while they were taken counts
-        t.add_threads(key, threads, threads_end, time.monotonic() - threads_at)
+        if threads is not None:  # the wall around both readings: the threads' CPU while they were taken counts
+            t.add_threads(key, threads, thread_cpu(), time.monotonic() - threads_at)
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -255,6 +255,11 @@ class GpuTelemetry:
         s = self._host.setdefault(key, [0.0, 0.0, 0.0, 0.0])
         s[0], s[1], s[2], s[3] = s[0] + wall, s[1] + cpu, s[2] + busy, s[3] + thread
 
+    def reads_threads(self) -> bool:
+        """Whether this step's thread lines are logged (`step_metrics`), so its phases read the threads."""
+        step = self._steps + 1
+        return step <= THREAD_LINE_STEPS or step % THREAD_LINE_EVERY == 0
+
     def add_threads(self, key: str, start: dict, end: dict, wall: float) -> None:
         """A phase's CPU seconds by thread (`thread_cpu` at its start and end, `wall` seconds apart), summed over
         the step."""
@@ -280,10 +285,10 @@ class GpuTelemetry:
         with self._lock:
             stats, self._stats = self._stats, {}
         host, self._host = self._host, {}
+        logs = self.reads_threads()
         self._steps += 1
         lines = self.thread_lines()
-        if (not dist.is_initialized() or dist.get_rank() == 0) and (self._steps <= THREAD_LINE_STEPS
-                                                                      or self._steps % THREAD_LINE_EVERY == 0):
+        if logs and (not dist.is_initialized() or dist.get_rank() == 0):
             for line in lines:
                 log.info(line)
         n = len(self.phases)

@@ -405,3 +405,12 @@ def test_thread_lines_are_logged_for_the_first_steps_then_every_so_often(monkeyp
                 t.step_metrics(torch.device("cpu"))
             logged.append(any(r.getMessage() == "threads in gen, cores: spinner 0.50" for r in caplog.records))
     assert logged == [True, True, True, False, False, True]  # steps 1-2, then 3 and 6
+    times = {}
+    with t:  # step 7's phases read no threads (nothing to log); step 9's do
+        with timed(times, "perf/gen_s"):
+            pass
+        assert not t._threads
+        t._steps = 8
+        with timed(times, "perf/gen_s"):
+            pass
+        assert "perf/gen_s" in t._threads

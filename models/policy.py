@@ -679,12 +679,12 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     conv3d_windows_as_linear(model)  # the patch embedding as the engine computes it
     tower = adapter.vision_tower(model)
     normed = route_rms_norms_to_torch(model) if torch_norm else 0
-    pad = pads_vision_mlp(getattr(cfg_model, "pad_vision_mlp", "false"), dims.device_type)
-    padded = pad_mlp_widths(tower) if pad and tower is not None else 0
     lora = getattr(cfg_model, "lora", None)
     if trainable and lora is not None and lora.rank > 0:  # before sharding: adapters live in their layer's unit
         names = lora_module_names(model, adapter, lora.targets, lora.vision_targets)
         apply_lora(model, names, lora.rank, lora.alpha)
+    pad = pads_vision_mlp(getattr(cfg_model, "pad_vision_mlp", "false"), dims.device_type)
+    padded = pad_mlp_widths(tower) if pad and tower is not None else 0  # after LoRA: a wrapped MLP keeps its own
     if not trainable and dtype != torch.float32:
         _store_parameters_in(model, dtype)
     apply_parallelism(
@@ -949,12 +949,14 @@ def pad_mlp_widths(module: nn.Module, multiple: int = 128) -> int:
         width = gate.out_features
         if width % multiple == 0 or up.out_features != width or down.in_features != width:
             continue
-        m.forward = _padded_mlp(m, -width % multiple)
+        m.forward = _padded_mlp(m, -width % multiple, m.forward)
         padded += 1
     return padded
 
 
-def _padded_mlp(mlp: nn.Module, pad: int) -> Callable:
+def _padded_mlp(mlp: nn.Module, pad: int, own: Callable) -> Callable:
+    """The padded forward; the module's own where a projection is no longer a plain nn.Linear (LoRA wraps them
+    after the model is built: its adapters must see the input)."""
     F = nn.functional
 
     def rows(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -962,6 +964,8 @@ def _padded_mlp(mlp: nn.Module, pad: int) -> Callable:
         return F.pad(linear.weight, (0, 0, 0, pad)), bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if not all(type(p) is nn.Linear for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return own(x)
         gate_w, gate_b = rows(mlp.gate_proj)
         up_w, up_b = rows(mlp.up_proj)
         hidden = mlp.act_fn(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b)

@@ -239,3 +239,54 @@ def test_vision_tower_adapters_train_through_the_image_features(tiny_model, base
     (-lp.mean()).backward()
     vision_b = [m.lora_B.grad for n, m in lora_modules(policy.model).items() if ".visual." in n]
     assert all(g is not None for g in vision_b) and any(float(g.abs().sum()) > 0 for g in vision_b)
+
+
+def test_vision_mlp_adapters_train_with_the_padded_mlp(tiny_model, base):
+    """model.pad_vision_mlp with LoRA on the tower's MLP projections: the wrapped MLPs keep their own forward, so
+    the adapters see the input and train; unwrapped ones are still padded."""
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    cfg = model_cfg(tiny_model, targets=["q_proj"], vision_targets=mlp)
+    cfg.pad_vision_mlp = "true"
+    policy = build_policy(cfg, build_parallel_dims())
+    assert policy.padded_vision_mlps == 0  # every tower MLP is wrapped: none padded
+    names = [n for n in lora_modules(policy.model) if ".visual." in n]
+    assert names and all(n.endswith(tuple(mlp)) for n in names)
+    mb = sequences(policy.adapter)
+    with torch.no_grad():
+        assert torch.equal(policy.logprobs(mb)[0], base.logprobs(mb)[0])
+    lp, _ = policy.logprobs(mb)
+    (-lp.mean()).backward()
+    vision_b = [m.lora_B.grad for n, m in lora_modules(policy.model).items() if ".visual." in n]
+    assert all(g is not None for g in vision_b) and all(float(g.abs().sum()) > 0 for g in vision_b)
+    cfg = model_cfg(tiny_model, targets=["q_proj"])
+    cfg.pad_vision_mlp = "true"
+    assert build_policy(cfg, build_parallel_dims()).padded_vision_mlps > 0  # no tower adapters: padded
+
+
+def test_a_padded_mlp_whose_projection_is_wrapped_later_runs_its_own_forward():
+    from models.lora import LoraLinear
+    from models.policy import pad_mlp_widths
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(8, 12, bias=False), nn.Linear(8, 12, bias=False)
+            self.down_proj = nn.Linear(12, 8, bias=False)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    MLP.__name__ = "Qwen2_5_VLMLP"
+    torch.manual_seed(0)
+    m = MLP()
+    assert pad_mlp_widths(m, multiple=16) == 1
+    x = torch.randn(3, 8)
+    plain = m.down_proj(m.act_fn(m.gate_proj(x)) * m.up_proj(x))
+    torch.testing.assert_close(m(x), plain)
+    m.gate_proj = LoraLinear(m.gate_proj, 2, 4.0)
+    with torch.no_grad():
+        m.gate_proj.lora_A.normal_()
+        m.gate_proj.lora_B.normal_()
+    torch.testing.assert_close(m(x), m.down_proj(m.act_fn(m.gate_proj(x)) * m.up_proj(x)))
+    assert not torch.allclose(m(x), plain)

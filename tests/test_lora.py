@@ -228,16 +228,22 @@ def test_activation_checkpointing_gives_the_same_adapter_gradients(tiny_model, l
     assert any(float(g.abs().sum()) > 0 for n, g in again.items() if n.endswith("lora_A"))
 
 
-def test_vision_tower_adapters_train_through_the_image_features(tiny_model, base):
-    policy = build_policy(model_cfg(tiny_model, targets=["q_proj"], vision_targets=["qkv"]), build_parallel_dims())
-    names = list(lora_modules(policy.model))
-    assert any(".visual." in n for n in names) and all(n.endswith(("q_proj", "qkv")) for n in names)
+def _vision_adapter_grads(policy, base) -> list:
+    """The tower adapters' B gradients after one backward; before it, the untrained adapters give the base's
+    logprobs exactly."""
     mb = sequences(policy.adapter)
     with torch.no_grad():
         assert torch.equal(policy.logprobs(mb)[0], base.logprobs(mb)[0])
     lp, _ = policy.logprobs(mb)
     (-lp.mean()).backward()
-    vision_b = [m.lora_B.grad for n, m in lora_modules(policy.model).items() if ".visual." in n]
+    return [m.lora_B.grad for n, m in lora_modules(policy.model).items() if ".visual." in n]
+
+
+def test_vision_tower_adapters_train_through_the_image_features(tiny_model, base):
+    policy = build_policy(model_cfg(tiny_model, targets=["q_proj"], vision_targets=["qkv"]), build_parallel_dims())
+    names = list(lora_modules(policy.model))
+    assert any(".visual." in n for n in names) and all(n.endswith(("q_proj", "qkv")) for n in names)
+    vision_b = _vision_adapter_grads(policy, base)
     assert all(g is not None for g in vision_b) and any(float(g.abs().sum()) > 0 for g in vision_b)
 
 
@@ -251,12 +257,7 @@ def test_vision_mlp_adapters_train_with_the_padded_mlp(tiny_model, base):
     assert policy.padded_vision_mlps == 0  # every tower MLP is wrapped: none padded
     names = [n for n in lora_modules(policy.model) if ".visual." in n]
     assert names and all(n.endswith(tuple(mlp)) for n in names)
-    mb = sequences(policy.adapter)
-    with torch.no_grad():
-        assert torch.equal(policy.logprobs(mb)[0], base.logprobs(mb)[0])
-    lp, _ = policy.logprobs(mb)
-    (-lp.mean()).backward()
-    vision_b = [m.lora_B.grad for n, m in lora_modules(policy.model).items() if ".visual." in n]
+    vision_b = _vision_adapter_grads(policy, base)
     assert all(g is not None for g in vision_b) and all(float(g.abs().sum()) > 0 for g in vision_b)
     cfg = model_cfg(tiny_model, targets=["q_proj"])
     cfg.pad_vision_mlp = "true"

@@ -943,15 +943,20 @@ def pad_mlp_widths(module: nn.Module, multiple: int = 128) -> int:
     for m in module.modules():
         if type(m).__name__ not in PADDABLE_MLPS:
             continue
-        gate, up, down = (getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
-        if not all(type(p) is nn.Linear for p in (gate, up, down)):  # LoRA-wrapped or replaced: left alone
+        if not _plain_projections(m):  # LoRA-wrapped or replaced: left alone
             continue
+        gate, up, down = m.gate_proj, m.up_proj, m.down_proj
         width = gate.out_features
         if width % multiple == 0 or up.out_features != width or down.in_features != width:
             continue
         m.forward = _padded_mlp(m, -width % multiple, m.forward)
         padded += 1
     return padded
+
+
+def _plain_projections(mlp: nn.Module) -> bool:
+    """Whether a gated MLP's gate, up and down projections are all plain nn.Linear (none wrapped by LoRA)."""
+    return all(type(getattr(mlp, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _padded_mlp(mlp: nn.Module, pad: int, own: Callable) -> Callable:
@@ -964,7 +969,7 @@ def _padded_mlp(mlp: nn.Module, pad: int, own: Callable) -> Callable:
         return F.pad(linear.weight, (0, 0, 0, pad)), bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not all(type(p) is nn.Linear for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        if not _plain_projections(mlp):
             return own(x)
         gate_w, gate_b = rows(mlp.gate_proj)
         up_w, up_b = rows(mlp.up_proj)

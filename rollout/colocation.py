@@ -59,8 +59,10 @@ from rollout.base import Engine
 
 log = logging.getLogger("vlrl")
 _GIB = 2**30
-# per-pass allocator counts that add up when a pass runs twice in a step (the rest keep the larger)
-_SUMMED = ("memory/alloc_retries_", "memory/device_allocs_", "memory/device_frees_")
+# the allocator's counts a pass (or the awake engine) is charged with: metric name -> torch.cuda.memory_stats key;
+# they add up when a pass runs twice in a step (the other per-pass metrics keep the larger)
+_COUNTS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
+           "device_frees": "num_device_free"}
 
 RESERVE_BYTES = 3 * _GIB  # allocator fragmentation and slack, beyond what the CUDA context already holds
 ENGINE_OVERHEAD_BYTES = 4 * _GIB  # vLLM's activations, sampler and CUDA graphs (measured 1.5 GiB, 3B on an H200)
@@ -481,33 +483,30 @@ class DevicePeak:
         try:
             yield
         finally:
-            end = self._stats()
-            for name, key in (("alloc_retries", "num_alloc_retries"), ("device_allocs", "num_device_alloc"),
-                              ("device_frees", "num_device_free")):
-                metric = f"memory/{name}_generation"
-                self._phases[metric] = self._phases.get(metric, 0.0) + float(end.get(key, 0) - start.get(key, 0))
+            self._add_counts("generation", start, self._stats())
+
+    def _add_counts(self, label: str, start: dict, end: dict) -> None:
+        """The allocator's counts between two `memory_stats` readings, added to the step's `memory/<count>_<label>`."""
+        for name, key in _COUNTS.items():
+            metric = f"memory/{name}_{label}"
+            self._phases[metric] = self._phases.get(metric, 0.0) + float(end.get(key, 0) - start.get(key, 0))
 
     def _record(self, label: str, start: dict, end: dict, grown: int) -> None:
-        """A pass's allocator metrics; a label seen again in the step adds its retries and driver allocations and
-        frees, and keeps the larger growth."""
+        """A pass's allocator metrics; a label seen again in the step adds its counts (`_add_counts`: retries, and
+        the driver allocations and frees) and keeps the larger growth."""
         allocated = max(end.get("allocated_bytes.all.peak", 0) - start.get("allocated_bytes.all.current", 0), 0)
         values = {
-            f"memory/alloc_retries_{label}": float(end.get("num_alloc_retries", 0) - start.get("num_alloc_retries", 0)),
             f"memory/reserved_growth_gb_{label}": grown / _GIB,
             f"memory/allocated_growth_gb_{label}": allocated / _GIB,
             f"memory/inactive_split_gb_{label}": end.get("inactive_split_bytes.all.peak", 0) / _GIB,
-            # the driver allocations (cudaMalloc, or cuMemMap with expandable segments) the pass made: a pass that
-            # regrows the cache the engine's wake emptied pays for each, where a warm cache makes none
-            f"memory/device_allocs_{label}": float(end.get("num_device_alloc", 0) - start.get("num_device_alloc", 0)),
-            # and the frees (each cudaFree waits for the device): a retry's; with `max_split_size_mb` or
-            # `garbage_collection_threshold` set, also the cached blocks the allocator frees before it retries
-            f"memory/device_frees_{label}": float(end.get("num_device_free", 0) - start.get("num_device_free", 0)),
         }
         for key, value in values.items():
-            before = self._phases.get(key)
-            if before is not None:
-                value = before + value if key.startswith(_SUMMED) else max(before, value)
-            self._phases[key] = value
+            self._phases[key] = max(self._phases.get(key, value), value)
+        # the driver allocations (cudaMalloc, or cuMemMap with expandable segments) the pass made: a pass that
+        # regrows the cache the engine's wake emptied pays for each, where a warm cache makes none; and the frees
+        # (each cudaFree waits for the device): a retry's; with `max_split_size_mb` or
+        # `garbage_collection_threshold` set, also the cached blocks the allocator frees before it retries
+        self._add_counts(label, start, end)
 
     def phase_metrics(self) -> dict[str, float]:
         """The labelled passes' allocator metrics since `begin` (none on CPU)."""

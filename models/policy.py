@@ -894,6 +894,19 @@ def _windows_as_linear(conv: nn.Conv3d, convolve: Callable) -> Callable:
 TORCH_RMS_NORMS = frozenset({"Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm", "Glm4vRMSNorm"})
 
 
+def _routable_norm(m: nn.Module) -> bool:
+    """Whether `route_rms_norms_to_torch` may route `m`: a TORCH_RMS_NORMS class, or liger's RMSNorm computing the
+    same function (no offset, llama casting, a weight). The second are what a process builds after an earlier
+    policy of the family took liger's RMSNorm: liger replaces the class in transformers' modeling module for the
+    rest of the process."""
+    if not isinstance(getattr(m, "weight", None), torch.Tensor):
+        return False
+    name = type(m).__name__
+    if name == "LigerRMSNorm":
+        return getattr(m, "offset", None) == 0.0 and getattr(m, "casting_mode", None) == "llama"
+    return name in TORCH_RMS_NORMS
+
+
 def route_rms_norms_to_torch(module: nn.Module) -> int:
     """model.torch_rms_norm: every RMSNorm of `module` in TORCH_RMS_NORMS runs torch's `rms_norm` (one fused
     CUDA kernel each way, dispatched from C++: a fifth of liger's host time a call and a quarter of the
@@ -903,7 +916,7 @@ def route_rms_norms_to_torch(module: nn.Module) -> int:
     were routed."""
     routed = 0
     for m in module.modules():
-        if type(m).__name__ in TORCH_RMS_NORMS and isinstance(getattr(m, "weight", None), torch.Tensor):
+        if _routable_norm(m):
             m.forward = _torch_rms_norm(m, m.forward)
             routed += 1
     return routed

@@ -245,6 +245,42 @@ def test_torch_rms_norm_leaves_liger_the_rest(fake_liger, monkeypatch):
     assert all(c[1]["swiglu"] for c in fake_liger.calls)
 
 
+
+def test_torch_rms_norm_routes_liger_s_llama_norm():
+    """A process that built a policy with liger's RMSNorm builds later models with it (liger replaces the class in
+    transformers' module): model.torch_rms_norm routes those too where they compute the same function (no offset,
+    llama casting), and leaves Gemma's (offset 1) alone; the routed norm gives the module's output."""
+    from models.policy import route_rms_norms_to_torch
+
+    class LigerRMSNorm(torch.nn.Module):  # liger's attributes, the llama-cast forward
+        def __init__(self, width, offset=0.0, casting_mode="llama"):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+            self.variance_epsilon, self.offset, self.casting_mode = 1e-6, offset, casting_mode
+
+        def forward(self, x):
+            x32 = x.float()
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (self.offset + self.weight) * normed.to(x.dtype)
+
+    llama, gemma, cast = LigerRMSNorm(16), LigerRMSNorm(16, offset=1.0, casting_mode="gemma"), LigerRMSNorm(16)
+    cast.casting_mode = "none"
+    block = torch.nn.ModuleList([llama, gemma, cast])
+    x = torch.randn(3, 16)
+    expected = llama(x)
+    calls = []
+    handle = torch.nn.functional.rms_norm
+    torch.nn.functional.rms_norm = lambda *a, **k: calls.append(1) or handle(*a, **k)
+    try:
+        assert route_rms_norms_to_torch(block) == 1
+        assert "forward" in llama.__dict__ and "forward" not in gemma.__dict__ and "forward" not in cast.__dict__
+        torch.testing.assert_close(llama(x), expected, atol=1e-6, rtol=1e-6)
+        gemma(x)
+    finally:
+        torch.nn.functional.rms_norm = handle
+    assert calls == [1]
+
+
 # --- the trainer ----------------------------------------------------------------------------------------------------
 def _trainer_cfg(tiny_model, clevr_parquet, run_dir, overrides=()):
     return load_config(None, [

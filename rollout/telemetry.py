@@ -26,6 +26,12 @@ busy meanwhile; and `host/main_thread_cores_<phase>`, the CPU seconds of the thr
 trainer's, which also drives the in-process engine) over the same wall seconds: the process's cores beyond it
 are its other threads' (OpenMP's workers, spinning after a CPU op, among them). Means over ranks.
 
+Python's cyclic garbage collector stops every Python thread of the process while it runs (the trainer's and
+the in-process engine's alike); where it runs is the interpreter's choice. `host/gc_s_<phase>` is the seconds
+it ran during the phase (all of the process's collections, whichever thread set them off), and
+`host/gc_full_<phase>` how many of them were full (generation 2, which walks every object not frozen); means
+over ranks. Read through `gc.callbacks` while the sampler is entered.
+
 Which threads those are: the first rank logs, per phase of each of the first 5 steps and of every 50th step
 after (THREAD_LINE_STEPS, THREAD_LINE_EVERY), one line of the threads that kept more than 0.02 of a core busy
 during it, busiest first (`threads in gen, cores: NAME CORES, NAME xN (busiest
@@ -37,6 +43,7 @@ ended before the phase did is not counted.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -174,9 +181,24 @@ def thread_cores(seconds: dict[tuple, float], wall: float) -> list[tuple[float, 
     return sorted(out, reverse=True)
 
 
-def host_clock() -> tuple[float, float, float | None, float]:
-    """(wall, this process's CPU, the machine's busy CPU, this thread's CPU) seconds, for a phase's host readings."""
-    return time.monotonic(), time.process_time(), machine_busy_s(), time.thread_time()
+_gc_totals = [0.0, 0, 0.0]  # the collector's seconds and full collections so far, the running collection's start
+
+
+def _gc_clock(stage: str, info: dict) -> None:
+    """gc.callbacks' hook: adds each collection's seconds, and counts the full ones (generation 2). Collections
+    run one at a time, holding the interpreter's lock."""
+    if stage == "start":
+        _gc_totals[2] = time.perf_counter()
+        return
+    _gc_totals[0] += time.perf_counter() - _gc_totals[2]
+    _gc_totals[1] += info.get("generation") == 2
+
+
+def host_clock() -> tuple[float, float, float | None, float, float, int]:
+    """(wall, this process's CPU, the machine's busy CPU, this thread's CPU, the garbage collector's) seconds and
+    the full collections so far, for a phase's host readings (the collector's only while a sampler is entered)."""
+    return (time.monotonic(), time.process_time(), machine_busy_s(), time.thread_time(), _gc_totals[0],
+            _gc_totals[1])
 
 
 class GpuTelemetry:
@@ -197,7 +219,8 @@ class GpuTelemetry:
         self.owner = threading.get_ident()
         self._lock = threading.Lock()
         self._stats: dict[str, list[float]] = {}
-        self._host: dict[str, list[float]] = {}  # per phase: wall s, process CPU s, machine busy CPU s, thread CPU s
+        # per phase: wall s, process CPU s, machine busy CPU s, thread CPU s, collector s, full collections
+        self._host: dict[str, list[float]] = {}
         self._threads: dict[str, dict[tuple, float]] = {}  # per phase: CPU s by (thread name, id) (add_threads)
         self._thread_wall: dict[str, float] = {}
         self._stop = threading.Event()
@@ -210,12 +233,16 @@ class GpuTelemetry:
         self.owner, self._stop = threading.get_ident(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-telemetry", daemon=True)
         _active = self
+        if _gc_clock not in gc.callbacks:
+            gc.callbacks.append(_gc_clock)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         global _active
         _active = None
+        if _gc_clock in gc.callbacks:
+            gc.callbacks.remove(_gc_clock)
         self._stop.set()
         self._thread.join()  # NVML stays initialized: vLLM's own calls in this process use it too
 
@@ -252,8 +279,9 @@ class GpuTelemetry:
         this process's alone where /proc/stat is missing)."""
         wall, cpu, thread = end[0] - start[0], end[1] - start[1], end[3] - start[3]
         busy = end[2] - start[2] if start[2] is not None and end[2] is not None else cpu
-        s = self._host.setdefault(key, [0.0, 0.0, 0.0, 0.0])
-        s[0], s[1], s[2], s[3] = s[0] + wall, s[1] + cpu, s[2] + busy, s[3] + thread
+        s = self._host.setdefault(key, [0.0] * 6)
+        for i, v in enumerate((wall, cpu, busy, thread, end[4] - start[4], end[5] - start[5])):
+            s[i] += v
 
     def reads_threads(self) -> bool:
         """Whether this step's thread lines are logged (`step_metrics`), so its phases read the threads."""
@@ -292,16 +320,17 @@ class GpuTelemetry:
             for line in lines:
                 log.info(line)
         n = len(self.phases)
-        sums = torch.zeros(n, len(_SUMS) + 4, dtype=torch.float64)  # the readings' sums, then the host's cores
+        # the readings' sums, then the host's: cores (process, elsewhere, main thread), ranks, collector s, full ones
+        sums = torch.zeros(n, len(_SUMS) + 6, dtype=torch.float64)
         highs = torch.full((2 * n + 2,), -float("inf"), dtype=torch.float64)  # -clock min, temp max, -once values
         for i, key in enumerate(self.phases):
             if key in stats:
                 sums[i, :len(_SUMS)] = torch.tensor(stats[key][:len(_SUMS)], dtype=torch.float64)
                 highs[i], highs[n + i] = -stats[key][-2], stats[key][-1]
-            wall, cpu, busy, thread = host.get(key, (0.0, 0.0, 0.0, 0.0))
-            if wall > 0:  # this rank's cores for the phase, and 1 to count the ranks that had it
-                sums[i, len(_SUMS):] = torch.tensor([cpu / wall, max(busy - cpu, 0.0) / wall, thread / wall, 1.0],
-                                                    dtype=torch.float64)
+            wall, cpu, busy, thread, gc_s, gc_full = host.get(key, (0.0,) * 6)
+            if wall > 0:  # this rank's cores for the phase, 1 to count the ranks that had it, its collector
+                sums[i, len(_SUMS):] = torch.tensor([cpu / wall, max(busy - cpu, 0.0) / wall, thread / wall, 1.0,
+                                                     gc_s, gc_full], dtype=torch.float64)
         highs[-2:] = torch.tensor([-self.sm_clock_max_mhz, -self.power_limit_w], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             sums, highs = sums.to(device), highs.to(device)
@@ -313,11 +342,13 @@ class GpuTelemetry:
             out.update({"gpu/sm_clock_max_mhz": -highs[-2], "gpu/power_limit_w": -highs[-1]})
             self._first = False
         for i, key in enumerate(self.phases):
-            count, clock, power, throttled, capped, thermal, util, mem_util, own, other, main, ranks = sums[i]
+            count, clock, power, throttled, capped, thermal, util, mem_util = sums[i][:len(_SUMS)]
+            own, other, main, ranks, gc_s, full = sums[i][len(_SUMS):]
             name = key.removeprefix("perf/").removesuffix("_s")
             if ranks:
                 out.update({f"host/process_cores_{name}": own / ranks, f"host/other_cores_{name}": other / ranks,
-                            f"host/main_thread_cores_{name}": main / ranks})
+                            f"host/main_thread_cores_{name}": main / ranks, f"host/gc_s_{name}": gc_s / ranks,
+                            f"host/gc_full_{name}": full / ranks})
             if not count:
                 continue
             out.update({f"gpu/sm_clock_mhz_mean_{name}": clock / count, f"gpu/sm_clock_mhz_min_{name}": -highs[i],

@@ -96,10 +96,12 @@ def test_readings_count_for_the_phase_timed_has_open(monkeypatch, old_reason_nam
 def test_a_phase_s_host_cores_come_from_its_start_and_end(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
     t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)
-    # (wall, this process's CPU, the machine's busy CPU, this thread's CPU) seconds at each phase's start and end
-    clocks = iter([(0.0, 0.0, 10.0, 0.0), (2.0, 1.5, 14.0, 1.0),  # gen: 0.75 cores here (0.5 this thread's), 1.25 elsewhere
-                   (5.0, 2.0, 20.0, 1.2), (6.0, 3.0, 21.0, 2.0),  # train, twice in the step: summed
-                   (7.0, 3.0, 22.0, 2.0), (8.0, 3.5, None, 2.4)])  # no /proc/stat at the end: nothing elsewhere
+    # (wall, this process's CPU, the machine's busy CPU, this thread's CPU, the collector's) seconds and the full
+    # collections so far, at each phase's start and end
+    clocks = iter([(0.0, 0.0, 10.0, 0.0, 0.0, 0), (2.0, 1.5, 14.0, 1.0, 0.3, 1),  # gen: 0.75 cores here (0.5 this
+                   # thread's), 1.25 elsewhere; the collector 0.3 s, one full collection
+                   (5.0, 2.0, 20.0, 1.2, 0.3, 1), (6.0, 3.0, 21.0, 2.0, 0.35, 1),  # train, twice in the step: summed
+                   (7.0, 3.0, 22.0, 2.0, 0.35, 1), (8.0, 3.5, None, 2.4, 0.45, 3)])  # no /proc/stat at the end
     monkeypatch.setattr(telemetry, "host_clock", lambda: next(clocks))
     times = {}
     with t:
@@ -115,8 +117,37 @@ def test_a_phase_s_host_cores_come_from_its_start_and_end(monkeypatch):
     assert m["host/process_cores_train"] == pytest.approx(1.5 / 2) and m["host/other_cores_train"] == pytest.approx(0)
     assert m["host/main_thread_cores_gen"] == pytest.approx(0.5)
     assert m["host/main_thread_cores_train"] == pytest.approx((0.8 + 0.4) / 2)
+    assert m["host/gc_s_gen"] == pytest.approx(0.3) and m["host/gc_full_gen"] == 1
+    assert m["host/gc_s_train"] == pytest.approx(0.15) and m["host/gc_full_train"] == 2
     assert not [k for k in m if k.startswith("host/") and k.endswith(("_logprob", "_wake"))]
     assert not [k for k in after if k.startswith("host/")]  # the next step starts afresh
+
+
+
+def test_the_garbage_collector_s_pauses_count_for_the_phase_it_ran_in(monkeypatch):
+    """A full collection inside a phase is timed and counted for it, through gc.callbacks while the sampler runs;
+    the hook is gone after."""
+    import gc
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)
+    times = {}
+    with t:
+        assert telemetry._gc_clock in gc.callbacks
+        with timed(times, "perf/gen_s"):
+            junk = [[] for _ in range(20000)]
+            for a, b in zip(junk, junk[1:]):
+                a.append(b)
+                b.append(a)  # cycles: only the collector frees them
+            del junk, a, b
+            gc.collect()
+            gc.collect(0)
+        with timed(times, "perf/train_s"):
+            pass
+        m = t.step_metrics(torch.device("cpu"))
+    assert telemetry._gc_clock not in gc.callbacks
+    assert m["host/gc_full_gen"] == 1 and 0 < m["host/gc_s_gen"] <= times["perf/gen_s"]
+    assert m["host/gc_full_train"] == 0 and m["host/gc_s_train"] < m["host/gc_s_gen"]
 
 
 def test_the_machine_s_busy_cpu_reads_proc_stat():

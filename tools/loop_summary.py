@@ -35,7 +35,8 @@ Where the steps logged GPU telemetry (`trainer.gpu_telemetry`, rollout/telemetry
 `power_capped_frac_<phase>`, `thermal_frac_<phase>`, `util_pct_mean_<phase>`, `mem_util_pct_mean_<phase>`
 and `samples_<phase>`, the host's `process_cores_<phase>`,
 `other_cores_<phase>` and `main_thread_cores_<phase>` (this process's CPU, other processes' and the trainer
-thread's per second of the phase), and the device's
+thread's per second of the phase), `gc_s_<phase>` and `gc_full_<phase>` (the garbage collector's seconds and full
+collections in the phase, per step), and the device's
 `sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `vision_once`, `pad_vision_mlp`, `torch_rms_norm`,
@@ -102,7 +103,7 @@ GPU_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in (
 GPU_ONCE = ("sm_clock_max_mhz", "power_limit_w")
 # the host's cores per phase, per step as host/<name> (rollout/telemetry.py, with the GPU telemetry)
 HOST_PHASES = tuple(f"{m}_{p}" for p in TELEMETRY_PHASES for m in ("process_cores", "other_cores",
-                                                                    "main_thread_cores"))
+                                                                    "main_thread_cores", "gc_s", "gc_full"))
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -47,6 +47,35 @@ def test_set_overrides_win_over_the_benchmarks_own_keys():
     assert _config(_parse([]), Path("model"), Path("data.parquet")).model.liger_kernel == "auto"
 
 
+
+def test_the_in_process_standalone_runs_a_second_child_with_vllm_s_engine_core_in_process(tmp_path, monkeypatch):
+    """--standalone-inproc: a second child with VLLM_ENABLE_V1_MULTIPROCESSING=0, its numbers as standalone_inproc_*;
+    without it one child; a child that fails leaves an error, not a crash."""
+    from tools import bench
+
+    seen = []
+
+    def run(cmd, env, cwd):
+        seen.append(env.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
+        out = cmd[cmd.index("--standalone-child") + 1]
+        rate = 100.0 if env.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" else 80.0
+        (tmp_path / out).write_text(json.dumps({"standalone_gen_tokens_per_s": rate, "standalone_build_s": 1.0}))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    args = SimpleNamespace(workdir=str(tmp_path), standalone_inproc=False)
+    assert bench._run_standalone(args) == {"standalone_gen_tokens_per_s": 100.0, "standalone_build_s": 1.0}
+    assert seen == [None]
+    args.standalone_inproc = True
+    out = bench._run_standalone(args)
+    assert seen[1:] == [None, "0"]
+    assert out["standalone_gen_tokens_per_s"] == 100.0 and out["standalone_inproc_gen_tokens_per_s"] == 80.0
+    assert out["standalone_inproc_build_s"] == 1.0
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, env, cwd: SimpleNamespace(returncode=1))
+    assert bench._run_standalone(args)["standalone_error"] == "child exited 1"
+
+
 @pytest.mark.slow
 def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     cmd = [sys.executable, "tools/bench.py", "--size", "tiny", "--engine", "torch", "--image-size", "56",

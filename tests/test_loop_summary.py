@@ -54,6 +54,14 @@ def test_summary_sets_the_loop_generation_against_a_standalone_run(tmp_path, cap
     main([str(metrics), "--standalone", str(bench)])
     out = json.loads(capsys.readouterr().out)
     assert out["loop_gen_vs_standalone"] == pytest.approx(0.8) and out["standalone_gen_tokens_per_s"] > loop
+    assert not [k for k in out if "inproc" in k]
+    # tools/bench.py --standalone-inproc: the engine core in-process too
+    bench.write_text(json.dumps({"standalone_gen_tokens_per_s": loop * 1.25,
+                                 "standalone_inproc_gen_tokens_per_s": loop * 1.1}))
+    main([str(metrics), "--standalone", str(bench)])
+    out = json.loads(capsys.readouterr().out)
+    assert out["loop_gen_vs_standalone_inproc"] == pytest.approx(1 / 1.1)
+    assert out["loop_gen_vs_standalone"] == pytest.approx(0.8)
     bench.write_text(json.dumps({"gen_tokens_per_s": 1.0}))
     with pytest.raises(SystemExit, match="no standalone_gen_tokens_per_s"):
         main([str(metrics), "--standalone", str(bench)])

@@ -14,7 +14,10 @@ One run measures, on one model:
 - padding waste: the token slots computed beyond the real tokens (padded rows, dummy
   micro-batches that keep ranks in step), as a fraction of all slots computed.
 - generation: the in-process engine on the same prompts as a standalone vLLM (`LLM(...)` with
-  its defaults, in a child process, run first so it has the GPU alone); `gen_vs_standalone`.
+  its defaults, in a child process, run first so it has the GPU alone); `gen_vs_standalone`. With
+  `--standalone-inproc` a second child runs the same with vLLM's engine core in its own process's
+  thread (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the trainer's engine runs: scheduling, the model's
+  steps and the outputs' processing on one interpreter), `standalone_inproc_gen_tokens_per_s`.
 - refit seconds (full weights from the policy into the engine), sleep and wake seconds.
 - a few full GRPO steps with per-phase seconds; `overhead_frac` is the share of a step that is
   neither generation nor training (logprobs, scoring, refit, offload and reload, sleep, wake).
@@ -69,6 +72,9 @@ def _parse(argv):
     p.add_argument("--grpo-prompts", type=int, default=16)
     p.add_argument("--grpo-new-tokens", type=int, default=256)
     p.add_argument("--no-standalone", action="store_true", help="skip the standalone vLLM comparison")
+    p.add_argument("--standalone-inproc", action="store_true",
+                   help="also time the standalone vLLM with its engine core in-process "
+                        "(VLLM_ENABLE_V1_MULTIPROCESSING=0, as in the trainer): standalone_inproc_*")
     p.add_argument("--peak-tflops", type=float, default=None, help="default: 989 on CUDA, 0 (no MFU) on CPU")
     p.add_argument("--phases", default="train,engine,grpo", help="comma-separated subset of train,engine,grpo")
     p.add_argument("--json-out", default=None, help="also write the JSON object to this file")
@@ -190,12 +196,22 @@ def standalone(args) -> dict:
 
 
 def _run_standalone(args) -> dict:
-    out = Path(args.workdir) / "standalone.json"
+    """The standalone vLLM's numbers from a child process (standalone_*), and with --standalone-inproc a second
+    child's with the engine core in-process (standalone_inproc_*)."""
+    result = _standalone_child(args, "standalone", {})
+    if args.standalone_inproc:
+        inproc = _standalone_child(args, "standalone_inproc", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        result.update({k.replace("standalone_", "standalone_inproc_", 1): v for k, v in inproc.items()})
+    return result
+
+
+def _standalone_child(args, name: str, extra_env: dict) -> dict:
+    out = Path(args.workdir) / f"{name}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--standalone-child", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    print("bench: standalone vLLM in a child process", flush=True)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT)
+    print(f"bench: standalone vLLM in a child process{' ' + str(extra_env) if extra_env else ''}", flush=True)
+    proc = subprocess.run(cmd, env={**env, **extra_env}, cwd=ROOT)
     if proc.returncode or not out.is_file():
         return {"standalone_error": f"child exited {proc.returncode}"}
     return json.loads(out.read_text())
@@ -421,6 +437,9 @@ def run(args) -> dict:
         result.update(bench_engine(trainer, args))
         if "standalone_gen_tokens_per_s" in result:
             result["gen_vs_standalone"] = result["gen_tokens_per_s"] / result["standalone_gen_tokens_per_s"]
+        if "standalone_inproc_gen_tokens_per_s" in result:
+            result["gen_vs_standalone_inproc"] = (result["gen_tokens_per_s"]
+                                                  / result["standalone_inproc_gen_tokens_per_s"])
     _checkpoint(result, args)
     if "grpo" in phases:
         result.update(bench_grpo(trainer, args))

@@ -102,8 +102,10 @@ standalone_vs_loop() {
   shift
   gen_tokens=$($PY -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['rollout']['max_new_tokens'])" \
     "$OUT/${name}_config.yaml" 2>/dev/null || echo 256)
+  # STANDALONE_INPROC=1: a second standalone run with vLLM's engine core in-process, as in the trainer (~1 min more)
   timeout ${STANDALONE_S:-240} $PY tools/bench.py "$@" --phases engine --group 8 --gen-prompts 16 \
-    --gen-tokens $gen_tokens --image-size 448 --json-out "$OUT/${name}_standalone.json" > "$OUT/${name}_standalone.log" 2>&1
+    --gen-tokens $gen_tokens --image-size 448 $([ "${STANDALONE_INPROC:-0}" = 1 ] && echo --standalone-inproc) \
+    --json-out "$OUT/${name}_standalone.json" > "$OUT/${name}_standalone.log" 2>&1
   echo "standalone vLLM rc=$?"
   $PY tools/loop_summary.py "$OUT/${name}_metrics.jsonl" --config "$OUT/${name}_config.yaml" \
     --standalone "$OUT/${name}_standalone.json" | tee "$OUT/${name}_summary.json" | grep standalone
@@ -190,7 +192,8 @@ scale)
 loop)
   # The user's path: train.py with configs/clevr_qwen2_5_vl_3b.yaml as shipped apart from paths, at the
   # benchmark's shape (16 prompts x 8 responses x 256 new tokens, 448x448 images), STEPS steps on one GPU;
-  # STANDALONE=1 then times a standalone vLLM on the same requests (~2 min more).
+  # STANDALONE=1 then times a standalone vLLM on the same requests (~2 min more; STANDALONE_INPROC=1 also with
+  # vLLM's engine core in-process, as in the trainer).
   build_3b
   recipe_loop $M loop "3B" ${STEPS:-8}
   if [ "${STANDALONE:-0}" = 1 ]; then standalone_vs_loop loop --size 3b; fi

@@ -47,7 +47,10 @@ that runs before `auto` wrote. With `--standalone` (the JSON of
 `tools/bench.py --phases engine`: a standalone vLLM on the loop's requests) it adds
 `standalone_gen_tokens_per_s` and `loop_gen_vs_standalone`, the loop's generation tokens/s over it, and
 (with `gen_engine_tokens_per_s`) `loop_engine_vs_standalone`, the loop's tokens/s without the data feed,
-scoring, wake and sleep over it: the standalone times `llm.generate` alone.
+scoring, wake and sleep over it: the standalone times `llm.generate` alone. Where that JSON also has
+`standalone_inproc_gen_tokens_per_s` (`--standalone-inproc`: vLLM's engine core in the calling process, as in the
+trainer) it adds the same two ratios against it, `loop_gen_vs_standalone_inproc` and
+`loop_engine_vs_standalone_inproc`.
 """
 
 from __future__ import annotations
@@ -255,6 +258,12 @@ def read_standalone(path: Path, loop: dict) -> dict:
     out = {"standalone_gen_tokens_per_s": rate, "loop_gen_vs_standalone": loop["gen_tokens_per_s"] / rate}
     if "gen_engine_tokens_per_s" in loop:  # the loop's generation without its data feed and scoring
         out["loop_engine_vs_standalone"] = loop["gen_engine_tokens_per_s"] / rate
+    inproc = bench.get("standalone_inproc_gen_tokens_per_s")
+    if inproc:  # tools/bench.py --standalone-inproc: the engine core in-process, as in the trainer
+        out["standalone_inproc_gen_tokens_per_s"] = inproc
+        out["loop_gen_vs_standalone_inproc"] = loop["gen_tokens_per_s"] / inproc
+        if "gen_engine_tokens_per_s" in loop:
+            out["loop_engine_vs_standalone_inproc"] = loop["gen_engine_tokens_per_s"] / inproc
     return out
 
 

@@ -129,10 +129,17 @@ class ModelConfig:
     # CUDA kernel each way, for an update whose host is the bottleneck; rounded once where transformers rounds
     # twice (~1 bf16 ulp apart). Not yet measured in the loop, so off; an error with rollout.exact
     torch_rms_norm: bool = False
+    # with liger-kernel on: take its fused gated MLP (SwiGLU; GeGLU for the Gemma families). false leaves the
+    # family's own MLP (transformers' act_fn(gate_proj(x)) * up_proj(x)): one more element-wise kernel each way
+    # on the device, but its Triton launches cost the host 3.6x the eager ops' (478 against 132 us a forward and
+    # backward on an H200, tools/norm_cost.py --op swiglu), and the 3B update is host-bound. Not yet measured in
+    # a step, so on (as before)
+    liger_mlp: bool = True
     # call torch's FlashAttention varlen kernels directly (models.attention.FlashVarlen) instead of through
     # torch.nn.attention.varlen.varlen_attn: grouped K/V heads read by the kernel itself (torch 2.11's varlen_attn
     # cannot, so K/V are repeated to every query head first) and no custom-operator layer per call. The same
-    # kernel; not yet measured on a GPU, so off
+    # kernel, bitwise the same outputs and gradients on an H200, 3.8 GiB less peak in the 3B update; not yet
+    # measured in the loop, so off
     flash_direct: bool = False
     trust_remote_code: bool = False
     # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and

@@ -160,6 +160,8 @@ class Trainer:
                   f"widened to a multiple of 128 (model.pad_vision_mlp={pad_asked})", flush=True)
             norms = (f"; {self.policy.torch_rms_norms} RMSNorms on torch's fused kernel (model.torch_rms_norm)"
                      if self.policy.torch_rms_norms else "")
+            if self.policy.liger_kernel and not cfg.model.liger_mlp:
+                norms += "; the gated MLPs the family's own (model.liger_mlp=false)"
             print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={liger_asked})"
                   + norms, flush=True)
 

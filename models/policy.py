@@ -660,7 +660,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     torch_norm = bool(getattr(cfg_model, "torch_rms_norm", False))
     set_direct_flash(bool(getattr(cfg_model, "flash_direct", False)))
     if liger:  # before the model is built: liger swaps classes that the decoder layers look up when made
-        apply_liger_kernels(config.model_type, dims.device_type, hint=trainable, rms_norm=not torch_norm)
+        apply_liger_kernels(config.model_type, dims.device_type, hint=trainable, rms_norm=not torch_norm,
+                            gated_mlp=bool(getattr(cfg_model, "liger_mlp", True)))
     dtype = compute_dtype(cfg_model.dtype, dims.device_type)
     attn_name = cfg_model.attn_implementation
     shared = shares_prompts(getattr(cfg_model, "shared_prompts", "off"), adapter, attn_name, dims.device_type, dtype)
@@ -794,16 +795,19 @@ def uses_liger(setting: str | bool, model_type: str, device_type: str, importabl
     return measured and importable
 
 
-def apply_liger_kernels(model_type: str, device_type: str, hint: bool = False, rms_norm: bool = True) -> None:
-    """Swap in liger-kernel's fused RMSNorm (unless `rms_norm` is False: model.torch_rms_norm) and SwiGLU MLP,
-    and its rotary embedding where it has one for the family (`liger_patch`), for this family's transformers
-    modules. Runs before the model is built: liger replaces classes in transformers' modeling module. The
-    lm_head keeps the chunked logprob path."""
+def apply_liger_kernels(model_type: str, device_type: str, hint: bool = False, rms_norm: bool = True,
+                        gated_mlp: bool = True) -> None:
+    """Swap in liger-kernel's fused RMSNorm (unless `rms_norm` is False: model.torch_rms_norm) and gated MLP
+    (SwiGLU, Gemma's GeGLU; unless `gated_mlp` is False: model.liger_mlp), and its rotary embedding where it
+    has one for the family (`liger_patch`), for this family's transformers modules. Runs before the model is
+    built: liger replaces classes in transformers' modeling module. The lm_head keeps the chunked logprob
+    path."""
     if device_type != "cuda":
         raise RuntimeError("model.liger_kernel=true needs CUDA (its kernels are Triton); set it to auto or false "
                            "on CPU")
     apply, kwargs = liger_patch(model_type, hint)
     kwargs["rms_norm"] = rms_norm
+    kwargs["geglu" if "geglu" in kwargs else "swiglu"] = gated_mlp
     apply(**kwargs)
     if kwargs.get("rope"):
         route_rotary_to_liger(model_type)

@@ -167,6 +167,16 @@ def test_an_apply_function_without_rope_is_not_given_it(fake_liger):
     assert fake_liger.calls == [("llava", FUSED)]
 
 
+def test_liger_mlp_false_asks_for_no_gated_mlp_under_either_name(fake_liger, monkeypatch):
+    """model.liger_mlp=false: liger is asked for its RMSNorm and rotary but not its SwiGLU (GeGLU for Gemma)."""
+    monkeypatch.setattr(policy_module, "route_rotary_to_liger", lambda model_type: None)  # liger's rope module
+    apply_liger_kernels("qwen2_5_vl", "cuda", gated_mlp=False)
+    apply_liger_kernels("gemma3", "cuda", gated_mlp=False)
+    (_, qwen), (_, gemma) = fake_liger.calls
+    assert qwen["swiglu"] is False and qwen["rms_norm"] and qwen["rope"]
+    assert gemma["geglu"] is False and "swiglu" not in gemma and gemma["rms_norm"]
+
+
 def test_gemma_gets_its_gelu_gated_mlp_fused_under_geglu(fake_liger):
     apply, kwargs = liger_patch("gemma3")
     assert kwargs == {"rms_norm": True, "geglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False,
@@ -190,9 +200,11 @@ def test_true_on_cpu_still_raises(fake_liger):
     assert fake_liger.calls == []  # refused before liger is asked
 
 
-def test_qwen3_5_policy_is_built_from_the_swapped_classes(fake_liger, monkeypatch, tmp_path_factory):
+@pytest.mark.parametrize("mlp", [True, False])
+def test_qwen3_5_policy_is_built_from_the_swapped_classes(fake_liger, monkeypatch, tmp_path_factory, mlp):
     """liger swaps the classes in transformers' modeling module; the policy's model is built after the swap, so
-    every decoder RMSNorm (the layers', q/k norms, the final one) and MLP is liger's, and nothing else is."""
+    every decoder RMSNorm (the layers', q/k norms, the final one) and MLP is liger's, and nothing else is. With
+    model.liger_mlp=false liger is not asked for its SwiGLU and the MLPs stay the family's own."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
     from grpo.config import ModelConfig
@@ -212,26 +224,29 @@ def test_qwen3_5_policy_is_built_from_the_swapped_classes(fake_liger, monkeypatc
         if swiglu:
             monkeypatch.setattr(modeling, "Qwen3_5MLP", FusedMLP)
 
-    def without_the_cuda_check(model_type, device_type, hint=False, rms_norm=True):
-        apply, kwargs = liger_patch(model_type, hint)
-        apply(**{**kwargs, "rms_norm": rms_norm})
+    real = policy_module.apply_liger_kernels
+
+    def without_the_cuda_check(model_type, device_type, **kwargs):
+        real(model_type, "cuda", **kwargs)
 
     fake_liger.swap = swap
     monkeypatch.setattr(policy_module, "apply_liger_kernels", without_the_cuda_check)
     folder = make_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", family="qwen3_5", size="tiny", seed=0)
     init_distributed()
     policy = build_policy(ModelConfig(path=str(folder), dtype="float32", attn_implementation="sdpa",
-                                      liger_kernel="true"), build_parallel_dims())
-    assert policy.liger_kernel and fake_liger.calls == [("qwen3_5", {**FUSED, "rope": False})]
+                                      liger_kernel="true", liger_mlp=mlp), build_parallel_dims())
+    assert policy.liger_kernel and fake_liger.calls == [("qwen3_5", {**FUSED, "rope": False, "swiglu": mlp})]
     decoder = policy.adapter.language_model(policy.model)
     layers = list(decoder.layers)
     assert {layer.block_type for layer in layers} == {"linear_attention", "full_attention"}
     norms = [decoder.norm] + [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
     norms += [m for layer in layers if hasattr(layer, "self_attn")
               for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
-    assert all(type(m) is FusedNorm for m in norms) and all(type(layer.mlp) is FusedMLP for layer in layers)
+    assert all(type(m) is FusedNorm for m in norms)
+    assert all((type(layer.mlp) is FusedMLP) == mlp for layer in layers)
     swapped = [n for n, m in policy.model.named_modules() if isinstance(m, (FusedNorm, FusedMLP))]
-    assert len(swapped) == len(norms) + len(layers)  # the vision tower and the Gated DeltaNet's gated norm keep theirs
+    # the vision tower and the Gated DeltaNet's gated norm keep theirs
+    assert len(swapped) == len(norms) + mlp * len(layers)
 
 
 def test_torch_rms_norm_leaves_liger_the_rest(fake_liger, monkeypatch):
@@ -359,8 +374,7 @@ def test_qwen2_5_vl_s_rotary_calls_reach_liger_s_kernels(fake_liger, monkeypatch
         want = reference.logprobs(packed)[0]  # transformers' own rotary functions
     on_cuda = policy_module.apply_liger_kernels  # the whole function, as on a GPU
     monkeypatch.setattr(policy_module, "apply_liger_kernels",
-                        lambda model_type, device_type, hint=False, rms_norm=True: on_cuda(model_type, "cuda", hint,
-                                                                                            rms_norm))
+                        lambda model_type, device_type, **kwargs: on_cuda(model_type, "cuda", **kwargs))
     fused = build_policy(ModelConfig(path=str(tiny_model), dtype="float32", attn_implementation="sdpa",
                                      liger_kernel="true"), dims)
     assert modeling.apply_rotary_pos_emb is rope and modeling.apply_rotary_pos_emb_vision is rope_vision

@@ -39,7 +39,7 @@ thread's per second of the phase), `gc_s_<phase>` and `gc_full_<phase>` (the gar
 collections in the phase, per step), and the device's
 `sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
-`sleep_level`, `compile`, `liger_kernel`, `fp32_logits`, `vision_once`, `pad_vision_mlp`, `torch_rms_norm`,
+`sleep_level`, `compile`, `liger_kernel`, `liger_mlp`, `fp32_logits`, `vision_once`, `pad_vision_mlp`, `torch_rms_norm`,
 `flash_direct`, `lora_rank`, `lora_alpha`, `activation_checkpointing`, `prompts_per_step`, `n` and `max_new_tokens`.
 `liger_kernel` and `pad_vision_mlp` are what ran, true or false: the trainer writes them settled (`auto`
 resolved for the family and device) as the words true/false, which read back as booleans, like the booleans
@@ -76,6 +76,7 @@ SETTINGS = {
     "shared_prompts": ("model", "shared_prompts"), "fp32_logits": ("model", "fp32_logits"),
     "vision_once": ("model", "vision_once"), "pad_vision_mlp": ("model", "pad_vision_mlp"),
     "torch_rms_norm": ("model", "torch_rms_norm"), "flash_direct": ("model", "flash_direct"),
+    "liger_mlp": ("model", "liger_mlp"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
     "gen_breakdown": ("rollout", "gen_breakdown"), "profile_step": ("trainer", "profile_step"),
 }

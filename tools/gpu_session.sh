@@ -36,9 +36,11 @@
 #             train.py GRPO steps at 16 prompts x 8 x 256; Q35_PARTS="test update loop" (the default) picks parts
 #   tests     TESTS (default tests/gpu/test_device_peak.py) under pytest, up to TEST_S=120 s
 #   levers    the update's host-side levers, no vLLM (~7 min): the GPU tests of model.flash_direct and
-#             model.torch_rms_norm, one call of RMSNorm, SwiGLU and rotary by implementation (tools/norm_cost.py at
-#             the 3B update's shapes), then the update alone for each of LEVER_SETS (as UPDATE_SETS; default: none,
-#             each lever, both), UPDATE_STEPS (default 5) timed steps each, the first set profiled
+#             model.torch_rms_norm (LEVER_TESTS=0 skips them), one call of RMSNorm, SwiGLU and rotary by
+#             implementation (tools/norm_cost.py at the 3B update's shapes; LEVER_COST=0 skips it), then the update
+#             alone for each of LEVER_SETS (as UPDATE_SETS; default: none, the two host levers together, those with
+#             model.liger_mlp=false, then none again), UPDATE_STEPS (default 5) timed steps each, the first set
+#             profiled
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS);
 #             OPDIFF_3B=1: on the 3B shape at 448x448 with --exact (OPDIFF_EXACT=0 without), op_diff_3b.json
 #   exact     rollout.exact on the tiny Qwen2.5-VL with 128-wide heads (tiny_hd128): tests/gpu/test_exact.py (256
@@ -354,16 +356,20 @@ qwen35)
   fi
   ;;
 levers)
-  timeout ${TEST_S:-150} $PY -m pytest -q -s tests/gpu/test_flash_direct.py tests/gpu/test_vision_once.py \
-    > "$OUT/levers_tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "max \||passed|failed" "$OUT/levers_tests.log" | tail -8
-  for op in "rms_norm" "rms_norm --rows 16384 --width 1280" "swiglu --width 11008" "swiglu --rows 16384 --width 3456" \
-            "rope"; do
-    timeout 90 $PY tools/norm_cost.py --op $op --json-out "$OUT/cost_${op%% *}_$RANDOM.json" 2>&1 | grep "^${op%% *} "
-  done
+  if [ "${LEVER_TESTS:-1}" = 1 ]; then
+    timeout ${TEST_S:-150} $PY -m pytest -q -s tests/gpu/test_flash_direct.py tests/gpu/test_vision_once.py \
+      > "$OUT/levers_tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "max \||passed|failed" "$OUT/levers_tests.log" | tail -8
+  fi
+  if [ "${LEVER_COST:-1}" = 1 ]; then
+    for op in "rms_norm" "rms_norm --rows 16384 --width 1280" "swiglu --width 11008" \
+              "swiglu --rows 16384 --width 3456" "rope"; do
+      timeout 90 $PY tools/norm_cost.py --op $op --json-out "$OUT/cost_${op%% *}_$RANDOM.json" 2>&1 | grep "^${op%% *} "
+    done
+  fi
+  both="model.torch_rms_norm=true model.flash_direct=true"
   UPDATE_STEPS=${UPDATE_STEPS:-5} update_sets lever_ \
-    "${LEVER_SETS:--;model.torch_rms_norm=true;model.flash_direct=true;model.torch_rms_norm=true model.flash_direct=true}" \
-    240 update --size 3b --max-tokens 8192
+    "${LEVER_SETS:--;$both;$both model.liger_mlp=false;-}" 240 update --size 3b --max-tokens 8192
   ;;
 tests)
   # a few GPU tests on their own (TESTS, default the memory metric's check against mem_get_info)

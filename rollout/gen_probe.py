@@ -11,6 +11,10 @@ A breakdown (`GenerationProbe.report`):
   add_s            vLLM taking the requests: its multimodal processor and the engine core's add
   mm_stage_s       add_s's multimodal processor by stage (get_mm_hashes, apply_hf_processor, ...)
   steps_s          vLLM's engine steps (schedule, forward, sample) until every request finished
+  core_s           steps_s's engine core (scheduling, the model's step and sampling, the scheduler's update):
+                   what a standalone `LLM` runs in an engine-core process of its own
+  outputs_s        steps_s's output processing (each step's new tokens and logprobs into the requests): what a
+                   standalone `LLM` runs beside the engine core, in its calling process; here the same thread
   encoder_s        the vision encoder's calls inside the steps: with `synced` (the benchmark) the GPU is
                    synchronized around each call, so its kernels count; without (training runs: no
                    added syncs) the host's seconds in the calls (`encoder_synced` says which)
@@ -32,13 +36,14 @@ log = logging.getLogger(__name__)
 
 COUNTS = ("images_sent", "images_processed", "images_encoded", "encoder_embeds", "steps", "prefill_steps",
           "scheduled_tokens", "prefill_tokens", "preempted")
-TIMES = ("prep_s", "add_s", "steps_s", "encoder_s", "gc_s")
+TIMES = ("prep_s", "add_s", "steps_s", "core_s", "outputs_s", "encoder_s", "gc_s")
 # what the scheduler's outputs give: null together when the scheduler cannot be wrapped or read
 STEP_COUNTS = ("steps", "images_encoded", "encoder_embeds", "prefill_steps", "scheduled_tokens", "prefill_tokens",
                "preempted")
 
 # perf/<metric> summed over a step's generate calls -> the breakdown's key (`breakdown_metrics`)
 SUMMED_METRICS = {"gen_prep_s": "prep_s", "gen_add_s": "add_s", "gen_steps_s": "steps_s", "gen_gc_s": "gc_s",
+                  "gen_core_s": "core_s", "gen_outputs_s": "outputs_s",
                   "gen_steps": "steps", "gen_prefill_steps": "prefill_steps", "gen_preempted": "preempted",
                   "gen_images_processed": "images_processed",
                   # continuous turns (VLLMEngine.generate_continuing): finished turns handled between steps, polls
@@ -107,6 +112,10 @@ class GenerationProbe:
         ok = {"prep_s": _wrap(engine, "_vllm_prompt", prep),
               "add_s": _wrap(llm, "_add_completion_requests", self._timer("add_s")),
               "steps_s": _wrap(llm, "_run_engine", self._timer("steps_s"))}
+        llm_engine = getattr(llm, "llm_engine", None)
+        ok["core_s"] = _wrap(getattr(llm_engine, "engine_core", None), "get_output", self._timer("core_s"))
+        ok["outputs_s"] = _wrap(getattr(llm_engine, "output_processor", None), "process_outputs",
+                                self._timer("outputs_s"))
         renderer = getattr(getattr(llm, "llm_engine", None), "renderer", None)
         processor = getattr(renderer, "mm_processor", None)
         stage_timing = self._stage_timing_wrapper()

@@ -3,6 +3,7 @@ what is missing or fails, and the trainer's perf/gen_* metrics of a step's calls
 
 import gc
 import sys
+import time
 import types
 from types import SimpleNamespace as NS
 
@@ -50,13 +51,21 @@ def _engine(scheduler_steps, encoder_calls):
             for p in prompts:
                 self.llm_engine.renderer.mm_processor.apply(p, None)
 
-        def _run_engine(self):
+        def _run_engine(self):  # vLLM's LLMEngine.step: the engine core's step, then the outputs' processing
             while scheduler_steps:
-                scheduler.schedule()
-                encoder.execute_mm_encoder("pixels")
+                self.llm_engine.output_processor.process_outputs(self.llm_engine.engine_core.get_output())
+
+    def get_output():
+        scheduler.schedule()
+        encoder.execute_mm_encoder("pixels")
+        return []
+
+    def process_outputs(outputs):
+        time.sleep(0.002)
 
     llm = LLM()
-    llm.llm_engine = NS(engine_core=NS(engine_core=core), renderer=NS(mm_processor=processor))
+    llm.llm_engine = NS(engine_core=NS(engine_core=core, get_output=get_output), renderer=NS(mm_processor=processor),
+                        output_processor=NS(process_outputs=process_outputs))
     engine = NS(_llm=llm, _vllm_prompt=lambda i, p: p)
     return engine, llm
 
@@ -88,6 +97,7 @@ def test_probe_times_and_counts_every_part_it_finds(monkeypatch):
     assert (out["steps"], out["prefill_steps"], out["prefill_tokens"], out["scheduled_tokens"]) == (3, 1, 40, 44)
     assert out["images_encoded"] == 2 and out["encoder_embeds"] == 32 and out["preempted"] == 0
     assert out["encoder_s"] >= 0 and out["encoder_synced"] is False and len(out["slowest_steps_s"]) == 2
+    assert out["outputs_s"] >= 0.006 and 0 <= out["core_s"] and out["core_s"] + out["outputs_s"] <= out["steps_s"] + 0.002
     assert out["prompt_tokens"] == 9 and out["input_s"] is None
 
 
@@ -160,7 +170,8 @@ def test_garbage_collection_counts_only_inside_a_call():
 
 
 def _breakdown(**overrides):
-    out = {"input_s": None, "prep_s": 0.1, "add_s": 0.5, "steps_s": 2.0, "encoder_s": 0.2, "gc_s": 0.01,
+    out = {"input_s": None, "prep_s": 0.1, "add_s": 0.5, "steps_s": 2.0, "core_s": 1.7, "outputs_s": 0.2,
+           "encoder_s": 0.2, "gc_s": 0.01,
            "encoder_synced": False, "mm_stage_s": {"get_mm_hashes": 0.1, "apply_hf_processor": 0.2},
            "images_sent": 4, "images_processed": 2, "images_encoded": 2, "encoder_embeds": 32, "steps": 100,
            "prefill_steps": 2, "scheduled_tokens": 900, "prefill_tokens": 300, "preempted": 0,
@@ -189,7 +200,7 @@ def test_breakdown_metrics_sum_a_multi_turn_step_s_calls():
 
 def test_breakdown_metrics_leave_out_what_reads_null():
     nulls = dict(mm_stage_s=None, images_processed=None, steps=None, prefill_steps=None, preempted=None,
-                 slowest_steps_s=None)
+                 slowest_steps_s=None, core_s=None, outputs_s=None)
     m = breakdown_metrics([_breakdown(**nulls), {}])
     assert set(m) == {"perf/gen_prep_s", "perf/gen_add_s", "perf/gen_steps_s", "perf/gen_gc_s"}
     assert breakdown_metrics([]) == {} and breakdown_metrics(None) == {}

@@ -15,7 +15,8 @@ engine's build (`engine_build_s`: importing vLLM, `LLM(...)`, and vLLM's kernel 
 which `first_gen_extra_s` in generation (`first_update_extra_s`: the first reference pass and update
 beyond steady ones, always reported). Where the steps logged where generation's time went (vLLM under
 `rollout.gen_breakdown`, rollout/gen_probe.py) it adds the mean of each of those parts over the steps that
-logged it (`gen_prep_s`, `gen_add_s`, `gen_mm_processor_s`, `gen_steps_s`, `gen_gc_s`,
+logged it (`gen_prep_s`, `gen_add_s`, `gen_mm_processor_s`, `gen_steps_s` with its `gen_core_s` and
+`gen_outputs_s`, `gen_gc_s`,
 `gen_slowest_step_s`, `gen_steps`, `gen_prefill_steps`, `gen_preempted`, `gen_images_processed`; with
 continuous turns `gen_follow_s`, `gen_poll_s`, `gen_tool_wait_s`), and
 `gen_slowest_step_s_max`, the longest step of any of them. Where the steps logged the parts of generation
@@ -87,7 +88,8 @@ STARTUP = ("policy_build_s", "reference_build_s", "data_build_s", "init_s", "eng
            "engine_llm_s", "engine_warmup_s")
 # where generation's time went, per step as perf/<name> (rollout/gen_probe.py METRICS): means over the steps
 # that logged each
-GEN_BREAKDOWN = ("gen_prep_s", "gen_add_s", "gen_mm_processor_s", "gen_steps_s", "gen_gc_s", "gen_slowest_step_s",
+GEN_BREAKDOWN = ("gen_prep_s", "gen_add_s", "gen_mm_processor_s", "gen_steps_s", "gen_core_s", "gen_outputs_s",
+                 "gen_gc_s", "gen_slowest_step_s",
                  "gen_steps", "gen_prefill_steps", "gen_preempted", "gen_images_processed", "gen_follow_s", "gen_poll_s",
                  "gen_tool_wait_s")
 # the parts of generation outside the engine, per step as perf/<name> (rollout/rollouts.py TIMES, every engine):

@@ -104,8 +104,11 @@ standalone_vs_loop() {
   shift
   gen_tokens=$($PY -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['rollout']['max_new_tokens'])" \
     "$OUT/${name}_config.yaml" 2>/dev/null || echo 256)
-  # STANDALONE_INPROC=1: a second standalone run with vLLM's engine core in-process, as in the trainer (~1 min more)
-  timeout ${STANDALONE_S:-240} $PY tools/bench.py "$@" --phases engine --group 8 --gen-prompts 16 \
+  # STANDALONE_INPROC=1: a second standalone run with vLLM's engine core in-process, as in the trainer (~1.5 min
+  # more; STANDALONE_S then defaults to 360 s)
+  local limit=${STANDALONE_S:-240}
+  [ "${STANDALONE_INPROC:-0}" = 1 ] && limit=${STANDALONE_S:-360}
+  timeout $limit $PY tools/bench.py "$@" --phases engine --group 8 --gen-prompts 16 \
     --gen-tokens $gen_tokens --image-size 448 $([ "${STANDALONE_INPROC:-0}" = 1 ] && echo --standalone-inproc) \
     --json-out "$OUT/${name}_standalone.json" > "$OUT/${name}_standalone.log" 2>&1
   echo "standalone vLLM rc=$?"

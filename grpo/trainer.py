@@ -158,12 +158,12 @@ class Trainer:
             print(f"vision tower: {'once per pass' if self.policy.vision_once else 'once per micro-batch'} "
                   f"(model.vision_once={cfg.model.vision_once}); {self.policy.padded_vision_mlps} of its MLPs "
                   f"widened to a multiple of 128 (model.pad_vision_mlp={pad_asked})", flush=True)
-            norms = (f"; {self.policy.torch_rms_norms} RMSNorms on torch's fused kernel (model.torch_rms_norm)"
-                     if self.policy.torch_rms_norms else "")
+            kernels = (f"; {self.policy.torch_rms_norms} RMSNorms on torch's fused kernel (model.torch_rms_norm)"
+                       if self.policy.torch_rms_norms else "")
             if self.policy.liger_kernel and not cfg.model.liger_mlp:
-                norms += "; the gated MLPs the family's own (model.liger_mlp=false)"
+                kernels += "; the gated MLPs the family's own (model.liger_mlp=false)"
             print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={liger_asked})"
-                  + norms, flush=True)
+                  + kernels, flush=True)
 
     # --- construction ------------------------------------------------------------------------
     def _feeder(self, path: str, shuffle: bool | None = None) -> PromptFeeder:

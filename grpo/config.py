@@ -141,6 +141,15 @@ class ModelConfig:
     # kernel, bitwise the same outputs and gradients on an H200, 3.8 GiB less peak in the 3B update; not yet
     # measured in the loop, so off
     flash_direct: bool = False
+    # FSDP2's units. blocks: the vision tower, each decoder block and the rest of the model, each a unit of its own
+    # (with several data-parallel ranks a block's weights are gathered just before it runs). whole: the vision
+    # tower and the rest of the model, two units, for one data-parallel rank, where nothing is sharded and the
+    # compute copy is kept for the whole step anyway (optim.unsharded_accumulation): FSDP's per-unit hooks then
+    # run twice per micro-batch's forward and backward instead of once per block (on 2 CPU cores, 36 blocks:
+    # ~20 ms of host time less per micro-batch). Its compute copy is cast in one go at the first micro-batch and
+    # its gradients reduced in one go after the last. Not yet measured on a GPU, so blocks; whole with more than
+    # one data-parallel rank is an error
+    fsdp_units: Literal["blocks", "whole"] = "blocks"
     trust_remote_code: bool = False
     # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and
     # GLM families its merger too, a separate projector such as LLaVA's still trains) keeps its weights, gets no

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from data.batch import Batch, PackedGenericDataItem
 from data.datasets import VLDataset, video_kwargs
@@ -164,6 +165,8 @@ class Trainer:
                 kernels += "; the gated MLPs the family's own (model.liger_mlp=false)"
             print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={liger_asked})"
                   + kernels, flush=True)
+            units = sum(isinstance(m, FSDPModule) for m in self.policy.model.modules())
+            print(f"FSDP: {units} units (model.fsdp_units={cfg.model.fsdp_units})", flush=True)
 
     # --- construction ------------------------------------------------------------------------
     def _feeder(self, path: str, shuffle: bool | None = None) -> PromptFeeder:

@@ -692,7 +692,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         model, adapter, dims,
         param_dtype=dtype if dtype != torch.float32 else None,
         activation_checkpointing=cfg_model.activation_checkpointing and trainable, trainable=trainable,
-        compile_blocks=getattr(cfg_model, "compile", False),
+        compile_blocks=getattr(cfg_model, "compile", False), block_units=_block_units(cfg_model, dims),
     )
     model.to_empty(device=dims.device)
     _reinit_nonpersistent_buffers(model, dims.device, adapter)
@@ -717,6 +717,18 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     if trainable and coef > 0:
         policy.watch_routers(coef)
     return policy
+
+
+def _block_units(cfg_model, dims: ParallelDims) -> bool:
+    """model.fsdp_units: whether each decoder block is an FSDP unit of its own (blocks) or stays in the root
+    (whole, one data-parallel rank only)."""
+    units = getattr(cfg_model, "fsdp_units", "blocks")
+    if units not in ("blocks", "whole"):
+        raise ValueError(f"config key 'model.fsdp_units' is {units!r}; expected blocks or whole")
+    if units == "whole" and dims.dp > 1:
+        raise ValueError(f"config key 'model.fsdp_units' is whole, but the run has {dims.dp} data-parallel ranks: "
+                         "whole gathers every weight of the model at once on every rank; set it to blocks")
+    return units == "blocks"
 
 
 def freeze_vision_tower(model: nn.Module, adapter: FamilyAdapter) -> tuple[int, float]:

@@ -320,7 +320,10 @@ def test_auto_on_cpu_builds_without_liger_and_records_false(tiny_model, clevr_pa
         saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
         assert saved["model"]["liger_kernel"] == "false"  # what ran, not auto
         assert read_settings(tmp_path / "run" / "config.yaml")["liger_kernel"] is False
-        assert "liger kernels: off (model.liger_kernel=auto)" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "liger kernels: off (model.liger_kernel=auto)" in out
+        layers = trainer.policy.model.config.get_text_config().num_hidden_layers
+        assert f"FSDP: {layers + 2} units (model.fsdp_units=blocks)" in out  # each block, the tower, the root
     finally:
         trainer.rollouts.close()
 

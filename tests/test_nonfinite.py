@@ -27,18 +27,19 @@ def setup(tiny_model):
     return policy, optimizer, batch
 
 
-def text_batch(policy, vocab: int) -> Batch:
-    """Two text-only sequences; the last 4 tokens of each are scored."""
+def text_batch(policy, vocab: int, lengths: tuple[int, ...] = (12, 9)) -> Batch:
+    """Text-only sequences (two by default); the last 4 tokens of each are scored."""
     gen = torch.Generator().manual_seed(0)
     ids, masks, pos = [], [], []
-    for length in (12, 9):
+    for length in lengths:
         seq = torch.randint(10, min(vocab, 200), (length,), generator=gen)
         mask = torch.zeros(length, dtype=torch.long)
         mask[-4:] = 1
         ids.append(seq)
         masks.append(mask)
         pos.append(policy.adapter.position_ids(seq, None))
-    batch = Batch({"input_ids": ids, "loss_mask": masks, "pixel_values": [None, None], "image_grid_thw": [None, None]})
+    none = [None] * len(lengths)
+    batch = Batch({"input_ids": ids, "loss_mask": masks, "pixel_values": none, "image_grid_thw": list(none)})
     batch["position_ids"] = pos
     return batch
 

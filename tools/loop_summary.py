@@ -41,7 +41,7 @@ collections in the phase, per step), and the device's
 `sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `liger_mlp`, `fp32_logits`, `vision_once`, `pad_vision_mlp`, `torch_rms_norm`,
-`flash_direct`, `lora_rank`, `lora_alpha`, `activation_checkpointing`, `prompts_per_step`, `n` and `max_new_tokens`.
+`flash_direct`, `fsdp_units`, `lora_rank`, `lora_alpha`, `activation_checkpointing`, `prompts_per_step`, `n` and `max_new_tokens`.
 `liger_kernel` and `pad_vision_mlp` are what ran, true or false: the trainer writes them settled (`auto`
 resolved for the family and device) as the words true/false, which read back as booleans, like the booleans
 that runs before `auto` wrote. With `--standalone` (the JSON of
@@ -77,7 +77,7 @@ SETTINGS = {
     "shared_prompts": ("model", "shared_prompts"), "fp32_logits": ("model", "fp32_logits"),
     "vision_once": ("model", "vision_once"), "pad_vision_mlp": ("model", "pad_vision_mlp"),
     "torch_rms_norm": ("model", "torch_rms_norm"), "flash_direct": ("model", "flash_direct"),
-    "liger_mlp": ("model", "liger_mlp"),
+    "liger_mlp": ("model", "liger_mlp"), "fsdp_units": ("model", "fsdp_units"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
     "gen_breakdown": ("rollout", "gen_breakdown"), "profile_step": ("trainer", "profile_step"),
 }

@@ -28,9 +28,10 @@ A breakdown (`GenerationProbe.report`):
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
+
+from rollout.telemetry import gc_clock_off, gc_clock_on, gc_seconds
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,13 @@ class GenerationProbe:
         self.reset()
         self.missing: set[str] = set()
         self.failed: set[str] = set()  # parts whose counting raised: null from then on
-        self._active = False  # between begin() and report(): garbage collection counts
-        self._gc_start = None
+        self._gc_at = None  # the collector's clock at begin(): its seconds until report() are the call's
         llm = getattr(engine, "_llm", None)
         core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
         self._scheduler = getattr(core, "scheduler", None)
         self._install(engine, llm, core)
-        gc.callbacks.append(self._gc)
+        gc_clock_on()
+        self._clock_on = True
 
     # --- wrappers ------------------------------------------------------------------------------
     def _timer(self, key: str, synced: bool = False):
@@ -211,13 +212,6 @@ class GenerationProbe:
                     self.counts["encoder_embeds"] += sum(request.mm_features[i].mm_position.get_num_embeds()
                                                          for i in inputs)
 
-    def _gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter() if self._active else None
-        elif self._gc_start is not None:
-            self.times["gc_s"] += time.perf_counter() - self._gc_start
-            self._gc_start = None
-
     # --- reading ---------------------------------------------------------------------------------
     def reset(self) -> None:
         """Zero the counts, times and step intervals for the next call."""
@@ -230,12 +224,14 @@ class GenerationProbe:
     def begin(self) -> None:
         """Start one call: zeroed counts, and garbage collection counted until `report`."""
         self.reset()
-        self._active = True
+        self._gc_at = gc_seconds()
 
     def report(self, stats: dict | None = None, input_s: float | None = None) -> dict:
         """This call's breakdown (module docstring), then reset; `stats` is the engine's last_stats,
         `input_s` the seconds of building the engine's inputs (the benchmark's; null otherwise)."""
-        self._active = False
+        if self._gc_at is not None:
+            self.times["gc_s"] = gc_seconds() - self._gc_at
+            self._gc_at = None
         null = self.missing | self.failed
         out = {"input_s": None if input_s is None else round(input_s, 3)}
         for key, value in self.times.items():
@@ -254,8 +250,9 @@ class GenerationProbe:
         return out
 
     def close(self) -> None:
-        if self._gc in gc.callbacks:
-            gc.callbacks.remove(self._gc)
+        if self._clock_on:
+            gc_clock_off()
+            self._clock_on = False
 
 
 def breakdown_metrics(breakdowns) -> dict[str, float]:

@@ -30,7 +30,8 @@ Python's cyclic garbage collector stops every Python thread of the process while
 the in-process engine's alike); where it runs is the interpreter's choice. `host/gc_s_<phase>` is the seconds
 it ran during the phase (all of the process's collections, whichever thread set them off), and
 `host/gc_full_<phase>` how many of them were full (generation 2, which walks every object not frozen); means
-over ranks. Read through `gc.callbacks` while the sampler is entered.
+over ranks. Read through `gc.callbacks` while the sampler is entered, from one clock (`gc_clock_on`,
+`gc_seconds`) that the generation probe (rollout/gen_probe.py, `perf/gen_gc_s`) reads too.
 
 Which threads those are: the first rank logs, per phase of each of the first 5 steps and of every 50th step
 after (THREAD_LINE_STEPS, THREAD_LINE_EVERY), one line of the threads that kept more than 0.02 of a core busy
@@ -182,6 +183,7 @@ def thread_cores(seconds: dict[tuple, float], wall: float) -> list[tuple[float, 
 
 
 _gc_totals = [0.0, 0, 0.0]  # the collector's seconds and full collections so far, the running collection's start
+_gc_users = [0]  # readers that turned the clock on (the sampler, generation probes): it runs while any is left
 
 
 def _gc_clock(stage: str, info: dict) -> None:
@@ -192,6 +194,26 @@ def _gc_clock(stage: str, info: dict) -> None:
         return
     _gc_totals[0] += time.perf_counter() - _gc_totals[2]
     _gc_totals[1] += info.get("generation") == 2
+
+
+def gc_clock_on() -> None:
+    """One more reader of the garbage collector's clock (`gc_seconds`): it runs from the first reader's call to
+    the last one's `gc_clock_off`."""
+    _gc_users[0] += 1
+    if _gc_clock not in gc.callbacks:
+        gc.callbacks.append(_gc_clock)
+
+
+def gc_clock_off() -> None:
+    """One reader fewer; the clock stops with the last."""
+    _gc_users[0] = max(_gc_users[0] - 1, 0)
+    if not _gc_users[0] and _gc_clock in gc.callbacks:
+        gc.callbacks.remove(_gc_clock)
+
+
+def gc_seconds() -> float:
+    """The garbage collector's seconds so far (counted while the clock runs); readers take differences."""
+    return _gc_totals[0]
 
 
 def host_clock() -> tuple[float, float, float | None, float, float, int]:
@@ -233,16 +255,14 @@ class GpuTelemetry:
         self.owner, self._stop = threading.get_ident(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-telemetry", daemon=True)
         _active = self
-        if _gc_clock not in gc.callbacks:
-            gc.callbacks.append(_gc_clock)
+        gc_clock_on()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         global _active
         _active = None
-        if _gc_clock in gc.callbacks:
-            gc.callbacks.remove(_gc_clock)
+        gc_clock_off()
         self._stop.set()
         self._thread.join()  # NVML stays initialized: vLLM's own calls in this process use it too
 

@@ -154,20 +154,36 @@ def test_a_counting_failure_reads_null_and_generation_goes_on():
 
 
 def test_garbage_collection_counts_only_inside_a_call():
+    """The probe reads the collector's clock that the telemetry sampler reads too (rollout.telemetry): on from the
+    probe's making to its close, unless the sampler still runs; a call's gc_s is the clock's seconds in it."""
+    from rollout import telemetry
+
+    def cycles():
+        junk = [[] for _ in range(20000)]
+        for a, b in zip(junk, junk[1:]):
+            a.append(b)
+            b.append(a)  # cycles: only the collector frees them
+        del junk, a, b
+        gc.collect()
+
+    users = telemetry._gc_users[0]
     probe = GenerationProbe(NS(_llm=None))
     try:
-        gc.collect()  # before any call: not counted
-        probe._gc("start", {})
-        probe._gc("stop", {})
-        assert probe.times["gc_s"] == 0.0
+        assert telemetry._gc_clock in gc.callbacks and telemetry._gc_users[0] == users + 1
+        cycles()  # before any call: not counted
         probe.begin()
-        probe._gc("start", {})
-        probe._gc("stop", {})
-        gc.collect()
-        assert probe.report()["gc_s"] is not None and probe._gc in gc.callbacks
+        cycles()
+        inside = probe.report()["gc_s"]
+        cycles()  # between calls: not counted
+        probe.begin()
+        assert inside > 0 and probe.report()["gc_s"] < inside
+        other = GenerationProbe(NS(_llm=None))
+        other.close()
+        other.close()  # a second close releases nothing more
+        assert telemetry._gc_clock in gc.callbacks  # the first probe still reads it
     finally:
         probe.close()
-    assert probe._gc not in gc.callbacks
+    assert telemetry._gc_users[0] == users and (users or telemetry._gc_clock not in gc.callbacks)
 
 
 def _breakdown(**overrides):

@@ -132,20 +132,25 @@ def test_the_garbage_collector_s_pauses_count_for_the_phase_it_ran_in(monkeypatc
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
     t = build_telemetry("true", torch.device("cpu"), 3600.0, PHASES)
     times = {}
-    with t:
-        assert telemetry._gc_clock in gc.callbacks
-        with timed(times, "perf/gen_s"):
-            junk = [[] for _ in range(20000)]
-            for a, b in zip(junk, junk[1:]):
-                a.append(b)
-                b.append(a)  # cycles: only the collector frees them
-            del junk, a, b
-            gc.collect()
-            gc.collect(0)
-        with timed(times, "perf/train_s"):
-            pass
-        m = t.step_metrics(torch.device("cpu"))
-    assert telemetry._gc_clock not in gc.callbacks
+    users = telemetry._gc_users[0]
+    gc.disable()  # only the collections the test asks for: none that the allocations below would trigger
+    try:
+        with t:
+            assert telemetry._gc_clock in gc.callbacks and telemetry._gc_users[0] == users + 1
+            with timed(times, "perf/gen_s"):
+                junk = [[] for _ in range(20000)]
+                for a, b in zip(junk, junk[1:]):
+                    a.append(b)
+                    b.append(a)  # cycles: only the collector frees them
+                del junk, a, b
+                gc.collect()
+                gc.collect(0)
+            with timed(times, "perf/train_s"):
+                pass
+            m = t.step_metrics(torch.device("cpu"))
+    finally:
+        gc.enable()
+    assert telemetry._gc_users[0] == users and (users or telemetry._gc_clock not in gc.callbacks)
     assert m["host/gc_full_gen"] == 1 and 0 < m["host/gc_s_gen"] <= times["perf/gen_s"]
     assert m["host/gc_full_train"] == 0 and m["host/gc_s_train"] < m["host/gc_s_gen"]
 

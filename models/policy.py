@@ -236,7 +236,8 @@ class Policy:
 
     def __init__(self, model: nn.Module, adapter: FamilyAdapter, dims: ParallelDims, path: str, dtype: torch.dtype,
                  shared_prompts: bool = False, liger_kernel: bool = False, fp32_logits: bool = False,
-                 vision_once: bool = False):
+                 vision_once: bool = False, pad_vision_mlp: bool = False, padded_vision_mlps: int = 0,
+                 torch_rms_norms: int = 0):
         self.model = model
         self.adapter = adapter
         self.dims = dims
@@ -265,10 +266,10 @@ class Policy:
         self.vision_once = vision_once
         # model.pad_vision_mlp as settled for this device (models.policy.pads_vision_mlp), and how many of the
         # tower's MLPs it widened (build_policy)
-        self.pad_vision_mlp = False
-        self.padded_vision_mlps = 0
+        self.pad_vision_mlp = pad_vision_mlp
+        self.padded_vision_mlps = padded_vision_mlps
         # model.torch_rms_norm: how many RMSNorms run torch's fused kernel (build_policy)
-        self.torch_rms_norms = 0
+        self.torch_rms_norms = torch_rms_norms
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -710,9 +711,8 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
             log.info("model.freeze_vision_tower: %d vision tower tensors (%.1fM weights) keep their values", *frozen)
     policy = Policy(model, adapter, dims, cfg_model.path, dtype, shared_prompts=shared, liger_kernel=liger,
                     fp32_logits=bool(getattr(cfg_model, "fp32_logits", False)),
-                    vision_once=runs_vision_once(getattr(cfg_model, "vision_once", "off"), adapter, dims.device_type))
-    policy.pad_vision_mlp, policy.padded_vision_mlps = pad, padded
-    policy.torch_rms_norms = normed
+                    vision_once=runs_vision_once(getattr(cfg_model, "vision_once", "off"), adapter, dims.device_type),
+                    pad_vision_mlp=pad, padded_vision_mlps=padded, torch_rms_norms=normed)
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)

@@ -83,8 +83,11 @@ class LoraConfig:
 class ModelConfig:
     path: str = ""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 compute on CUDA, fp32 on CPU
-    # varlen: FlashAttention's variable-length kernel over packed rows (CUDA; sdpa elsewhere); vllm_paged: the
-    # call vLLM's FlashAttention backend makes (paged K/V, one KV split; needs vLLM on CUDA, sdpa elsewhere)
+    # varlen: FlashAttention's variable-length kernel over packed rows (CUDA; elsewhere SDPA over each sequence of
+    # a row on its own, not the whole row under a block-diagonal mask); vllm_paged: the call vLLM's FlashAttention
+    # backend makes (paged K/V, one KV split; needs vLLM on CUDA, sdpa elsewhere). auto: varlen for the families
+    # that take it (the Qwen-VL families, Qwen3.5) on CUDA in bf16/fp16 and on CPU, else flash_attention_2 where
+    # installed on CUDA, else sdpa
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "varlen", "vllm_paged"] = "auto"
     activation_checkpointing: bool = False
     # fused RMSNorm, rotary and SwiGLU kernels from the liger-kernel package (Triton, CUDA). auto: on where they were

@@ -196,8 +196,9 @@ def resolve_attn_implementation(name: str, device_type: str, varlen_ok: bool = F
                                 dtype: torch.dtype = torch.bfloat16) -> str:
     """The attention implementation to build with. `auto`: on CUDA, the varlen kernel where the
     family is validated with it (`varlen_ok`) and torch has it, else flash-attn 2 if installed,
-    else sdpa; sdpa on CPU and for an fp32 forward (the flash kernels take bf16/fp16 only).
-    "varlen" is registered with transformers here."""
+    else sdpa; sdpa for an fp32 forward on CUDA (the flash kernels take bf16/fp16 only). Off CUDA, varlen
+    where the family takes it (each sequence of a packed row through SDPA on its own, not the whole row under
+    a block-diagonal mask), else sdpa. "varlen" is registered with transformers here."""
     from models.attention import kernel_available, register
 
     if device_type == "cuda" and dtype not in HALF_DTYPES and name in ("varlen", "flash_attention_2", "vllm_paged"):
@@ -205,7 +206,9 @@ def resolve_attn_implementation(name: str, device_type: str, varlen_ok: bool = F
                          f"{str(dtype).removeprefix('torch.')}, but its CUDA kernel takes bfloat16 or float16 only; "
                          "set it to auto or sdpa, or model.dtype to bfloat16")
     if name == "auto":
-        if device_type != "cuda" or dtype not in HALF_DTYPES:
+        if device_type != "cuda":
+            name = "varlen" if varlen_ok else "sdpa"
+        elif dtype not in HALF_DTYPES:
             name = "sdpa"
         elif varlen_ok and kernel_available():
             name = "varlen"

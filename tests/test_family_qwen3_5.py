@@ -929,7 +929,7 @@ def test_tiny_configs_keep_the_gated_deltanet_state_in_fp32_as_released_configs_
 
 def test_auto_trains_qwen3_5_full_attention_with_the_varlen_kernel_on_cuda(monkeypatch):
     """Qwen3.5's full-attention layers passed the varlen-vs-SDPA check on the H200, so `auto` picks the varlen
-    kernel for it on CUDA in bf16 (SDPA on CPU and in fp32)."""
+    kernel for it on CUDA in bf16 (SDPA in fp32 on CUDA; on CPU varlen's SDPA per sequence)."""
     from models import attention
     from models.families.qwen3_5 import Qwen3_5Adapter
     from models.policy import resolve_attn_implementation
@@ -937,7 +937,7 @@ def test_auto_trains_qwen3_5_full_attention_with_the_varlen_kernel_on_cuda(monke
     monkeypatch.setattr(attention, "kernel_available", lambda: True)
     ok = Qwen3_5Adapter.varlen_attention
     assert resolve_attn_implementation("auto", "cuda", ok, torch.bfloat16) == "varlen"
-    assert resolve_attn_implementation("auto", "cpu", ok, torch.bfloat16) == "sdpa"
+    assert resolve_attn_implementation("auto", "cpu", ok, torch.bfloat16) == "varlen"
     assert resolve_attn_implementation("auto", "cuda", ok, torch.float32) == "sdpa"
 
 

@@ -284,11 +284,14 @@ def test_vision_runs_once_per_prompt_group(policy):
         assert torch.allclose(grad, copied[1][name], atol=1e-5, rtol=1e-4), name
 
 
-def test_varlen_name_falls_back_to_sdpa_off_gpu(tiny_model):
-    """attn_implementation=varlen builds and, without the CUDA kernel, gives sdpa's packed logprobs."""
+def test_varlen_runs_each_sequence_on_its_own_off_gpu(tiny_model, monkeypatch):
+    """attn_implementation=varlen (what auto builds on CPU) builds and, without the CUDA kernel, runs each sequence
+    of a packed row through SDPA on its own, with no mask built for the row: sdpa's packed logprobs."""
     from grpo.config import ModelConfig
     from transformers import AttentionInterface
+    from transformers import masking_utils
 
+    from models import attention
     from models.attention import VISION_NAME, register, varlen_vision_attention
     from models.parallel import build_parallel_dims, init_distributed
     from models.policy import build_policy
@@ -309,13 +312,24 @@ def test_varlen_name_falls_back_to_sdpa_off_gpu(tiny_model):
     AttentionInterface.register(VISION_NAME, spy)
     batch = mixed_batch(sdpa.adapter)
     mb = pack(batch, list(range(len(batch))))
+    rows, masks = [], []
+    reference = attention.reference_attention
+    monkeypatch.setattr(attention, "reference_attention",
+                        lambda q, k, v, cu, *a, **kw: (rows.append(attention.host_bounds(cu)), reference(q, k, v, cu, *a,
+                                                                                                         **kw))[1])
+    sdpa_mask = masking_utils.sdpa_mask
+    monkeypatch.setattr(masking_utils, "sdpa_mask", lambda *a, **kw: (masks.append(1), sdpa_mask(*a, **kw))[1])
     try:
         with torch.no_grad():
             a, _ = varlen.logprobs(mb)
+            assert not masks  # no block-diagonal mask for the row
             b, _ = sdpa.logprobs(mb)
     finally:
         register()
     assert len(calls) == vision.depth and max(calls) > 1, calls
+    layers = varlen.model.config.get_text_config().num_hidden_layers
+    assert len(rows) == layers and all(len(r) == len(batch) + 1 for r in rows), rows  # each layer: every sequence
+    assert rows[0][-1] == mb.num_tokens
     assert torch.allclose(a, b, atol=1e-6)
 
 
@@ -329,8 +343,8 @@ def qwen3_5_folder(tmp_path_factory):
 @pytest.mark.parametrize("kernel_path", [False, True], ids=["cpu_fallback", "kernel_path"])
 def test_qwen3_5_varlen_gives_sdpa_logprobs_and_gradients(qwen3_5_folder, monkeypatch, kernel_path):
     """Qwen3.5's full-attention layers (a gated output, m-rope over a quarter of each head) between Gated DeltaNet
-    layers, packed: attn_implementation=varlen gives sdpa's logprobs and gradients. Off CUDA its call falls back
-    to sdpa; `kernel_path` takes the CUDA path instead with a stand-in for the kernel (SDPA per segment,
+    layers, packed: attn_implementation=varlen gives sdpa's logprobs and gradients. Off CUDA its call runs SDPA
+    over each sequence on its own; `kernel_path` takes the CUDA path instead with a stand-in for the kernel (SDPA per segment,
     tests/test_host_syncs.py): no masks built for either layer kind, the row's boundaries from the packer."""
     from grpo.config import ModelConfig
     from models import attention

@@ -155,7 +155,9 @@ def test_an_fp32_forward_on_cuda_settles_attention_to_sdpa():
 
     assert resolve_attn_implementation("auto", "cuda", True, torch.float32) == "sdpa"
     assert resolve_attn_implementation("sdpa", "cuda", True, torch.float32) == "sdpa"
-    assert resolve_attn_implementation("auto", "cpu", True, torch.float32) == "sdpa"
+    # off CUDA the varlen implementation runs SDPA per sequence, in any dtype; a family without it takes sdpa
+    assert resolve_attn_implementation("auto", "cpu", True, torch.float32) == "varlen"
+    assert resolve_attn_implementation("auto", "cpu", False, torch.float32) == "sdpa"
     for name in ("varlen", "flash_attention_2", "vllm_paged"):
         with pytest.raises(ValueError, match=f"attn_implementation' is {name} with model.dtype float32"):
             resolve_attn_implementation(name, "cuda", True, torch.float32)

@@ -109,9 +109,10 @@ class ModelConfig:
     # (models.packing.pack_shared): the prompt's tokens, its image's among them, run once for the group
     # instead of once per response. The same logprobs and gradients (tests/test_shared_prompts.py); needs
     # the varlen attention and a family with `shares_prompts` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). auto: on
-    # where all of that holds on CUDA and nothing else rules it out (exact mode, routing replay, TP); on:
-    # required (an error names what stands in the way); off. true/false read as on/off. The 3B recipe's
-    # step on one H200: 8.56 -> 5.80 s (docs/benchmarks.md)
+    # where all of that holds (on CUDA in bf16/fp16; on CPU) and nothing else rules it out (exact mode,
+    # routing replay, TP); on: required (an error names what stands in the way); off. true/false read as
+    # on/off. The 3B recipe's step on one H200: 8.56 -> 5.80 s; the demo's on 2 CPU cores: 5.6 -> 3.3 s
+    # (docs/benchmarks.md)
     shared_prompts: Literal["auto", "on", "off"] = "auto"
     # Each pass over a step's micro-batches (reference, old logprobs, the update) runs the vision tower once over
     # all their images, in calls of up to max_tokens_per_microbatch / 2 feature rows, instead of once per

@@ -81,7 +81,8 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     cmd = [sys.executable, "tools/bench.py", "--size", "tiny", "--engine", "torch", "--image-size", "56",
            "--response-len", "16", "--train-seqs", "8", "--group", "4", "--train-steps", "1", "--gen-prompts", "4",
            "--gen-tokens", "8", "--grpo-steps", "1", "--grpo-prompts", "2", "--grpo-new-tokens", "8",
-           "--max-tokens", "512", "--set", "optim.max_tokens_per_microbatch=256", "--empty-cache", "--workdir", str(tmp_path),
+           "--max-tokens", "512", "--set", "optim.max_tokens_per_microbatch=256", "--set", "model.shared_prompts=off",
+           "--empty-cache", "--workdir", str(tmp_path),
            "--profile", str(tmp_path / "prof.txt")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
@@ -96,7 +97,9 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     assert result["achieved_tflops_total"] > result["achieved_tflops_llm"] > 0
     assert result["grpo_token_mult_prob_error"] <= 1.0001
     assert result["liger_kernel"] is False  # model.liger_kernel=auto, settled off on CPU
-    # the update packs by the --set micro-batch size (256), which comes after --max-tokens (512 would fit one)
+    # the update packs by the --set micro-batch size (256), which comes after --max-tokens (512 would fit one);
+    # unshared rows (--set model.shared_prompts=off: auto shares on CPU), so they hold every sequence's tokens
+    assert result["shared_prompts"] is False
     assert 256 < result["row_tokens"] <= 512 and result["train_microbatches"] >= 2, result["row_tokens"]
     assert result["empty_cache"] is True and result["device_allocs_per_step"] == 0  # no CUDA cache on CPU
     # the host's cores over the timed update steps, named as the loop's summary names them (NVML's only on CUDA)

@@ -157,14 +157,7 @@ def test_garbage_collection_counts_only_inside_a_call():
     """The probe reads the collector's clock that the telemetry sampler reads too (rollout.telemetry): on from the
     probe's making to its close, unless the sampler still runs; a call's gc_s is the clock's seconds in it."""
     from rollout import telemetry
-
-    def cycles():
-        junk = [[] for _ in range(20000)]
-        for a, b in zip(junk, junk[1:]):
-            a.append(b)
-            b.append(a)  # cycles: only the collector frees them
-        del junk, a, b
-        gc.collect()
+    from tests.test_telemetry import collect_cycles as cycles
 
     users = telemetry._gc_users[0]
     probe = GenerationProbe(NS(_llm=None))

@@ -38,7 +38,7 @@ def test_grpo_two_ranks_smoke_and_resume(tiny_model, clevr_parquet, tmp_path):
         assert row["rollout/response_len_mean"] > 0 and row["perf/refit_s"] >= 0
         assert "loss/kl" in row and "reward/std" in row and "loss/entropy" in row
     assert "eval/accuracy" in r[1] and "final" in proc.stdout
-    assert "shared prompts: off (model.shared_prompts=auto)" in proc.stdout  # auto shares on CUDA only
+    assert "shared prompts: on (model.shared_prompts=auto)" in proc.stdout  # auto shares on CPU too
     assert "vision tower: once per micro-batch (model.vision_once=auto)" in proc.stdout  # auto: on CUDA only
     for row in r:  # a random model never answers: equal rewards give zero advantages, so nothing to learn
         assert row["loss/entropy"] > 0
@@ -75,7 +75,7 @@ def test_grpo_two_ranks_with_shared_prompts(tiny_model, clevr_parquet, tmp_path)
     takes model.vision_once (each pass's tower calls per chunk, the count agreed, the tower's backward once)."""
     knobs = ["algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2", "trainer.eval_every=0"]
     plain, shared = tmp_path / "plain", tmp_path / "shared"
-    run_torchrun(grpo_args(tiny_model, clevr_parquet, plain, 2, knobs), nproc=2)
+    run_torchrun(grpo_args(tiny_model, clevr_parquet, plain, 2, [*knobs, "model.shared_prompts=off"]), nproc=2)
     proc = run_torchrun(grpo_args(tiny_model, clevr_parquet, shared, 2, [*knobs, "model.shared_prompts=true",
                                                                         "model.vision_once=on"]), nproc=2)
     assert "vision tower: once per pass (model.vision_once=on)" in proc.stdout

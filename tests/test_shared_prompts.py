@@ -123,8 +123,8 @@ def test_auto_settles_off_where_the_config_rules_sharing_out(tiny_model):
 
 
 def test_the_family_and_the_device_settle_auto(tiny_model):
-    """`auto` shares where the varlen kernel runs (CUDA, attention auto or varlen) for a family that can;
-    `on` insists and names a family that cannot."""
+    """`auto` shares with attention auto or varlen for a family that can, on CUDA in bf16/fp16 (the varlen
+    kernel) and off CUDA; `on` insists and names a family that cannot."""
     from dataclasses import replace
 
     from models.family import build_adapter
@@ -133,12 +133,15 @@ def test_the_family_and_the_device_settle_auto(tiny_model):
     adapter = build_adapter(load_model_config(str(tiny_model)))
     assert adapter.shares_prompts
     assert shares_prompts("auto", adapter, "auto", "cuda") and shares_prompts("auto", adapter, "varlen", "cuda")
-    assert not shares_prompts("auto", adapter, "auto", "cpu")
+    # off CUDA a row runs SDPA per segment either way: sharing saves the repeated prompts, in any dtype
+    assert shares_prompts("auto", adapter, "auto", "cpu") and shares_prompts("auto", adapter, "auto", "cpu",
+                                                                             torch.float32)
+    assert not shares_prompts("auto", adapter, "sdpa", "cpu")
     assert not shares_prompts("auto", adapter, "sdpa", "cuda")
     assert shares_prompts("on", adapter, "auto", "cpu") and shares_prompts(True, adapter, "auto", "cpu")
     assert not shares_prompts("off", adapter, "auto", "cuda") and not shares_prompts(False, adapter, "auto", "cuda")
     cannot = replace(adapter, shares_prompts=False)
-    assert not shares_prompts("auto", cannot, "auto", "cuda")
+    assert not shares_prompts("auto", cannot, "auto", "cuda") and not shares_prompts("auto", cannot, "auto", "cpu")
     with pytest.raises(ValueError, match="model.shared_prompts' is on, but model family"):
         shares_prompts("on", cannot, "auto", "cuda")
     # an fp32 forward on CUDA: the varlen kernel takes bf16/fp16 only, so auto does not share and on is refused

@@ -124,6 +124,18 @@ def test_a_phase_s_host_cores_come_from_its_start_and_end(monkeypatch):
 
 
 
+def collect_cycles() -> None:
+    """Make 20,000 lists in reference cycles (only the cyclic collector frees them) and run a full collection."""
+    import gc
+
+    junk = [[] for _ in range(20000)]
+    for a, b in zip(junk, junk[1:]):
+        a.append(b)
+        b.append(a)
+    del junk, a, b
+    gc.collect()
+
+
 def test_the_garbage_collector_s_pauses_count_for_the_phase_it_ran_in(monkeypatch):
     """A full collection inside a phase is timed and counted for it, through gc.callbacks while the sampler runs;
     the hook is gone after."""
@@ -138,12 +150,7 @@ def test_the_garbage_collector_s_pauses_count_for_the_phase_it_ran_in(monkeypatc
         with t:
             assert telemetry._gc_clock in gc.callbacks and telemetry._gc_users[0] == users + 1
             with timed(times, "perf/gen_s"):
-                junk = [[] for _ in range(20000)]
-                for a, b in zip(junk, junk[1:]):
-                    a.append(b)
-                    b.append(a)  # cycles: only the collector frees them
-                del junk, a, b
-                gc.collect()
+                collect_cycles()
                 gc.collect(0)
             with timed(times, "perf/train_s"):
                 pass

@@ -150,7 +150,7 @@ class ModelConfig:
     # tower and the rest of the model, two units, for one data-parallel rank, where nothing is sharded and the
     # compute copy is kept for the whole step anyway (optim.unsharded_accumulation): FSDP's per-unit hooks then
     # run twice per micro-batch's forward and backward instead of once per block (on 2 CPU cores, 36 blocks:
-    # ~20 ms of host time less per micro-batch). Its compute copy is cast in one go at the first micro-batch and
+    # ~45 ms of host time less per micro-batch). Its compute copy is cast in one go at the first micro-batch and
     # its gradients reduced in one go after the last. Not yet measured on a GPU, so blocks; whole with more than
     # one data-parallel rank is an error
     fsdp_units: Literal["blocks", "whole"] = "blocks"

@@ -222,14 +222,13 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
         return shared_prompt_attention(query, key, value, cu, longest, keys, scaling), None
     per_sequence = (position_ids is not None and query.shape[0] == 1 and causal and not dropout
                     and attention_mask is None and key.shape[2] == query.shape[2])
-    if per_sequence and not kernel_runs(query.device):  # off the kernel: each sequence of the row on its own
-        cu, _ = row_boundaries(position_ids, query.shape[2])
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-        return reference_attention(q, k, v, cu, scaling).unsqueeze(0), None
-    if not per_sequence or not kernel_runs(query.device):  # a family's own mask wins
+    if not per_sequence:  # a family's own mask wins, as do a cached decode and a padded batch
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     cu, longest = row_boundaries(position_ids, query.shape[2])
+    if not kernel_runs(query.device):  # off the kernel: each sequence of the row on its own
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        return reference_attention(q, k, v, cu, scaling).unsqueeze(0), None
     return _run_kernel(query, key, value, cu, longest, scaling, causal=True), None
 
 

@@ -131,8 +131,10 @@ class ModelConfig:
     # run the Qwen-VL and GLM-4.1V RMSNorms (language model and vision tower) through torch's fused rms_norm
     # instead of liger-kernel's or transformers' own (models.policy.route_rms_norms_to_torch): one C++-dispatched
     # CUDA kernel each way, for an update whose host is the bottleneck; rounded once where transformers rounds
-    # twice (~1 bf16 ulp apart). Not yet measured in the loop, so off; an error with rollout.exact
-    torch_rms_norm: bool = False
+    # twice (~1 bf16 ulp apart). auto: on CUDA, off with rollout.exact; true: on (an error with rollout.exact);
+    # false: off. With model.flash_direct the 3B recipe's update on one H200 took 2.04-2.08 s in the loop
+    # against 2.13-2.16 s (docs/benchmarks.md, 2026-12-05)
+    torch_rms_norm: Literal["auto", "true", "false"] = "auto"
     # with liger-kernel on: take its fused gated MLP (SwiGLU; GeGLU for the Gemma families). false leaves the
     # family's own MLP (transformers' act_fn(gate_proj(x)) * up_proj(x)): one more element-wise kernel each way
     # on the device, but its Triton launches cost the host 3.6x the eager ops' (478 against 132 us a forward and
@@ -142,18 +144,9 @@ class ModelConfig:
     # call torch's FlashAttention varlen kernels directly (models.attention.FlashVarlen) instead of through
     # torch.nn.attention.varlen.varlen_attn: grouped K/V heads read by the kernel itself (torch 2.11's varlen_attn
     # cannot, so K/V are repeated to every query head first) and no custom-operator layer per call. The same
-    # kernel, bitwise the same outputs and gradients on an H200, 3.8 GiB less peak in the 3B update; not yet
-    # measured in the loop, so off
-    flash_direct: bool = False
-    # FSDP2's units. blocks: the vision tower, each decoder block and the rest of the model, each a unit of its own
-    # (with several data-parallel ranks a block's weights are gathered just before it runs). whole: the vision
-    # tower and the rest of the model, two units, for one data-parallel rank, where nothing is sharded and the
-    # compute copy is kept for the whole step anyway (optim.unsharded_accumulation): FSDP's per-unit hooks then
-    # run twice per micro-batch's forward and backward instead of once per block (on 2 CPU cores, 36 blocks:
-    # ~45 ms of host time less per micro-batch). Its compute copy is cast in one go at the first micro-batch and
-    # its gradients reduced in one go after the last. Not yet measured on a GPU, so blocks; whole with more than
-    # one data-parallel rank is an error
-    fsdp_units: Literal["blocks", "whole"] = "blocks"
+    # kernel, bitwise the same outputs and gradients on an H200, 3.8 GiB less peak in the 3B update. auto: on
+    # CUDA (the only place the varlen kernel runs); true/false: on/off
+    flash_direct: Literal["auto", "true", "false"] = "auto"
     trust_remote_code: bool = False
     # train the language model only: the family's vision tower (FamilyAdapter.vision_tower; for the Qwen-VL and
     # GLM families its merger too, a separate projector such as LLaVA's still trains) keeps its weights, gets no
@@ -689,7 +682,8 @@ def _strings(value: Any) -> Iterator[str]:
 # keys with an `auto` that read a boolean as one of their words: key -> (the word for true, the word for false)
 BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.vision_once": ("on", "off"),
                     "model.liger_kernel": ("true", "false"), "trainer.gpu_telemetry": ("true", "false"),
-                    "model.pad_vision_mlp": ("true", "false")}
+                    "model.pad_vision_mlp": ("true", "false"), "model.torch_rms_norm": ("true", "false"),
+                    "model.flash_direct": ("true", "false")}
 
 
 def _prepare(key: str, value: Any, tp: Any, source: str) -> Any:
@@ -967,7 +961,7 @@ def _exact_rounding_errors(cfg: Config) -> Iterator[str]:
         yield "config key 'model.vision_once' is on with rollout.exact=true; set it to auto or off"
     if cfg.model.pad_vision_mlp == "true" and cfg.rollout.exact:
         yield "config key 'model.pad_vision_mlp' is true with rollout.exact=true; set it to false"
-    if cfg.model.torch_rms_norm and cfg.rollout.exact:
+    if cfg.model.torch_rms_norm == "true" and cfg.rollout.exact:
         yield ("config key 'model.torch_rms_norm' is true with rollout.exact=true (torch's kernel rounds as the "
                "engine's does not); set it to false")
 
@@ -997,15 +991,17 @@ def _given_errors(cfg: Config, given: set[str] | frozenset[str]) -> Iterator[str
 
 def _settle_auto_keys(cfg: Config) -> None:
     """`auto` keys the config alone decides: model.shared_prompts is off where the config rules it out,
-    model.vision_once and model.pad_vision_mlp with rollout.exact, and model.liger_kernel with rollout.exact or
+    model.vision_once, model.pad_vision_mlp and model.torch_rms_norm with rollout.exact, and model.liger_kernel with rollout.exact or
     model.compile (the family, the device and the installed packages decide the rest when the policy is built:
-    models.policy.shares_prompts, runs_vision_once, pads_vision_mlp and uses_liger)."""
+    models.policy.shares_prompts, runs_vision_once, cuda_switch and uses_liger)."""
     if cfg.model.shared_prompts == "auto" and any(_shared_prompt_blockers(cfg)):
         cfg.model.shared_prompts = "off"
     if cfg.model.vision_once == "auto" and cfg.rollout.exact:
         cfg.model.vision_once = "off"
     if cfg.model.pad_vision_mlp == "auto" and cfg.rollout.exact:
         cfg.model.pad_vision_mlp = "false"
+    if cfg.model.torch_rms_norm == "auto" and cfg.rollout.exact:
+        cfg.model.torch_rms_norm = "false"
     if cfg.model.liger_kernel == "auto" and (cfg.rollout.exact or cfg.model.compile):
         cfg.model.liger_kernel = "false"
     if cfg.rollout.exact:  # model.fp32_logits: its default gives way to exact mode's own lm_head

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from data.batch import Batch, PackedGenericDataItem
 from data.datasets import VLDataset, video_kwargs
@@ -108,6 +107,9 @@ class Trainer:
         cfg.model.liger_kernel = "true" if self.policy.liger_kernel else "false"
         pad_asked = cfg.model.pad_vision_mlp
         cfg.model.pad_vision_mlp = "true" if self.policy.pad_vision_mlp else "false"
+        norm_asked = cfg.model.torch_rms_norm
+        cfg.model.torch_rms_norm = "true" if self.policy.torch_rms_norm else "false"
+        cfg.model.flash_direct = "true" if self.policy.flash_direct else "false"
         self.adapter = self.policy.adapter
         self.optimizer = build_optimizer(self.policy, cfg.optim)
         with timed(self._startup, "perf/data_build_s"):  # processor, tokenizer, datasets
@@ -159,14 +161,14 @@ class Trainer:
             print(f"vision tower: {'once per pass' if self.policy.vision_once else 'once per micro-batch'} "
                   f"(model.vision_once={cfg.model.vision_once}); {self.policy.padded_vision_mlps} of its MLPs "
                   f"widened to a multiple of 128 (model.pad_vision_mlp={pad_asked})", flush=True)
-            kernels = (f"; {self.policy.torch_rms_norms} RMSNorms on torch's fused kernel (model.torch_rms_norm)"
-                       if self.policy.torch_rms_norms else "")
+            kernels = (f"; {self.policy.torch_rms_norms} RMSNorms on torch's fused kernel "
+                       f"(model.torch_rms_norm={norm_asked})" if self.policy.torch_rms_norms else "")
+            if self.policy.flash_direct:
+                kernels += "; FlashAttention's varlen kernels called directly (model.flash_direct)"
             if self.policy.liger_kernel and not cfg.model.liger_mlp:
                 kernels += "; the gated MLPs the family's own (model.liger_mlp=false)"
             print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={liger_asked})"
                   + kernels, flush=True)
-            units = sum(isinstance(m, FSDPModule) for m in self.policy.model.modules())
-            print(f"FSDP: {units} units (model.fsdp_units={cfg.model.fsdp_units})", flush=True)
 
     # --- construction ------------------------------------------------------------------------
     def _feeder(self, path: str, shuffle: bool | None = None) -> PromptFeeder:

@@ -200,16 +200,13 @@ def apply_parallelism(
     activation_checkpointing: bool,
     trainable: bool = True,
     compile_blocks: bool = False,
-    block_units: bool = True,
 ) -> nn.Module:
     """TP plan → activation checkpointing → FSDP2 units; returns the model (sharded in place).
 
     On GPU, parameters stay fp32 (the sharded master copy), compute runs in `param_dtype` and
     gradients reduce in fp32. On CPU everything is fp32.
 
-    Units: the vision tower, each decoder block (and a MoE block's experts), then the root. With
-    `block_units=False` (`model.fsdp_units=whole`, one data-parallel rank) the blocks stay in the root: two
-    units, so FSDP's per-unit hooks run twice per micro-batch's forward and backward instead of once per block.
+    Units: the vision tower, each decoder block (and a MoE block's experts), then the root.
     """
     if dims.tp_mesh is not None:
         _apply_tp(model, adapter, dims.tp_mesh)
@@ -228,7 +225,7 @@ def apply_parallelism(
     if mp is not None:
         kwargs["mp_policy"] = mp
     fully_shard(adapter.vision_tower(model), **kwargs)
-    for layer in adapter.decoder_layers(model) if block_units else ():
+    for layer in adapter.decoder_layers(model):
         for unit in adapter.block_units(layer):  # MoE: the block's experts, gathered on their own
             fully_shard(unit, **kwargs)
         fully_shard(layer, **kwargs)

@@ -240,7 +240,7 @@ class Policy:
     def __init__(self, model: nn.Module, adapter: FamilyAdapter, dims: ParallelDims, path: str, dtype: torch.dtype,
                  shared_prompts: bool = False, liger_kernel: bool = False, fp32_logits: bool = False,
                  vision_once: bool = False, pad_vision_mlp: bool = False, padded_vision_mlps: int = 0,
-                 torch_rms_norms: int = 0):
+                 torch_rms_norm: bool = False, torch_rms_norms: int = 0, flash_direct: bool = False):
         self.model = model
         self.adapter = adapter
         self.dims = dims
@@ -267,12 +267,16 @@ class Policy:
         self.fp32_logits = fp32_logits
         # model.vision_once as settled for this family and device (models.policy.runs_vision_once)
         self.vision_once = vision_once
-        # model.pad_vision_mlp as settled for this device (models.policy.pads_vision_mlp), and how many of the
+        # model.pad_vision_mlp as settled for this device (models.policy.cuda_switch), and how many of the
         # tower's MLPs it widened (build_policy)
         self.pad_vision_mlp = pad_vision_mlp
         self.padded_vision_mlps = padded_vision_mlps
-        # model.torch_rms_norm: how many RMSNorms run torch's fused kernel (build_policy)
+        # model.torch_rms_norm as settled for this device (models.policy.cuda_switch), and how many RMSNorms run
+        # torch's fused kernel (build_policy)
+        self.torch_rms_norm = torch_rms_norm
         self.torch_rms_norms = torch_rms_norms
+        # model.flash_direct as settled for this device: the varlen attention's kernel called directly
+        self.flash_direct = flash_direct
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -661,8 +665,9 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
                          "has no MoE router; set it to 0")
     liger = uses_liger(getattr(cfg_model, "liger_kernel", "false"), config.model_type, dims.device_type,
                        importlib.util.find_spec("liger_kernel") is not None, hint=trainable)
-    torch_norm = bool(getattr(cfg_model, "torch_rms_norm", False))
-    set_direct_flash(bool(getattr(cfg_model, "flash_direct", False)))
+    torch_norm = cuda_switch(getattr(cfg_model, "torch_rms_norm", "false"), dims.device_type)
+    flash_direct = cuda_switch(getattr(cfg_model, "flash_direct", "false"), dims.device_type)
+    set_direct_flash(flash_direct)
     if liger:  # before the model is built: liger swaps classes that the decoder layers look up when made
         apply_liger_kernels(config.model_type, dims.device_type, hint=trainable, rms_norm=not torch_norm,
                             gated_mlp=bool(getattr(cfg_model, "liger_mlp", True)))
@@ -688,7 +693,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     if trainable and lora is not None and lora.rank > 0:  # before sharding: adapters live in their layer's unit
         names = lora_module_names(model, adapter, lora.targets, lora.vision_targets)
         apply_lora(model, names, lora.rank, lora.alpha)
-    pad = pads_vision_mlp(getattr(cfg_model, "pad_vision_mlp", "false"), dims.device_type)
+    pad = cuda_switch(getattr(cfg_model, "pad_vision_mlp", "false"), dims.device_type)
     padded = pad_mlp_widths(tower) if pad and tower is not None else 0  # after LoRA: a wrapped MLP keeps its own
     if not trainable and dtype != torch.float32:
         _store_parameters_in(model, dtype)
@@ -696,7 +701,7 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
         model, adapter, dims,
         param_dtype=dtype if dtype != torch.float32 else None,
         activation_checkpointing=cfg_model.activation_checkpointing and trainable, trainable=trainable,
-        compile_blocks=getattr(cfg_model, "compile", False), block_units=_block_units(cfg_model, dims),
+        compile_blocks=getattr(cfg_model, "compile", False),
     )
     model.to_empty(device=dims.device)
     _reinit_nonpersistent_buffers(model, dims.device, adapter)
@@ -715,23 +720,12 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
     policy = Policy(model, adapter, dims, cfg_model.path, dtype, shared_prompts=shared, liger_kernel=liger,
                     fp32_logits=bool(getattr(cfg_model, "fp32_logits", False)),
                     vision_once=runs_vision_once(getattr(cfg_model, "vision_once", "off"), adapter, dims.device_type),
-                    pad_vision_mlp=pad, padded_vision_mlps=padded, torch_rms_norms=normed)
+                    pad_vision_mlp=pad, padded_vision_mlps=padded, torch_rms_norm=torch_norm, torch_rms_norms=normed,
+                    flash_direct=flash_direct)
     model._vlrl_policy = policy
     if trainable and coef > 0:
         policy.watch_routers(coef)
     return policy
-
-
-def _block_units(cfg_model, dims: ParallelDims) -> bool:
-    """model.fsdp_units: whether each decoder block is an FSDP unit of its own (blocks) or stays in the root
-    (whole, one data-parallel rank only)."""
-    units = getattr(cfg_model, "fsdp_units", "blocks")
-    if units not in ("blocks", "whole"):
-        raise ValueError(f"config key 'model.fsdp_units' is {units!r}; expected blocks or whole")
-    if units == "whole" and dims.dp > 1:
-        raise ValueError(f"config key 'model.fsdp_units' is whole, but the run has {dims.dp} data-parallel ranks: "
-                         "whole gathers every weight of the model at once on every rank; set it to blocks")
-    return units == "blocks"
 
 
 def freeze_vision_tower(model: nn.Module, adapter: FamilyAdapter) -> tuple[int, float]:
@@ -958,9 +952,10 @@ def _torch_rms_norm(norm: nn.Module, own: Callable) -> Callable:
 PADDABLE_MLPS = frozenset({"Qwen2_5_VLMLP"})
 
 
-def pads_vision_mlp(setting: str | bool, device_type: str) -> bool:
-    """model.pad_vision_mlp as settled: `true` (or True) on, `false` (or False) off, `auto` on CUDA (the config
-    settles it to false with rollout.exact)."""
+def cuda_switch(setting: str | bool, device_type: str) -> bool:
+    """An `auto`/`true`/`false` setting whose auto is on CUDA only (model.pad_vision_mlp, model.torch_rms_norm,
+    model.flash_direct), as settled: `true` (or True) on, `false` (or False) off, `auto` on CUDA (the config
+    settles pad_vision_mlp and torch_rms_norm to false with rollout.exact)."""
     if setting in (True, "true"):
         return True
     return setting == "auto" and device_type == "cuda"

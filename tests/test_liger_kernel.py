@@ -319,11 +319,14 @@ def test_auto_on_cpu_builds_without_liger_and_records_false(tiny_model, clevr_pa
         assert trainer.policy.liger_kernel is False and trainer.cfg.model.liger_kernel == "false"
         saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
         assert saved["model"]["liger_kernel"] == "false"  # what ran, not auto
-        assert read_settings(tmp_path / "run" / "config.yaml")["liger_kernel"] is False
+        # model.torch_rms_norm and model.flash_direct: auto is on CUDA only
+        assert saved["model"]["torch_rms_norm"] == "false" and saved["model"]["flash_direct"] == "false"
+        assert trainer.policy.torch_rms_norms == 0 and trainer.policy.flash_direct is False
+        settings = read_settings(tmp_path / "run" / "config.yaml")
+        assert settings["liger_kernel"] is False and settings["torch_rms_norm"] is False
+        assert settings["flash_direct"] is False
         out = capsys.readouterr().out
         assert "liger kernels: off (model.liger_kernel=auto)" in out
-        layers = trainer.policy.model.config.get_text_config().num_hidden_layers
-        assert f"FSDP: {layers + 2} units (model.fsdp_units=blocks)" in out  # each block, the tower, the root
     finally:
         trainer.rollouts.close()
 

@@ -3,24 +3,20 @@ gradients across micro-batches; the step it takes equals the usual one."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from transformers import AutoConfig
 
 from grpo.config import ModelConfig, OptimConfig
 from grpo.update import build_optimizer, optimizer_step
 from tests.test_nonfinite import mean_nll, text_batch
 
 
-def _step_weights(tiny_model, hold: bool, units: str = "blocks") -> tuple[dict, float, list, int]:
-    from torch.distributed.fsdp import FSDPModule
-
+def _step_weights(tiny_model, hold: bool) -> tuple[dict, float, list]:
     from models.parallel import build_parallel_dims, init_distributed
     from models.policy import build_policy
 
     init_distributed()
     torch.manual_seed(0)
-    policy = build_policy(ModelConfig(path=str(tiny_model), fsdp_units=units), build_parallel_dims())
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
     optimizer = build_optimizer(policy, OptimConfig(lr=1e-2))
     batch = text_batch(policy, vocab=int(policy.model.config.get_text_config().vocab_size), lengths=(12, 9, 11))
     calls = []
@@ -31,45 +27,18 @@ def _step_weights(tiny_model, hold: bool, units: str = "blocks") -> tuple[dict, 
                          denominators={"tokens": 12}, unsharded_accumulation=hold)
     weights = {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
                for n, p in policy.model.named_parameters()}
-    return weights, out["loss/grad_norm"], calls, sum(isinstance(m, FSDPModule) for m in policy.model.modules())
+    return weights, out["loss/grad_norm"], calls
 
 
 def test_unsharded_accumulation_takes_the_same_step(tiny_model):
-    usual, norm_usual, calls_usual, _ = _step_weights(tiny_model, hold=False)
-    held, norm_held, calls_held, _ = _step_weights(tiny_model, hold=True)
+    usual, norm_usual, calls_usual = _step_weights(tiny_model, hold=False)
+    held, norm_held, calls_held = _step_weights(tiny_model, hold=True)
     # held from the first micro-batch, synced for the last: set twice, not once per micro-batch (each setting
     # walks every submodule)
     assert calls_usual == [] and calls_held == [False, True]
     assert abs(norm_usual - norm_held) < 1e-6 and norm_usual > 0
     for name, w in usual.items():
         torch.testing.assert_close(held[name], w, rtol=0, atol=1e-6, msg=name)
-
-
-@pytest.mark.parametrize("model, hold", [("tiny_model", True), ("tiny_model", False), ("tiny_moe_model", True)])
-def test_whole_model_units_take_the_same_step(request, model, hold):
-    """model.fsdp_units=whole: the decoder blocks (and a MoE block's experts) stay in the root unit (two units:
-    the vision tower and the rest), and the step is the one the per-block units take."""
-    folder = request.getfixturevalue(model)
-    blocks, norm_blocks, _, units_blocks = _step_weights(folder, hold=hold)
-    whole, norm_whole, _, units_whole = _step_weights(folder, hold=hold, units="whole")
-    layers = int(AutoConfig.from_pretrained(str(folder)).get_text_config().num_hidden_layers)
-    assert units_whole == 2 and units_blocks >= 2 + layers
-    assert abs(norm_blocks - norm_whole) < 1e-6 and norm_blocks > 0
-    for name, w in blocks.items():
-        torch.testing.assert_close(whole[name], w, rtol=0, atol=1e-6, msg=name)
-
-
-def test_whole_model_units_refuse_several_data_parallel_ranks():
-    from models.policy import _block_units
-
-    class Dims:
-        dp = 2
-
-    assert _block_units(ModelConfig(), Dims) is True
-    with pytest.raises(ValueError, match="model.fsdp_units.*2 data-parallel ranks"):
-        _block_units(ModelConfig(fsdp_units="whole"), Dims)
-    with pytest.raises(ValueError, match="model.fsdp_units.*'layers'"):
-        _block_units(ModelConfig(fsdp_units="layers"), Dims)
 
 
 def _live_tensor_bytes() -> int:

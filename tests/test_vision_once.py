@@ -237,13 +237,18 @@ def test_torch_rms_norm_gives_the_module_s_logprobs_and_gradients(tiny_model, ba
         load_config(None, [f"model.path={tiny_model}", "model.torch_rms_norm=true", "rollout.exact=true"])
 
 
-def test_pad_vision_mlp_settles(tiny_model):
-    """auto: on CUDA, off elsewhere and with rollout.exact; true/false (or booleans) as given."""
-    from models.policy import pads_vision_mlp
+@pytest.mark.parametrize("key", ["pad_vision_mlp", "torch_rms_norm"])
+def test_cuda_switches_settle(tiny_model, key):
+    """model.pad_vision_mlp and model.torch_rms_norm: auto is on CUDA, off elsewhere and with rollout.exact;
+    true/false (or booleans) as given. model.flash_direct's auto is on CUDA too (exact mode's attention is not
+    the varlen kernel, so it stays auto there)."""
+    from models.policy import cuda_switch
 
-    assert load_config(None, [f"model.path={tiny_model}"]).model.pad_vision_mlp == "auto"
-    assert load_config(None, [f"model.path={tiny_model}", "rollout.exact=true"]).model.pad_vision_mlp == "false"
-    assert load_config(None, [f"model.path={tiny_model}", "model.pad_vision_mlp=false"]).model.pad_vision_mlp == "false"
-    assert [pads_vision_mlp(s, d) for s, d in (("auto", "cuda"), ("auto", "cpu"), ("true", "cpu"), (True, "cpu"),
+    assert getattr(load_config(None, [f"model.path={tiny_model}"]).model, key) == "auto"
+    assert getattr(load_config(None, [f"model.path={tiny_model}", "rollout.exact=true"]).model, key) == "false"
+    assert getattr(load_config(None, [f"model.path={tiny_model}", f"model.{key}=false"]).model, key) == "false"
+    assert getattr(load_config(None, [f"model.path={tiny_model}", f"model.{key}=true"]).model, key) == "true"
+    assert load_config(None, [f"model.path={tiny_model}", "rollout.exact=true"]).model.flash_direct == "auto"
+    assert [cuda_switch(s, d) for s, d in (("auto", "cuda"), ("auto", "cpu"), ("true", "cpu"), (True, "cpu"),
                                                ("false", "cuda"), (False, "cuda"))] == [True, False, True, True,
                                                                                       False, False]

@@ -290,8 +290,7 @@ def bench_train(trainer, args) -> dict:
     return {
         "shared_prompts": share, "vision_once": trainer.policy.vision_once,
         "pad_vision_mlp": trainer.policy.pad_vision_mlp, "torch_rms_norms": trainer.policy.torch_rms_norms,
-        "flash_direct": trainer.cfg.model.flash_direct, "liger_mlp": trainer.cfg.model.liger_mlp,
-        "fsdp_units": trainer.cfg.model.fsdp_units,
+        "flash_direct": trainer.policy.flash_direct, "liger_mlp": trainer.cfg.model.liger_mlp,
         "row_tokens": sum(mb.num_tokens for mb in rows),
         "train_seqs": len(seqlens), "train_tokens": sum(seqlens), "train_microbatches": len(bins),
         "train_step_s": seconds, "train_step_s_all": times, "train_tokens_per_s": sum(seqlens) / seconds,

@@ -38,9 +38,9 @@
 #   levers    the update's host-side levers, no vLLM (~7 min): the GPU tests of model.flash_direct and
 #             model.torch_rms_norm (LEVER_TESTS=0 skips them), one call of RMSNorm, SwiGLU and rotary by
 #             implementation (tools/norm_cost.py at the 3B update's shapes; LEVER_COST=0 skips it), then the update
-#             alone for each of LEVER_SETS (as UPDATE_SETS; default: none, the two host levers together, those with
-#             model.fsdp_units=whole, those three with model.liger_mlp=false, then none again), UPDATE_STEPS (default
-#             5) timed steps each, the first set profiled
+#             alone for each of LEVER_SETS (as UPDATE_SETS; default: as shipped, the two host levers off, as shipped
+#             with model.liger_mlp=false, then as shipped again), UPDATE_STEPS (default 5) timed steps each, the
+#             first set profiled
 #   op_diff   tools/op_diff.py with the vLLM engine on the tiny Qwen2.5-VL (DTYPE, default bfloat16; OPDIFF_ARGS);
 #             OPDIFF_3B=1: on the 3B shape at 448x448 with --exact (OPDIFF_EXACT=0 without), op_diff_3b.json
 #   exact     rollout.exact on the tiny Qwen2.5-VL with 128-wide heads (tiny_hd128): tests/gpu/test_exact.py (256
@@ -370,10 +370,9 @@ levers)
       timeout 90 $PY tools/norm_cost.py --op $op --json-out "$OUT/cost_${op%% *}_$RANDOM.json" 2>&1 | grep "^${op%% *} "
     done
   fi
-  both="model.torch_rms_norm=true model.flash_direct=true"
-  whole="$both model.fsdp_units=whole"
+  off="model.torch_rms_norm=false model.flash_direct=false"
   UPDATE_STEPS=${UPDATE_STEPS:-5} update_sets lever_ \
-    "${LEVER_SETS:--;$both;$whole;$whole model.liger_mlp=false;-}" 240 update --size 3b --max-tokens 8192
+    "${LEVER_SETS:--;$off;model.liger_mlp=false;-}" 240 update --size 3b --max-tokens 8192
   ;;
 tests)
   # a few GPU tests on their own (TESTS, default the memory metric's check against mem_get_info)

@@ -41,10 +41,10 @@ collections in the phase, per step), and the device's
 `sm_clock_max_mhz` and `power_limit_w` (from the first step, which logs them). With
 `--config` (the run's resolved config.yaml) it adds the settings that tell measured variants apart:
 `sleep_level`, `compile`, `liger_kernel`, `liger_mlp`, `fp32_logits`, `vision_once`, `pad_vision_mlp`, `torch_rms_norm`,
-`flash_direct`, `fsdp_units`, `lora_rank`, `lora_alpha`, `activation_checkpointing`, `prompts_per_step`, `n` and `max_new_tokens`.
-`liger_kernel` and `pad_vision_mlp` are what ran, true or false: the trainer writes them settled (`auto`
-resolved for the family and device) as the words true/false, which read back as booleans, like the booleans
-that runs before `auto` wrote. With `--standalone` (the JSON of
+`flash_direct`, `lora_rank`, `lora_alpha`, `activation_checkpointing`, `prompts_per_step`, `n` and `max_new_tokens`.
+`liger_kernel`, `pad_vision_mlp`, `torch_rms_norm` and `flash_direct` are what ran, true or false: the trainer
+writes them settled (`auto` resolved for the family and device) as the words true/false, which read back as
+booleans, like the booleans that runs before `auto` wrote. With `--standalone` (the JSON of
 `tools/bench.py --phases engine`: a standalone vLLM on the loop's requests) it adds
 `standalone_gen_tokens_per_s` and `loop_gen_vs_standalone`, the loop's generation tokens/s over it, and
 (with `gen_engine_tokens_per_s`) `loop_engine_vs_standalone`, the loop's tokens/s without the data feed,
@@ -77,12 +77,12 @@ SETTINGS = {
     "shared_prompts": ("model", "shared_prompts"), "fp32_logits": ("model", "fp32_logits"),
     "vision_once": ("model", "vision_once"), "pad_vision_mlp": ("model", "pad_vision_mlp"),
     "torch_rms_norm": ("model", "torch_rms_norm"), "flash_direct": ("model", "flash_direct"),
-    "liger_mlp": ("model", "liger_mlp"), "fsdp_units": ("model", "fsdp_units"),
+    "liger_mlp": ("model", "liger_mlp"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
     "gen_breakdown": ("rollout", "gen_breakdown"), "profile_step": ("trainer", "profile_step"),
 }
 # settings config.yaml holds as the words true/false (an auto key the trainer settled): read as booleans
-WORD_BOOLEANS = ("liger_kernel", "pad_vision_mlp")
+WORD_BOOLEANS = ("liger_kernel", "pad_vision_mlp", "torch_rms_norm", "flash_direct")
 # start-up seconds the trainer logs once, as perf/<name>
 STARTUP = ("policy_build_s", "reference_build_s", "data_build_s", "init_s", "engine_build_s", "engine_import_s",
            "engine_llm_s", "engine_warmup_s")

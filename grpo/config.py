@@ -991,9 +991,9 @@ def _given_errors(cfg: Config, given: set[str] | frozenset[str]) -> Iterator[str
 
 def _settle_auto_keys(cfg: Config) -> None:
     """`auto` keys the config alone decides: model.shared_prompts is off where the config rules it out,
-    model.vision_once, model.pad_vision_mlp and model.torch_rms_norm with rollout.exact, and model.liger_kernel with rollout.exact or
-    model.compile (the family, the device and the installed packages decide the rest when the policy is built:
-    models.policy.shares_prompts, runs_vision_once, cuda_switch and uses_liger)."""
+    model.vision_once, model.pad_vision_mlp and model.torch_rms_norm with rollout.exact, and model.liger_kernel
+    with rollout.exact or model.compile (the family, the device and the installed packages decide the rest when
+    the policy is built: models.policy.shares_prompts, runs_vision_once, cuda_switch and uses_liger)."""
     if cfg.model.shared_prompts == "auto" and any(_shared_prompt_blockers(cfg)):
         cfg.model.shared_prompts = "off"
     if cfg.model.vision_once == "auto" and cfg.rollout.exact:

@@ -24,16 +24,35 @@ from models.policy import Policy, vision_plan
 
 
 def all_reduce_sum(values: list[float], device) -> list[float]:
+    """The sums over ranks; with one rank the values themselves (no trip through the device, which waits for it)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+    dist.all_reduce(t)
     return t.tolist()
 
 
+def read_floats(values: list) -> list[float]:
+    """Python numbers and 0-d tensors as floats, the tensors of each device read back in one go: each read waits
+    for the device to run everything queued before it, and the device then idles until the host queues more."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    out = [0.0 if isinstance(v, torch.Tensor) else float(v) for v in values]
+    for where in by_device.values():
+        read = torch.stack([values[i].detach().reshape(()).double() for i in where]).tolist()
+        for i, x in zip(where, read):
+            out[i] = x
+    return out
+
+
 def all_reduce_max_int(value: int, device) -> int:
+    """The largest over ranks; with one rank the value itself."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return int(value)
     t = torch.tensor([value], dtype=torch.long, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
@@ -205,8 +224,8 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     """Forward/backward every micro-batch, clip, check finiteness, step. Returns local metric sums.
 
     `loss_fn(logprobs, mb, denominators)` returns a loss already normalized by the global
-    denominators, and a dict of metric sums (floats or 0-d tensors; read once, after the last
-    micro-batch, so no micro-batch waits on the host); it is scaled by the data-parallel size
+    denominators, and a dict of metric sums (floats or 0-d tensors; read with the loss and the gradient norm
+    in one go, after the clip, so no micro-batch waits on the host); it is scaled by the data-parallel size
     because FSDP averages gradients. A PackedStep's fields reach it as `mb.fields`.
 
     `unsharded_accumulation` (one data-parallel rank only; `optim.unsharded_accumulation`): every
@@ -256,13 +275,15 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
             with phase_range("vision tower backward"):
                 vision.backward()
     with phase_range("clip and optimizer step"):
-        loss_total = float(torch.stack(totals).sum()) if totals else 0.0
-        sums = {k: float(sum(v)) for k, v in sums.items()}  # one device read per key
         params = [p for p in policy.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
+        # the loss, the norm and the metric sums in one read back, queued behind the clip's kernels
+        keys = list(sums)
+        loss_total, grad_norm, *values = read_floats(
+            [torch.stack(totals).sum() if totals else 0.0, grad_norm, *(sum(sums[k]) for k in keys)])
+        sums = dict(zip(keys, values))
         (loss_global,) = all_reduce_sum([loss_total], device)
         finite = math.isfinite(loss_global) and math.isfinite(grad_norm)
         if finite:

@@ -27,6 +27,8 @@ class HostLayout:
     cu_seqlens_k: tuple[int, ...] | None = None
     image_grid: tuple[tuple[int, ...], ...] | None = None  # image_grid_thw's rows
     video_grid: tuple[tuple[int, ...], ...] | None = None  # video_grid_thw's rows
+    # the row's token ids (1, L) on the host: the forward counts its placeholders here, not on the device
+    input_ids: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def _host_values(t: torch.Tensor | None):
@@ -108,14 +110,15 @@ class PackedMicrobatch:
         return int((q * k).sum())
 
     def host_layout(self) -> HostLayout | None:
-        """The row's boundaries and patch grids as Python ints: those kept from when the micro-batch was on
-        the host, or read now from tensors still there; None for a micro-batch made on the device."""
+        """The row's boundaries and patch grids as Python ints, and its token ids on the host: those kept from
+        when the micro-batch was on the host, or read now from tensors still there; None for a micro-batch
+        made on the device."""
         if self.host is not None:
             return self.host
         tensors = (self.cu_seqlens, self.cu_seqlens_k, self.image_grid_thw, self.video_grid_thw)
-        if any(t is not None and t.device.type != "cpu" for t in tensors):
+        if any(t is not None and t.device.type != "cpu" for t in (*tensors, self.input_ids)):
             return None
-        return HostLayout(*(_host_values(t) for t in tensors))
+        return HostLayout(*(_host_values(t) for t in tensors), input_ids=self.input_ids)
 
     def to(self, device) -> "PackedMicrobatch":
         """The micro-batch on `device`, its host layout kept. Copies from the host to a GPU are queued

@@ -325,8 +325,9 @@ class Policy:
         cannot pack (`adapter.packable` false) runs the language model once per sequence of the
         row, on that sequence's slice: the same logprobs as one sequence per micro-batch.
 
-        The row's boundaries and image grids come from the micro-batch's host layout: with images the
-        forward reads the device back once (the placeholder counts), without none, however deep the model.
+        The row's boundaries, image grids and placeholder counts come from the micro-batch's host layout: the
+        forward reads nothing back, however deep the model (a micro-batch made on the device: its placeholder
+        counts, once).
         """
         a = self.adapter
         embeds = a.embed_tokens(self.model)(mb.input_ids)
@@ -358,7 +359,12 @@ class Policy:
         a = self.adapter
         images, videos = self._vision_streams(mb)
         video_mask = mb.input_ids == a.video_token_id if videos else torch.zeros_like(image_mask)
-        counts = torch.stack([image_mask.sum(), video_mask.sum()]).tolist()  # one read back for both checks
+        host = mb.host_layout()
+        if host is not None and host.input_ids is not None:  # counted on the host's copy of the row: no read back
+            ids = host.input_ids
+            counts = [int((ids == a.image_token_id).sum()), int((ids == a.video_token_id).sum()) if videos else 0]
+        else:
+            counts = torch.stack([image_mask.sum(), video_mask.sum()]).tolist()  # one read back for both checks
         for mask, found, kind, count in ((image_mask, images, "image", counts[0]),
                                          (video_mask, videos, "video", counts[1])):
             have = found[0].shape[0] if found else 0

@@ -194,6 +194,14 @@ def policies(tmp_path_factory):
     return {depth: _tiny_policy(tmp_path_factory, *depth, attn_implementation="varlen") for depth in ((2, 2), (5, 4))}
 
 
+def moved(mb, device):
+    """`mb.to(device)` as a move to a GPU makes it: every tensor a new one (on the CPU `to` hands back the same
+    tensors), the host layout the packer's (its token ids the host's)."""
+    out = mb.to(device)
+    copies = {f.name: v.clone() for f in dataclasses.fields(out) if isinstance(v := getattr(out, f.name), torch.Tensor)}
+    return dataclasses.replace(out, **copies)
+
+
 def forward_backward_syncs(policy, mb, counter: HostSyncs) -> HostSyncs:
     """`counter` over `policy.logprobs(mb)` and its backward, `mb` on the device (as the update has it)."""
     policy.logprobs(mb)[0].sum().backward()  # once before: what is made once per run (the keep-alive's inputs)
@@ -216,7 +224,7 @@ def test_forward_backward_syncs_do_not_grow_with_depth(policies, monkeypatch, pa
         batch = mixed_batch(policy.adapter)
         for kind, rows, share in (("images", range(len(batch)), False), ("shared", range(len(batch)), True),
                                   ("text", [1], False)):
-            mb = pack(batch, list(rows), share_prompts=share).to(policy.device)
+            mb = moved(pack(batch, list(rows), share_prompts=share), policy.device)
             counter = HostSyncs()
             context = cuda_path(monkeypatch, counter, path.endswith("tensor")) if path != "no kernel" else \
                 contextlib.nullcontext()
@@ -224,9 +232,51 @@ def test_forward_backward_syncs_do_not_grow_with_depth(policies, monkeypatch, pa
                 counts[depth, kind] = forward_backward_syncs(policy, mb, counter).calls
     for kind in ("images", "shared", "text"):
         assert counts[(2, 2), kind] == counts[(5, 4), kind], (kind, counts[(2, 2), kind], counts[(5, 4), kind])
-    if path == "kernel":  # one read: the placeholder counts; none without images
-        assert len(counts[(5, 4), "images"]) == len(counts[(5, 4), "shared"]) == 1, counts
-        assert counts[(5, 4), "text"] == [], counts
+    if path == "kernel":  # no read at all: the boundaries, grids and placeholder counts come from the host
+        assert counts[(5, 4), "images"] == counts[(5, 4), "shared"] == counts[(5, 4), "text"] == [], counts
+
+
+def test_an_optimizer_step_reads_the_device_back_once(policies, monkeypatch):
+    """optimizer_step over several micro-batches with images, one data-parallel rank, on the kernel's path: the
+    loss, the gradient norm and the metric sums (device scalars and host floats) in one read back, after the
+    clip's kernels are queued; nothing per micro-batch, no trip through the device for the one-rank sums."""
+    from grpo.config import OptimConfig
+    from grpo.update import PackedStep, build_optimizer, optimizer_step
+
+    policy = policies[(2, 2)]
+    batch = mixed_batch(policy.adapter)
+    step = PackedStep(batch, max_tokens=40, device=policy.device)
+    assert len(step.microbatches) >= 3
+    step.microbatches = [moved(mb, policy.device) for mb in step.microbatches]
+    optimizer = build_optimizer(policy, OptimConfig(lr=1e-3))
+
+    def loss_fn(lp, mb, den):
+        return -lp.sum() / den["tokens"], {"loss/lp_sum": lp.detach().sum(), "loss/rows": 1.0}
+
+    counter = HostSyncs()
+    counter.on_device(*policy.model.parameters(), *policy.model.buffers(), policy._dummy_vision,
+                      *(getattr(mb, f.name) for mb in step.microbatches for f in dataclasses.fields(mb)))
+    with cuda_path(monkeypatch, counter), counter:
+        out = optimizer_step(policy, optimizer, step, loss_fn, max_tokens=40, grad_clip=1.0,
+                             denominators={"tokens": 16.0})
+    assert [c.split(" at ")[0] for c in counter.calls] == ["tolist"], counter.calls
+    assert "update.py" in counter.calls[0]
+    assert out["loss/rows"] == float(len(step.microbatches)) and out["loss/grad_norm"] > 0
+    assert out["loss/total"] == pytest.approx(-out["loss/lp_sum"] / 16.0, rel=1e-5)
+
+
+def test_read_floats_reads_a_device_once_in_order():
+    """grpo.update.read_floats: host numbers as they are, the device's scalars in one read, in the given order,
+    float64 values kept exactly."""
+    from grpo.update import read_floats
+
+    values = [1.5, torch.tensor(2.25), 3, torch.tensor(1e10 + 1, dtype=torch.float64), torch.tensor([4.0])]
+    counter = HostSyncs()
+    counter.on_device(values[1], values[3], values[4])
+    with counter:
+        got = read_floats(values)
+    assert got == [1.5, 2.25, 3.0, 1e10 + 1, 4.0] and counter.count == 1, counter.calls
+    assert read_floats([]) == [] and read_floats([2]) == [2.0]
 
 
 def test_vision_blocks_read_their_windows_back_once(monkeypatch):
@@ -304,9 +354,9 @@ def test_the_tower_takes_its_grid_inputs_from_the_host(policies):
 
 
 # The syncs of a forward+backward on the kernel's path, with images and without, for the families beyond Qwen2.5-VL:
-# the placeholder counts with images, and the decoder's look for packed sequences in the positions where it builds
-# its masks whatever it is given (Qwen3-VL's, GLM-4.1V's; Qwen3.5's take them prebuilt, as Qwen2.5-VL's).
-FAMILY_SYNCS = {"qwen3_vl": (2, 1), "qwen3_5": (1, 0), "qwen3_5_moe": (1, 0), "glm4v": (2, 1)}
+# the decoder's look for packed sequences in the positions where it builds its masks whatever it is given
+# (Qwen3-VL's, GLM-4.1V's; Qwen3.5's take them prebuilt, as Qwen2.5-VL's).
+FAMILY_SYNCS = {"qwen3_vl": (1, 1), "qwen3_5": (0, 0), "qwen3_5_moe": (0, 0), "glm4v": (1, 1)}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_SYNCS))
@@ -332,7 +382,7 @@ def test_other_families_syncs_do_not_grow_with_depth(family_policies, monkeypatc
         if policy.adapter.shares_prompts:
             kinds.append(("shared", range(len(batch)), True))
         for kind, rows, share in kinds:
-            mb = pack(batch, list(rows), share_prompts=share).to(policy.device)
+            mb = moved(pack(batch, list(rows), share_prompts=share), policy.device)
             counter = HostSyncs()
             with cuda_path(monkeypatch, counter):
                 counts[depth, kind] = forward_backward_syncs(policy, mb, counter).calls
@@ -401,7 +451,7 @@ def main(argv: list[str]) -> None:
                 context = cuda_path(patch, counter, path.endswith("tensor")) if path != "no kernel" else \
                     contextlib.nullcontext()
                 with context:
-                    forward_backward_syncs(policy, pack(batch, rows).to(policy.device), counter)
+                    forward_backward_syncs(policy, moved(pack(batch, rows), policy.device), counter)
                 patch.undo()
                 print(f"{depth[0]} layers x {depth[1]} blocks | {path:36s} | {kind:21s} | {counter.count}", flush=True)
                 if "-v" in argv:

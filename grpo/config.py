@@ -679,6 +679,11 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(v)
 
 
+# model.* switches whose `auto` the policy settles for its family and device (attributes of models.policy.Policy
+# of the same names); the trainer writes what ran into config.yaml as true/false (tools/loop_summary.py reads
+# them back as booleans)
+SETTLED_BY_POLICY = ("liger_kernel", "pad_vision_mlp", "torch_rms_norm", "flash_direct")
+
 # keys with an `auto` that read a boolean as one of their words: key -> (the word for true, the word for false)
 BOOLEAN_SWITCHES = {"model.shared_prompts": ("on", "off"), "model.vision_once": ("on", "off"),
                     "model.liger_kernel": ("true", "false"), "trainer.gpu_telemetry": ("true", "false"),

@@ -22,7 +22,7 @@ from data.loader import PromptFeeder
 from data.processing import EncodedPrompt, encode_response, load_processor, sft_target, stop_token_ids
 from grpo import algorithm as alg
 from grpo.checkpoint import checkpoint_dir, load_checkpoint, resolve_resume, save_checkpoint
-from grpo.config import Config, config_to_dict
+from grpo.config import SETTLED_BY_POLICY, Config, config_to_dict
 from grpo.metrics import MetricsLogger
 from grpo.preemption import PreemptionGuard
 from grpo.preflight import preflight
@@ -102,14 +102,10 @@ class Trainer:
             self.policy: Policy = build_policy(cfg.model, self.dims)
             if cfg.rollout.exact:
                 build_exact(self.policy)
-        liger_asked = cfg.model.liger_kernel
         # what ran, not `auto`: config.yaml, the trackers and the reference built below see the settled value
-        cfg.model.liger_kernel = "true" if self.policy.liger_kernel else "false"
-        pad_asked = cfg.model.pad_vision_mlp
-        cfg.model.pad_vision_mlp = "true" if self.policy.pad_vision_mlp else "false"
-        norm_asked = cfg.model.torch_rms_norm
-        cfg.model.torch_rms_norm = "true" if self.policy.torch_rms_norm else "false"
-        cfg.model.flash_direct = "true" if self.policy.flash_direct else "false"
+        asked = {key: getattr(cfg.model, key) for key in SETTLED_BY_POLICY}
+        for key in SETTLED_BY_POLICY:
+            setattr(cfg.model, key, "true" if getattr(self.policy, key) else "false")
         self.adapter = self.policy.adapter
         self.optimizer = build_optimizer(self.policy, cfg.optim)
         with timed(self._startup, "perf/data_build_s"):  # processor, tokenizer, datasets
@@ -160,14 +156,14 @@ class Trainer:
                   f"(model.shared_prompts={cfg.model.shared_prompts})", flush=True)
             print(f"vision tower: {'once per pass' if self.policy.vision_once else 'once per micro-batch'} "
                   f"(model.vision_once={cfg.model.vision_once}); {self.policy.padded_vision_mlps} of its MLPs "
-                  f"widened to a multiple of 128 (model.pad_vision_mlp={pad_asked})", flush=True)
+                  f"widened to a multiple of 128 (model.pad_vision_mlp={asked['pad_vision_mlp']})", flush=True)
             kernels = (f"; {self.policy.torch_rms_norms} RMSNorms on torch's fused kernel "
-                       f"(model.torch_rms_norm={norm_asked})" if self.policy.torch_rms_norms else "")
+                       f"(model.torch_rms_norm={asked['torch_rms_norm']})" if self.policy.torch_rms_norms else "")
             if self.policy.flash_direct:
                 kernels += "; FlashAttention's varlen kernels called directly (model.flash_direct)"
             if self.policy.liger_kernel and not cfg.model.liger_mlp:
                 kernels += "; the gated MLPs the family's own (model.liger_mlp=false)"
-            print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={liger_asked})"
+            print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={asked['liger_kernel']})"
                   + kernels, flush=True)
 
     # --- construction ------------------------------------------------------------------------

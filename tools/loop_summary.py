@@ -81,7 +81,8 @@ SETTINGS = {
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
     "gen_breakdown": ("rollout", "gen_breakdown"), "profile_step": ("trainer", "profile_step"),
 }
-# settings config.yaml holds as the words true/false (an auto key the trainer settled): read as booleans
+# settings config.yaml holds as the words true/false (an auto key the trainer settled: grpo.config.SETTLED_BY_POLICY):
+# read as booleans
 WORD_BOOLEANS = ("liger_kernel", "pad_vision_mlp", "torch_rms_norm", "flash_direct")
 # start-up seconds the trainer logs once, as perf/<name>
 STARTUP = ("policy_build_s", "reference_build_s", "data_build_s", "init_s", "engine_build_s", "engine_import_s",

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.attention import image_grid, packed_row, set_direct_flash
 from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
-from models.logits import head_logits
+from models.logits import head_logits, head_logprobs
 from models.lora import (
     adapters_detached, apply_lora, init_lora_weights, is_adapter_name, lora_module_names, lora_modules, merged_weight,
 )
@@ -484,6 +484,11 @@ class Policy:
         """The scored tokens' logprobs (and entropies) from the row's last hidden states, LOGPROB_CHUNK at a time."""
         picked = hidden.index_select(0, mb.target_positions)
         head = self.adapter.lm_head(self.model)
+        if self.exact_logit_bias is None and picked.shape[0]:  # a plain projection: one node for all chunks
+            fused = head_logprobs(head, picked, mb.target_ids, temperature, self.fp32_logits, LOGPROB_CHUNK,
+                                  with_entropy)
+            if fused is not None:
+                return fused
         lps, ents = [], []
         for start in range(0, picked.shape[0], LOGPROB_CHUNK):
             h = picked[start : start + LOGPROB_CHUNK]

@@ -22,6 +22,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
+def _fp32_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """flat (N, H) @ weight.t() with fp32 output: accumulated straight into fp32 on CUDA, from fp32 copies elsewhere."""
+    if flat.is_cuda:
+        return torch.mm(flat, weight.t(), out_dtype=torch.float32)
+    return flat.float() @ weight.float().t()
+
+
 class _Fp32OutputLinear(torch.autograd.Function):
     """h @ W.t() (+ b) with fp32 output from model-dtype h and W; the backward in the model dtype."""
 
@@ -29,11 +36,7 @@ class _Fp32OutputLinear(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(h, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        flat = h.reshape(-1, h.shape[-1])
-        if flat.is_cuda:
-            out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
-        else:
-            out = flat.float() @ weight.float().t()
+        out = _fp32_product(h.reshape(-1, h.shape[-1]), weight)
         if bias is not None:
             out = out + bias.float()
         return out.reshape(*h.shape[:-1], weight.shape[0])
@@ -49,17 +52,26 @@ class _Fp32OutputLinear(torch.autograd.Function):
         return grad_h, grad_w, grad_b
 
 
-def fp32_head_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
-    """fp32-output logits of a plain linear head (an nn.Linear with its own forward, no hooks of its own,
-    a regular weight in h's dtype); None for any other head, which the caller runs as it is."""
+def _plain_head_weight(head: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
+    """The weight of a head that is a plain projection (an nn.Linear with its own forward, no hooks of its own, a
+    regular weight in h's dtype), whose logits this module computes itself; None for any other head."""
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
         return None  # a subclass or a patched forward (exact mode's) computes something else
     if head._forward_hooks or head._forward_pre_hooks:
         return None
-    weight, bias = head.weight, head.bias
-    if isinstance(weight, DTensor) or isinstance(bias, DTensor) or weight.dtype != h.dtype:
+    weight = head.weight
+    if isinstance(weight, DTensor) or weight.dtype != h.dtype:
         return None
-    return _Fp32OutputLinear.apply(h, weight, bias)
+    return weight
+
+
+def fp32_head_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
+    """fp32-output logits of a plain linear head (an nn.Linear with its own forward, no hooks of its own,
+    a regular weight in h's dtype); None for any other head, which the caller runs as it is."""
+    weight = _plain_head_weight(head, h)
+    if weight is None or isinstance(head.bias, DTensor):
+        return None
+    return _Fp32OutputLinear.apply(h, weight, head.bias)
 
 
 def head_logits(head: nn.Module, h: torch.Tensor, fp32: bool) -> torch.Tensor:
@@ -75,23 +87,10 @@ def head_logits(head: nn.Module, h: torch.Tensor, fp32: bool) -> torch.Tensor:
     return head(h).float()
 
 
-def _plain_head_weight(head: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
-    """The weight of a head that is a plain projection (an nn.Linear with its own forward, no hooks, no bias, a
-    regular weight in h's dtype), whose logits `head_logprobs` computes itself; None for any other head."""
-    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
-        return None
-    if head._forward_hooks or head._forward_pre_hooks or head.bias is not None:
-        return None
-    weight = head.weight
-    if isinstance(weight, DTensor) or weight.dtype != h.dtype:
-        return None
-    return weight
-
-
 def _chunk_head_logits(h: torch.Tensor, weight: torch.Tensor, fp32: bool, temperature: float) -> torch.Tensor:
     """One chunk's fp32 logits / temperature, as `head_logits` and the chunked path compute them."""
     if fp32 and h.dtype != torch.float32:
-        logits = torch.mm(h, weight.t(), out_dtype=torch.float32) if h.is_cuda else h.float() @ weight.float().t()
+        logits = _fp32_product(h, weight)
     else:
         logits = torch.nn.functional.linear(h, weight).float()
     return logits / temperature if temperature != 1.0 else logits
@@ -147,9 +146,9 @@ def head_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, tempe
                   chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(logprobs (N,) of `targets`, entropies (N,) or None) from hidden states h (N, H) through `head`, `chunk`
     tokens at a time in one autograd node, the logits computed as `head_logits` computes them; None for a head
-    that is not a plain projection (`_plain_head_weight`), which the caller runs chunk by chunk itself."""
+    that is not a plain projection without a bias (`_plain_head_weight`), which the caller runs chunk by chunk."""
     weight = _plain_head_weight(head, h)
-    if weight is None:
+    if weight is None or head.bias is not None:
         return None
     lp, ent = _ChunkedHeadLogprobs.apply(h, weight, targets, float(temperature), bool(fp32), int(chunk),
                                          bool(with_entropy))

@@ -83,7 +83,7 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
            "--gen-tokens", "8", "--grpo-steps", "1", "--grpo-prompts", "2", "--grpo-new-tokens", "8",
            "--max-tokens", "512", "--set", "optim.max_tokens_per_microbatch=256", "--set", "model.shared_prompts=off",
            "--empty-cache", "--workdir", str(tmp_path),
-           "--profile", str(tmp_path / "prof.txt")]
+           "--profile", str(tmp_path / "prof.txt"), "--phase-clock"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -109,6 +109,13 @@ def test_bench_runs_at_tiny_size_on_cpu(tmp_path):
     assert profile.startswith("profiled step:") and "aten::" in profile
     assert "x  backward\n" in profile.split("--- phases")[1]  # the update's phases, each with its host time
     assert 0 < result["profiled_block_s"] and "profiled_idle_s" not in result  # kernels' idle time: CUDA only
+    # --phase-clock: one more step's phases without a profiler, each micro-batch's language model and backward
+    clock, wall = result["phase_clock"], result["phase_clock_step_s"]
+    assert {"pack", "language model", "logprobs", "loss", "backward", "clip and optimizer step"} <= set(clock)
+    assert clock["language model"]["count"] == clock["backward"]["count"] == result["train_microbatches"]
+    assert all(row["device_s"] is None and row["host_s"] > 0 for row in clock.values())  # no device spans on CPU
+    assert clock["language model"]["host_s"] + clock["backward"]["host_s"] < wall
+    assert "phases of one step" in proc.stdout and "clip and optimizer step" in proc.stdout
 
 
 def test_current_table_reads_the_recipe_as_shipped():

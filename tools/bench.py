@@ -78,6 +78,9 @@ def _parse(argv):
     p.add_argument("--peak-tflops", type=float, default=None, help="default: 989 on CUDA, 0 (no MFU) on CPU")
     p.add_argument("--phases", default="train,engine,grpo", help="comma-separated subset of train,engine,grpo")
     p.add_argument("--json-out", default=None, help="also write the JSON object to this file")
+    p.add_argument("--phase-clock", action="store_true",
+                   help="time one extra training step's phases without a profiler (models.phases.PhaseClock: each "
+                        "phase's host seconds and device span), printed and kept as phase_clock")
     p.add_argument("--profile", default=None,
                    help="profile one extra training step with torch.profiler and write its op table to this file")
     p.add_argument("--empty-cache", action="store_true",
@@ -276,6 +279,7 @@ def bench_train(trainer, args) -> dict:
     retries = (_alloc_retries() - retries) / max(args.train_steps, 1)
     allocs = (_device_allocs() - allocs) / max(args.train_steps, 1)
     seconds = statistics.median(times)
+    clocked = _phase_clock(step, trainer.policy.device) if args.phase_clock else {}
     if args.profile:
         empty()
     prof = _profile(step, Path(args.profile)) if args.profile else None
@@ -301,9 +305,21 @@ def bench_train(trainer, args) -> dict:
         # the profiled step: its host waits for the GPU, and on CUDA its kernels' busy and idle seconds under the profiler
         **({"host_syncs": prof["host_syncs"]} if prof and prof["host_syncs"] is not None else {}),
         **({f"profiled_{k}": prof[k] for k in ("block_s", "busy_s", "idle_s") if k in prof} if prof else {}),
+        **clocked,  # --phase-clock: phase_clock ({phase: count, host_s, device_s}) and phase_clock_step_s
         # named as tools/loop_summary.py names the loop's: util_pct_mean_train, main_thread_cores_train, ...
         **{k.split("/", 1)[1]: v for k, v in readings.items() if k.startswith(("gpu/", "host/"))},
     }
+
+
+def _phase_clock(step, device) -> dict:
+    """One step with its phase ranges timed, no profiler (models.phases.PhaseClock); the table printed."""
+    from models.phases import PhaseClock, clock_table
+
+    with PhaseClock(device) as clock:
+        wall = _timed(step)[0]
+    totals = clock.totals()
+    print(clock_table(totals, wall), flush=True)
+    return {"phase_clock": totals, "phase_clock_step_s": wall}
 
 
 def _profile(step, out: Path) -> dict:

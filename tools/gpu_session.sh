@@ -14,7 +14,8 @@
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
 #   scale     3B-shaped GRPO steps on one GPU, then on two (NPROCS="1 2"; policy sharded, one engine per GPU)
 #   loop      train.py with the 3B recipe on one GPU (STEPS=8; LOOP_ARGS for overrides); tools/loop_summary.py
-#   profile   bench.py's update at the loop's shape under torch.profiler, and in-process vs standalone vLLM
+#   profile   bench.py's update at the loop's shape under torch.profiler (and one step's phases without it: --phase-clock),
+#             and in-process vs standalone vLLM
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
 #   families  vLLM vs policy logprobs on tiny models of the families in VLLM_UNVERIFIED (FAMS, default
 #             "idefics3 gemma3 llava"; then e.g. FAMS="qwen2_vl qwen3_vl qwen2_5_vl" in a second call;
@@ -119,9 +120,13 @@ standalone_vs_loop() {
 update_summary() {
   $PY -c "import json;d=json.load(open('$1'));print('step_s=%.3f mfu_llm=%.4f peak=%.1f attn=%s liger=%s busy=%s%% main_thread_cores=%.2f device_allocs=%.0f' % (d['train_step_s'], d['mfu_llm'], d['peak_mem_gb_train'], d['attn_implementation'], d['liger_kernel'], '%.0f' % d['util_pct_mean_train'] if 'util_pct_mean_train' in d else '-', d.get('main_thread_cores_train', float('nan')), d.get('device_allocs_per_step', float('nan'))) + ('' if 'profiled_idle_s' not in d else ' profiled: block %.2f s, kernels busy %.2f s, idle %.2f s' % (d['profiled_block_s'], d['profiled_busy_s'], d['profiled_idle_s'])))" 2>&1 | tail -1
 }
+# The phases of a bench.py --phase-clock step in one line (host s / device span s each): clock_summary FILE
+clock_summary() {
+  $PY -c "import json, sys; d = json.load(open(sys.argv[1])); c = d.get('phase_clock') or {}; print('  phases, host/device s (one step of %.3f s, no profiler): ' % d.get('phase_clock_step_s', 0) + '; '.join('%s %dx %.3f/%s' % (k, v['count'], v['host_s'], '-' if v['device_s'] is None else '%.3f' % v['device_s']) for k, v in c.items()))" "$1" 2>/dev/null
+}
 # The update alone (bench.py --phases train: 128 sequences x 256 tokens, 448x448 images, 3 timed steps) once per
 # set of overrides in SETS (";"-separated sets of space-separated config overrides, "-" for none; a word that
-# starts with -- is a bench.py flag, e.g. --empty-cache), the first set profiled unless UPDATE_PROFILE=0, one line each: update_sets PREFIX SETS TIMEOUT_S LABEL BENCH_ARGS... (files $OUT/PREFIXupdate_<n>.*)
+# starts with -- is a bench.py flag, e.g. --empty-cache), the first set profiled unless UPDATE_PROFILE=0, one line each and one of the phases without the profiler (--phase-clock): update_sets PREFIX SETS TIMEOUT_S LABEL BENCH_ARGS... (files $OUT/PREFIXupdate_<n>.*)
 update_sets() {
   local prefix=$1 sets=$2 limit=$3 label=$4 n=0 v kv args prof variants
   shift 4
@@ -131,8 +136,10 @@ update_sets() {
     args=""; [ "$v" != "-" ] && for kv in $v; do [[ $kv == --* ]] && args="$args $kv" || args="$args --set $kv"; done
     prof=""; [ $n = 0 ] && [ "${UPDATE_PROFILE:-1}" = 1 ] && prof="--profile $OUT/${prefix}profile.txt"
     timeout $limit $PY tools/bench.py --phases train --train-seqs 128 --group 8 --response-len 256 --image-size 448 \
-      --train-steps ${UPDATE_STEPS:-3} "$@" $args $prof --json-out "$OUT/${prefix}update_$n.json" > "$OUT/${prefix}update_$n.log" 2>&1
+      --train-steps ${UPDATE_STEPS:-3} --phase-clock "$@" $args $prof --json-out "$OUT/${prefix}update_$n.json" \
+      > "$OUT/${prefix}update_$n.log" 2>&1
     echo "$label [$v] rc=$? $(update_summary "$OUT/${prefix}update_$n.json")"
+    clock_summary "$OUT/${prefix}update_$n.json"
     n=$((n+1))
   done
 }
@@ -206,7 +213,7 @@ loop)
 profile)
   # The update alone at the loop's shape, profiled (op tables), and the engine in-process against a
   # standalone vLLM on the same requests (16 prompts x 8 responses x 256 new tokens).
-  timeout ${PROFILE_S:-540} $PY tools/bench.py --size 3b --phases ${PHASES:-train,engine} --train-seqs 128 --group 8 \
+  timeout ${PROFILE_S:-540} $PY tools/bench.py --size 3b --phases ${PHASES:-train,engine} --train-seqs 128 --group 8 --phase-clock \
     --response-len 256 --max-tokens 8192 --gen-prompts 16 --gen-tokens 256 --image-size 448 --train-steps 2 \
     --profile "$OUT/profile.txt" --json-out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "profile rc=$?"; grep -v "^INFO\|^WARNING\|^\[" "$OUT/bench.log" | tail -5

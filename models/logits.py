@@ -128,7 +128,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk):
             end = min(start + chunk, h.shape[0])
             g = grad_lp[start:end].unsqueeze(-1)
-            # d lp / d logits = onehot(target) - softmax, times the upstream gradient; then the division's
+            # d lp / d logits = (onehot(target) - softmax) · upstream gradient, / temperature for the logits' division
             p = _chunk_head_logits(h[start:end], weight, fp32, temperature)
             p.sub_(lse[start:end].unsqueeze(-1)).exp_().mul_(-g)
             p.scatter_add_(-1, targets[start:end].unsqueeze(-1), g)

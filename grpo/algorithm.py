@@ -22,6 +22,7 @@ float32.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -113,6 +114,11 @@ def _denominator(where: str, name: str, given: Count | None, local: torch.Tensor
     """
     if given is None:
         count = local.to(torch.float32)
+    elif isinstance(given, (int, float)) and not isinstance(given, bool):
+        # checked on the host and filled on the device: no copy from the host, no read back per micro-batch
+        if not math.isfinite(given) or given < 0:
+            raise ValueError(f"{where}: {name} must be a finite count >= 0, got {given!r}")
+        return torch.full((), max(float(given), 1.0), dtype=torch.float32, device=local.device)
     else:
         count = torch.as_tensor(given, dtype=torch.float32, device=local.device)
         if count.numel() != 1 or not torch.isfinite(count) or count < 0:

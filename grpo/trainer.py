@@ -606,16 +606,22 @@ class Trainer:
         """PPO epochs over the step's packed micro-batches; every per-token value stays on the device."""
         cfg, a = self.cfg, self.cfg.algorithm
         dev = self.policy.device
-        counts = torch.zeros(2, dtype=torch.float64, device=dev)  # scored tokens, sequences with any
-        for mb, f in step:
-            if mb.sample_indices:
-                w = f.get("token_weight")
-                if w is None:
-                    w = f["token_weight"] = torch.ones_like(f["engine_logprobs"])
-                counts += torch.stack(alg.valid_counts(w > 0, mb.target_seq, len(mb.sample_indices))).double()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(counts)
-        g_tokens, g_seqs = counts.tolist()
+        if any("token_weight" in f for mb, f in step if mb.sample_indices):  # weights the mismatch mask set
+            counts = torch.zeros(2, dtype=torch.float64, device=dev)  # scored tokens, sequences with any
+            for mb, f in step:
+                if mb.sample_indices:
+                    w = f.get("token_weight")
+                    if w is None:
+                        w = f["token_weight"] = torch.ones_like(f["engine_logprobs"])
+                    counts += torch.stack(alg.valid_counts(w > 0, mb.target_seq, len(mb.sample_indices))).double()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(counts)
+            g_tokens, g_seqs = counts.tolist()
+        else:  # every scored token weighs 1: counted from the host's loss masks, so the update waits on nothing
+            for mb, f in step:
+                if mb.sample_indices:
+                    f["token_weight"] = torch.ones_like(f["engine_logprobs"])
+            g_tokens, g_seqs = all_reduce_sum(list(step.scored_counts()), dev)
 
         correction = a.correction()
         clip = {"gspo": (a.gspo_clip_low, a.gspo_clip_high),
@@ -648,7 +654,7 @@ class Trainer:
                 kl_loss = alg.aggregate_loss(kl, mask, a.loss_agg, global_tokens=den["tokens"], global_seqs=den["seqs"],
                                              segments=seg, num_segments=nseg)
                 loss = loss + a.kl_coef * kl_loss
-                sums["loss/kl_sum"] = kl.detach()[mask].sum()
+                sums["loss/kl_sum"] = torch.where(mask, kl.detach(), 0.0).sum()  # no boolean index: no read back
             return loss, sums
 
         out = {}

@@ -132,13 +132,25 @@ class PackedStep:
                 f[name] = torch.cat([values[i].reshape(-1) for i in mb.sample_indices]).to(
                     self.device, torch.float32, non_blocking=True)
 
+    def scored_per_sample(self, mb: PackedMicrobatch) -> list[int]:
+        """Each of the micro-batch's samples' scored tokens, in its order, from the host's loss masks (the packer's
+        rule: a token is scored where its mask is set, the first token never): no read of the device."""
+        masks = self.batch["loss_mask"].items
+        return [int(masks[i][1:].bool().sum()) for i in mb.sample_indices]
+
     def set_per_sequence(self, name: str, values: torch.Tensor) -> None:
-        """A per-sample scalar (e.g. the advantage), broadcast to every scored token of its sequence."""
-        on_device = values.to(self.device, torch.float32)
+        """A per-sample scalar (e.g. the advantage), broadcast to every scored token of its sequence. Made on the
+        host and queued to the device (no blocking copy: the device's queue keeps running meanwhile)."""
+        host = values.detach().to("cpu", torch.float32)
         for mb, f in self:
             if mb.sample_indices:
-                index = torch.tensor(mb.sample_indices, device=self.device)
-                f[name] = on_device[index][mb.target_seq]
+                per_token = host[mb.sample_indices].repeat_interleave(torch.tensor(self.scored_per_sample(mb)))
+                f[name] = per_token.to(self.device, non_blocking=True)
+
+    def scored_counts(self) -> tuple[float, float]:
+        """(scored tokens, sequences with any) of this rank's samples, from the host's loss masks."""
+        per_sample = [n for mb in self.microbatches for n in self.scored_per_sample(mb)]
+        return float(sum(per_sample)), float(sum(n > 0 for n in per_sample))
 
     def per_sample(self, name: str) -> list[torch.Tensor]:
         """A packed field back as one CPU tensor per sample, in batch order (for reports and tests)."""
@@ -154,7 +166,7 @@ class PackedStep:
         out = torch.zeros(len(self.batch), device=self.device)
         for mb, f in self:
             if mb.sample_indices and name in f:
-                index = torch.tensor(mb.sample_indices, device=self.device)
+                index = torch.tensor(mb.sample_indices).to(self.device, non_blocking=True)
                 out.index_add_(0, index[mb.target_seq], f[name].float())
         return out
 

@@ -463,3 +463,53 @@ if __name__ == "__main__":
     import sys
 
     main(sys.argv[1:])
+
+
+def test_the_recipes_update_reads_the_device_back_once(tiny_model, clevr_parquet, tmp_path, monkeypatch):
+    """The recipe's path from the advantages into the update (one epoch, the old logprobs from the update's own
+    forward, no mismatch mask, a reference model's KL in the loss): the advantages and the token counts are made
+    on the host and queued, and the loss's sums stay on the device, so the whole update reads the device back
+    once, in the optimizer step; nothing makes the update's first forward wait for the reference pass."""
+    from grpo.config import load_config
+    from grpo.trainer import Trainer
+    from grpo.update import PackedStep
+    from models.parallel import init_distributed
+
+    init_distributed()
+    trainer = Trainer(load_config("configs/clevr_qwen2_5_vl_3b.yaml", [  # its algorithm, the tiny model, on the CPU
+        f"model.path={tiny_model}", f"data.train_path={clevr_parquet}", "data.eval_path=", "rollout.engine=torch",
+        "rollout.n=2", "data.prompts_per_step=2", "data.min_pixels=3136", "data.max_pixels=3136",
+        f"trainer.run_dir={tmp_path / 'run'}", "logging.tensorboard=false", "checkpoint.resume=never",
+        "optim.max_tokens_per_microbatch=96", "model.vision_once=on", "model.attn_implementation=varlen"]))
+    assert trainer._old_logprobs_from_update() and trainer.ref is not None  # algorithm.kl_coef's reference
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(0, 500, (n,), generator=g) for n in (5, 9, 7, 3)]
+    batch = trainer._sequence_batch(trainer.feeder.next(2), responses, [0, 0, 1, 1])
+    counter = HostSyncs()
+    anchor = torch.zeros(1)
+    counter.on_device(anchor)
+    with counter:
+        device = anchor.device  # a device object the counter takes for the GPU's
+    step = PackedStep(batch, 96, device)
+    assert len(step.microbatches) > 1
+    step.microbatches = [moved(mb, device) for mb in step.microbatches]
+    step.set_per_token("engine_logprobs", [-torch.rand(r.numel(), generator=g) * 8 for r in responses])
+    for mb, f in step:
+        if mb.sample_indices:
+            f["ref_logprobs"] = f["engine_logprobs"] - 0.01
+    policy = trainer.policy
+    counter.on_device(*policy.model.parameters(), *policy.model.buffers(), policy._dummy_vision,
+                      *(getattr(mb, f.name) for mb in step.microbatches for f in dataclasses.fields(mb)),
+                      *(v for _, f in step for v in f.values()))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    with cuda_path(monkeypatch, counter), counter:
+        step.set_per_sequence("advantages", advantages)
+        out = trainer._ppo_update(step, old_from_update=True)
+    assert [c.split(" at ")[0] for c in counter.calls] == ["tolist"], counter.calls
+    assert "update.py" in counter.calls[0]  # optimizer_step's one read of the loss, norm and sums
+    assert out["loss/grad_norm"] > 0 and out["loss/kl"] != 0
+    # the per-token advantages are the per-sample ones broadcast over each sample's scored tokens
+    for i, values in enumerate(step.per_sample("advantages")):
+        assert values.numel() == int(batch["loss_mask"].items[i][1:].sum()) > 0
+        assert torch.equal(values, torch.full_like(values, float(advantages[i])))
+    assert step.scored_counts() == (float(sum(r.numel() for r in responses)), 4.0)

@@ -465,11 +465,18 @@ if __name__ == "__main__":
     main(sys.argv[1:])
 
 
-def test_the_recipes_update_reads_the_device_back_once(tiny_model, clevr_parquet, tmp_path, monkeypatch):
+@pytest.mark.parametrize("overrides", [[], ["algorithm.policy_loss=gspo"], ["algorithm.policy_loss=cispo"],
+                                       ["algorithm.policy_loss=sapo"], ["algorithm.loss_agg=seq-mean-token-sum"],
+                                       ["algorithm.loss_agg=seq-mean-token-mean"],
+                                       ["algorithm.rollout_correction=icepop"], ["algorithm.rollout_correction=mis"],
+                                       ["algorithm.rollout_correction=seq_mask_tis"]],
+                         ids=lambda o: o[0].split("=")[1] if o else "recipe")
+def test_the_recipes_update_reads_the_device_back_once(tiny_model, clevr_parquet, tmp_path, monkeypatch, overrides):
     """The recipe's path from the advantages into the update (one epoch, the old logprobs from the update's own
     forward, no mismatch mask, a reference model's KL in the loss): the advantages and the token counts are made
     on the host and queued, and the loss's sums stay on the device, so the whole update reads the device back
-    once, in the optimizer step; nothing makes the update's first forward wait for the reference pass."""
+    once, in the optimizer step; nothing makes the update's first forward wait for the reference pass. The same
+    for the other policy losses, loss aggregations and rollout corrections."""
     from grpo.config import load_config
     from grpo.trainer import Trainer
     from grpo.update import PackedStep
@@ -480,7 +487,8 @@ def test_the_recipes_update_reads_the_device_back_once(tiny_model, clevr_parquet
         f"model.path={tiny_model}", f"data.train_path={clevr_parquet}", "data.eval_path=", "rollout.engine=torch",
         "rollout.n=2", "data.prompts_per_step=2", "data.min_pixels=3136", "data.max_pixels=3136",
         f"trainer.run_dir={tmp_path / 'run'}", "logging.tensorboard=false", "checkpoint.resume=never",
-        "optim.max_tokens_per_microbatch=96", "model.vision_once=on", "model.attn_implementation=varlen"]))
+        "optim.max_tokens_per_microbatch=96", "model.vision_once=on", "model.attn_implementation=varlen",
+        *overrides]))
     assert trainer._old_logprobs_from_update() and trainer.ref is not None  # algorithm.kl_coef's reference
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(0, 500, (n,), generator=g) for n in (5, 9, 7, 3)]

@@ -472,14 +472,14 @@ if __name__ == "__main__":
                                        ["algorithm.rollout_correction=seq_mask_tis"]],
                          ids=lambda o: o[0].split("=")[1] if o else "recipe")
 def test_the_recipes_update_reads_the_device_back_once(tiny_model, clevr_parquet, tmp_path, monkeypatch, overrides):
-    """The recipe's path from the advantages into the update (one epoch, the old logprobs from the update's own
-    forward, no mismatch mask, a reference model's KL in the loss): the advantages and the token counts are made
-    on the host and queued, and the loss's sums stay on the device, so the whole update reads the device back
-    once, in the optimizer step; nothing makes the update's first forward wait for the reference pass. The same
+    """The recipe's path from the reference pass through the update (one epoch, the old logprobs from the update's
+    own forward, no mismatch mask, a reference model's KL in the loss): the advantages and the token counts are
+    made on the host and queued, and the loss's sums stay on the device, so the device is read back once, in the
+    optimizer step; nothing makes the update's first forward wait for the reference pass. The same
     for the other policy losses, loss aggregations and rollout corrections."""
     from grpo.config import load_config
     from grpo.trainer import Trainer
-    from grpo.update import PackedStep
+    from grpo.update import PackedStep, packed_logprobs
     from models.parallel import init_distributed
 
     init_distributed()
@@ -502,20 +502,21 @@ def test_the_recipes_update_reads_the_device_back_once(tiny_model, clevr_parquet
     assert len(step.microbatches) > 1
     step.microbatches = [moved(mb, device) for mb in step.microbatches]
     step.set_per_token("engine_logprobs", [-torch.rand(r.numel(), generator=g) * 8 for r in responses])
-    for mb, f in step:
-        if mb.sample_indices:
-            f["ref_logprobs"] = f["engine_logprobs"] - 0.01
-    policy = trainer.policy
-    counter.on_device(*policy.model.parameters(), *policy.model.buffers(), policy._dummy_vision,
-                      *(getattr(mb, f.name) for mb in step.microbatches for f in dataclasses.fields(mb)),
+    for policy in (trainer.policy, trainer.ref):
+        counter.on_device(*policy.model.parameters(), *policy.model.buffers())
+    counter.on_device(*(getattr(mb, f.name) for mb in step.microbatches for f in dataclasses.fields(mb)),
                       *(v for _, f in step for v in f.values()))
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    with cuda_path(monkeypatch, counter), counter:
+    with cuda_path(monkeypatch, counter), counter:  # the reference pass, the advantages, the update
+        packed_logprobs(trainer.ref, step, "ref_logprobs", 1.0)
         step.set_per_sequence("advantages", advantages)
         out = trainer._ppo_update(step, old_from_update=True)
     assert [c.split(" at ")[0] for c in counter.calls] == ["tolist"], counter.calls
     assert "update.py" in counter.calls[0]  # optimizer_step's one read of the loss, norm and sums
-    assert out["loss/grad_norm"] > 0 and out["loss/kl"] != 0
+    assert out["loss/kl"] == 0.0  # the reference is the policy before this update
+    # something was learned (seq_mask_tis may mask every sequence against these made-up engine logprobs)
+    assert out["loss/grad_norm"] > 0 or overrides == ["algorithm.rollout_correction=seq_mask_tis"]
+    assert all(torch.isfinite(v).all() and v.numel() for v in step.per_sample("ref_logprobs"))
     # the per-token advantages are the per-sample ones broadcast over each sample's scored tokens
     for i, values in enumerate(step.per_sample("advantages")):
         assert values.numel() == int(batch["loss_mask"].items[i][1:].sum()) > 0

@@ -163,8 +163,8 @@ class Trainer:
                 kernels += "; FlashAttention's varlen kernels called directly (model.flash_direct)"
             if self.policy.liger_kernel and not cfg.model.liger_mlp:
                 kernels += "; the gated MLPs the family's own (model.liger_mlp=false)"
-            print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} (model.liger_kernel={asked['liger_kernel']})"
-                  + kernels, flush=True)
+            print(f"liger kernels: {'on' if self.policy.liger_kernel else 'off'} "
+                  f"(model.liger_kernel={asked['liger_kernel']})" + kernels, flush=True)
 
     # --- construction ------------------------------------------------------------------------
     def _feeder(self, path: str, shuffle: bool | None = None) -> PromptFeeder:
@@ -606,21 +606,19 @@ class Trainer:
         """PPO epochs over the step's packed micro-batches; every per-token value stays on the device."""
         cfg, a = self.cfg, self.cfg.algorithm
         dev = self.policy.device
-        if any("token_weight" in f for mb, f in step if mb.sample_indices):  # weights the mismatch mask set
+        rows = [(mb, f) for mb, f in step if mb.sample_indices]
+        masked = any("token_weight" in f for _, f in rows)  # weights the mismatch mask set (_fidelity)
+        for _, f in rows:
+            f.setdefault("token_weight", torch.ones_like(f["engine_logprobs"]))
+        if masked:  # the weighted tokens counted on the device
             counts = torch.zeros(2, dtype=torch.float64, device=dev)  # scored tokens, sequences with any
-            for mb, f in step:
-                if mb.sample_indices:
-                    w = f.get("token_weight")
-                    if w is None:
-                        w = f["token_weight"] = torch.ones_like(f["engine_logprobs"])
-                    counts += torch.stack(alg.valid_counts(w > 0, mb.target_seq, len(mb.sample_indices))).double()
+            for mb, f in rows:
+                counts += torch.stack(alg.valid_counts(f["token_weight"] > 0, mb.target_seq,
+                                                       len(mb.sample_indices))).double()
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(counts)
             g_tokens, g_seqs = counts.tolist()
         else:  # every scored token weighs 1: counted from the host's loss masks, so the update waits on nothing
-            for mb, f in step:
-                if mb.sample_indices:
-                    f["token_weight"] = torch.ones_like(f["engine_logprobs"])
             g_tokens, g_seqs = all_reduce_sum(list(step.scored_counts()), dev)
 
         correction = a.correction()

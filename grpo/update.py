@@ -8,6 +8,7 @@ before the optimizer steps; a non-finite step is skipped and counted.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -132,11 +133,11 @@ class PackedStep:
                 f[name] = torch.cat([values[i].reshape(-1) for i in mb.sample_indices]).to(
                     self.device, torch.float32, non_blocking=True)
 
-    def scored_per_sample(self, mb: PackedMicrobatch) -> list[int]:
-        """Each of the micro-batch's samples' scored tokens, in its order, from the host's loss masks (the packer's
-        rule: a token is scored where its mask is set, the first token never): no read of the device."""
-        masks = self.batch["loss_mask"].items
-        return [int(masks[i][1:].bool().sum()) for i in mb.sample_indices]
+    @functools.cached_property
+    def scored(self) -> list[int]:
+        """Each sample's scored tokens, in batch order, from the host's loss masks (the packer's rule: a token is
+        scored where its mask is set, the first token never): no read of the device."""
+        return [int(m[1:].bool().sum()) for m in self.batch["loss_mask"].items]
 
     def set_per_sequence(self, name: str, values: torch.Tensor) -> None:
         """A per-sample scalar (e.g. the advantage), broadcast to every scored token of its sequence. Made on the
@@ -144,12 +145,13 @@ class PackedStep:
         host = values.detach().to("cpu", torch.float32)
         for mb, f in self:
             if mb.sample_indices:
-                per_token = host[mb.sample_indices].repeat_interleave(torch.tensor(self.scored_per_sample(mb)))
+                per_token = host[mb.sample_indices].repeat_interleave(
+                    torch.tensor([self.scored[i] for i in mb.sample_indices]))
                 f[name] = per_token.to(self.device, non_blocking=True)
 
     def scored_counts(self) -> tuple[float, float]:
         """(scored tokens, sequences with any) of this rank's samples, from the host's loss masks."""
-        per_sample = [n for mb in self.microbatches for n in self.scored_per_sample(mb)]
+        per_sample = [self.scored[i] for mb in self.microbatches for i in mb.sample_indices]
         return float(sum(per_sample)), float(sum(n > 0 for n in per_sample))
 
     def per_sample(self, name: str) -> list[torch.Tensor]:

@@ -87,6 +87,11 @@ def head_logits(head: nn.Module, h: torch.Tensor, fp32: bool) -> torch.Tensor:
     return head(h).float()
 
 
+def entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The entropy of softmax(logits) per row, given the rows' log-normalizers `lse`."""
+    return lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
 def _chunk_head_logits(h: torch.Tensor, weight: torch.Tensor, fp32: bool, temperature: float) -> torch.Tensor:
     """One chunk's fp32 logits / temperature, as `head_logits` and the chunked path compute them."""
     if fp32 and h.dtype != torch.float32:
@@ -109,7 +114,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             lps.append(logits.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1) - lse)
             lses.append(lse)
             if with_entropy:
-                ents.append(lse - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+                ents.append(entropy(logits, lse))
         lp = torch.cat(lps)
         ent = torch.cat(ents) if with_entropy else lp.new_zeros(0)
         ctx.save_for_backward(h, weight, targets, torch.cat(lses))

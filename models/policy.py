@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.attention import image_grid, packed_row, set_direct_flash
 from models.family import FamilyAdapter, QwenVLAdapter, build_adapter
-from models.logits import head_logits, head_logprobs
+from models.logits import entropy, head_logits, head_logprobs
 from models.lora import (
     adapters_detached, apply_lora, init_lora_weights, is_adapter_name, lora_module_names, lora_modules, merged_weight,
 )
@@ -609,7 +609,7 @@ def _chunk_logprobs(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, tem
     ent = None
     if with_entropy:
         with torch.no_grad():
-            ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+            ent = entropy(logits, lse)
     return lp, ent
 
 

@@ -8,6 +8,7 @@ GRPO step, colocated and time-sliced on every rank (rollout/colocation.py owns t
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from contextlib import nullcontext
@@ -58,6 +59,17 @@ OBJECTIVE_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
 # The phases a GRPO step's time splits into (perf/other_s is what none of them covers). Generation
 # includes waking and putting the engine to sleep (perf/wake_s, perf/sleep_s, perf/offload_s).
 STEP_PHASES = ("perf/gen_s", "perf/logprob_s", "perf/score_s", "perf/train_s", "perf/refit_s")
+
+
+def freeze_survivors() -> int:
+    """One collection, then every object still alive moved out of Python's cyclic garbage collector's reach
+    (`gc.freeze`), so that later collections walk only the objects made after: the model's modules and tensors,
+    the engine's and the libraries' objects are never walked again. Objects frozen here are still freed when
+    their last reference goes; only a cycle among them that later becomes garbage stays until `gc.unfreeze`.
+    Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _seconds(times: dict) -> str:
@@ -318,10 +330,13 @@ class Trainer:
     def train(self) -> dict:
         """Run steps until trainer.max_steps, or until a SIGTERM/SIGINT (then checkpoint and return)."""
         guard = PreemptionGuard(current_step=lambda: self.step)
+        frozen_before = gc.get_freeze_count()
         try:
             with self.telemetry or nullcontext():  # GPU readings on a thread, stopped however the loop ends
                 return self._train(guard)
         finally:
+            if gc.get_freeze_count() > frozen_before:  # trainer.gc_freeze: the collector walks everything again
+                gc.unfreeze()
             guard.close()
             self.feeder.drop_prefetch()  # a stop before trainer.max_steps leaves the next step's prefetch
 
@@ -330,6 +345,7 @@ class Trainer:
         per_rank = cfg.data.prompts_per_step // self.dims.dp  # divisibility checked by preflight
         last = {}
         saved_at = -1
+        froze = False
         while self.step < cfg.trainer.max_steps:
             self.step += 1
             t0 = time.monotonic()
@@ -361,6 +377,12 @@ class Trainer:
                 metrics.update(self.evaluate())
             self.logger.log(self.step, metrics)
             last = metrics
+            if cfg.trainer.gc_freeze and not froze:  # after the first step: its start-up and warm-up objects stay
+                froze = True
+                frozen = freeze_survivors()
+                if self.dims.is_main:
+                    print(f"garbage collector: {frozen} objects alive after the first step frozen "
+                          "(trainer.gc_freeze)", flush=True)
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save()
                 saved_at = self.step

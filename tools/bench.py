@@ -225,6 +225,7 @@ def bench_train(trainer, args) -> dict:
     """SFT-shaped steps over packed prompt+response sequences: the cost of a PPO update."""
     from contextlib import nullcontext
 
+    from grpo.trainer import freeze_survivors
     from grpo.update import PackedStep, optimizer_step
     from rollout.telemetry import host_clock, phase
 
@@ -261,6 +262,8 @@ def bench_train(trainer, args) -> dict:
             return _timed(step)[0]
 
     step()  # warm-up: optimizer state, allocator, kernels
+    if trainer.cfg.trainer.gc_freeze:  # what the loop does after its first step
+        freeze_survivors()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     retries, allocs = _alloc_retries(), _device_allocs()

@@ -232,6 +232,19 @@ class _Hold:
             self.held = hold
 
 
+def _kept_tower(policy: Policy, vision) -> torch.nn.Module | None:
+    """With one data-parallel rank, the FSDP unit of a tower that the pass's `vision` (model.vision_once) trains:
+    kept gathered from its features' forward before the micro-batches to its own backward after them. A unit
+    reshards at the end of every backward it takes part in or is gathered for, so the last micro-batch's backward
+    would free the tower's compute copy and the tower's backward would make it again (a cast and a copy of each
+    of its parameters). None where the tower runs per micro-batch, is frozen, or reshards after its forward
+    anyway (more than one rank)."""
+    if vision is None or not vision.trains or policy.dims.dp != 1:
+        return None
+    tower = policy.adapter.vision_tower(policy.model)
+    return tower if hasattr(tower, "set_reshard_after_backward") else None
+
+
 def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Batch | PackedStep", loss_fn: LossFn, *,
                    max_tokens: int, grad_clip: float, temperature: float = 1.0, denominators: dict,
                    unsharded_accumulation: bool = False) -> dict:
@@ -260,10 +273,13 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     held = _Hold(policy.model)
     last = len(step.microbatches) - 1
     with pass_vision(policy, step) as vision:
+        tower = _kept_tower(policy, vision)
         try:
             for i, (mb, fields) in enumerate(step):
                 if hold:
                     held(i < last)
+                if tower is not None:  # after the hold, which sets every unit; one unit, no walk
+                    tower.set_reshard_after_backward(False, recurse=False)
                 mb.fields = fields
                 if mb.sample_indices:
                     lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
@@ -285,6 +301,8 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
         finally:
             if hold:
                 held(False)
+            if tower is not None:  # its own backward reduces its gradients and reshards it
+                tower.set_reshard_after_backward(True, recurse=False)
         if vision is not None:  # a trained tower's backward, once, from its features' summed gradients
             with phase_range("vision tower backward"):
                 vision.backward()

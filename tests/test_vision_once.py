@@ -252,3 +252,64 @@ def test_cuda_switches_settle(tiny_model, key):
     assert [cuda_switch(s, d) for s, d in (("auto", "cuda"), ("auto", "cpu"), ("true", "cpu"), (True, "cpu"),
                                                ("false", "cuda"), (False, "cuda"))] == [True, False, True, True,
                                                                                       False, False]
+
+
+def _tower_gathers(policy) -> list[int]:
+    """Each time the tower's FSDP unit makes its compute copy (sharded → unsharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tower = policy.adapter.vision_tower(policy.model)
+    assert isinstance(tower, FSDPModule)
+    group = tower._get_fsdp_state()._fsdp_param_group
+    made: list[int] = []
+    inner = group._to_unsharded
+
+    def to_unsharded():
+        made.append(int(not group.is_unsharded))
+        return inner()
+
+    group._to_unsharded = to_unsharded
+    return made
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_trained_tower_is_gathered_once_a_step(tiny_model, batch, monkeypatch, hold):
+    """One rank: the tower's compute copy is made for its features' forward and kept through the micro-batches to
+    its own backward, then freed; two optimizer steps give the weights that making it again for the backward
+    gives (a stale copy would not: the second step's forward must see the first step's update)."""
+    import grpo.update as update
+    from grpo.config import OptimConfig
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy
+
+    def run(keep: bool):
+        torch.manual_seed(0)
+        policy = build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on"),
+                              build_parallel_dims())
+        optimizer = update.build_optimizer(policy, OptimConfig(lr=1e-2))
+        made = _tower_gathers(policy)
+        if not keep:
+            monkeypatch.setattr(update, "_kept_tower", lambda policy, vision: None)
+        counts = []
+        for _ in range(2):
+            step = PackedStep(batch, 160, policy.device, True)
+            assert sum(mb.pixel_values is not None for mb in step.microbatches) > 1  # several micro-batches
+            made.clear()
+            out = optimizer_step(policy, optimizer, step, lambda lp, mb, den: (lp.sum() / 100, {}), max_tokens=160,
+                                 grad_clip=0.0, denominators={}, unsharded_accumulation=hold)
+            assert out["loss/grad_norm"] > 0
+            counts.append(sum(made))
+            group = policy.adapter.vision_tower(policy.model)._get_fsdp_state()._fsdp_param_group
+            assert group.is_sharded  # freed when the step ends, as before
+        monkeypatch.undo()
+        weights = {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                   for n, p in policy.model.named_parameters()}
+        return counts, weights
+
+    kept, weights_kept = run(True)
+    again, weights_again = run(False)
+    assert kept == [1, 1] and again == [2, 2]
+    tower = [n for n in weights_kept if ".visual." in f".{n}"]
+    assert tower and weights_kept.keys() == weights_again.keys()
+    for name, w in weights_again.items():
+        torch.testing.assert_close(weights_kept[name], w, rtol=0, atol=0, msg=name)

@@ -511,7 +511,7 @@ class Trainer:
         with self._profiling("logprob and update passes"):
             with peak.training("logprob"):
                 with timed(timings, "perf/logprob_s"):
-                    step = self._experience(episodes, old_logprobs=not reuse)
+                    step = self._experience(episodes, old_logprobs=not reuse, timings=timings)
                 with timed(timings, "perf/score_s"):
                     rewards = self._advantages(step, episodes, rewards_info)
                     if not reuse:  # the mismatch mask needs the old logprobs before the update
@@ -524,19 +524,23 @@ class Trainer:
 
         with timed(timings, "perf/refit_s"):
             self.refit()
+        timings.update(self.colocation.refit_timings)  # perf/refit_cache_s, refit_gather_s, refit_engine_s
         self.colocation.peak.sample()  # the engine's weights are back on the device
         return {**self._rollout_metrics(episodes, rewards_info, rewards), **fidelity, **train, **timings,
                 **gen_detail, **self._throughput(step, timings)}
 
-    def _experience(self, episodes: list[Episode], old_logprobs: bool) -> PackedStep:
+    def _experience(self, episodes: list[Episode], old_logprobs: bool, timings: dict | None = None) -> PackedStep:
         """The step's episodes packed once onto the device, with engine, reference and (when the
         update cannot supply them: `old_logprobs`) old logprobs as packed per-token fields. Only
-        model tokens are scored: prompt and tool tokens are context."""
+        model tokens are scored: prompt and tool tokens are context. `timings` gets `perf/logprob_pack_s`, the
+        host's work before the first pass (the sequences, their positions, the packed rows and their copies to
+        the device), during which the device has nothing queued."""
         cfg = self.cfg
-        batch = episode_batch(episodes, self.adapter)
-        step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device,
-                          self.policy.shared_prompts)
-        step.set_per_token("engine_logprobs", [torch.tensor(e.logprobs, dtype=torch.float32) for e in episodes])
+        with timed(timings if timings is not None else {}, "perf/logprob_pack_s"):
+            batch = episode_batch(episodes, self.adapter)
+            step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device,
+                              self.policy.shared_prompts)
+            step.set_per_token("engine_logprobs", [torch.tensor(e.logprobs, dtype=torch.float32) for e in episodes])
         if old_logprobs:
             packed_logprobs(self.policy, step, "old_logprobs", cfg.rollout.temperature)
         if self.ref is not None:

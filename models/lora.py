@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from models.parallel import full_value
+
 # Linear layers of a decoder block across the supported families (GLM-4V fuses gate and up).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
 INIT_SEED = 0  # adapters start from one fixed draw: a run is reproducible whatever trainer.seed says
@@ -170,13 +172,9 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             module.adapters_on = True
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def merged_weight(module: LoraLinear) -> torch.Tensor:
     """W + (alpha / rank) · B · A as a full fp32 tensor (a collective when the parameters are sharded)."""
-    w, a, b = (_full(t).detach().float() for t in (module.weight, module.lora_A, module.lora_B))
+    w, a, b = (full_value(t).detach().float() for t in (module.weight, module.lora_A, module.lora_B))
     return w + module.scaling * (b @ a)
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def _free_port() -> int:
@@ -189,6 +190,18 @@ def apply_compile(layers) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective over its mesh); a plain tensor as it is. On a mesh of one device the
+    local tensor is the whole value, whatever the placement, and is returned as it is (a view, not a copy):
+    DTensor's gather costs ~0.1 ms of host time a tensor there (85 ms for the 825 tensors of a 3B-depth model on
+    a CPU core, against 10 ms) and copies every tensor first."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.device_mesh.size() == 1:
+        return t.to_local()
+    return t.full_tensor()
 
 
 def apply_parallelism(

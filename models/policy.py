@@ -34,7 +34,7 @@ from models.lora import (
 )
 from models.moe import apply_routing_replay, load_balancing_loss, routes_as
 from models.packing import PackedMicrobatch
-from models.parallel import ParallelDims, apply_parallelism
+from models.parallel import ParallelDims, apply_parallelism, full_value
 from models.phases import phase_range
 
 log = logging.getLogger("vlrl")
@@ -577,7 +577,7 @@ class Policy:
             if owner in adapted:
                 full = merged_weight(adapted[owner]).to(tensor.dtype)
             else:
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                full = full_value(tensor)
             yield name, (full.to(dtype) if dtype is not None else full).detach()
 
     def export_hf(self, out: str | Path, dtype: torch.dtype | None = None) -> Path | None:

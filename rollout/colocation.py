@@ -547,6 +547,7 @@ class Colocation:
         self.policy_version = 0  # optimizer updates applied to the policy in this process
         self.engine_version = -1  # the policy version whose weights the engine holds
         self.timings: dict[str, float] = {}
+        self.refit_timings: dict[str, float] = {}  # the last refit's parts (`refit`)
         self._gpu = policy.device.type == "cuda"
         self.peak = DevicePeak(policy.device)
 
@@ -631,7 +632,10 @@ class Colocation:
         self.policy_version += steps
 
     def refit(self) -> float:
-        """Stream the policy's full weights into the engine (in the engine's dtype); returns seconds."""
+        """Stream the policy's full weights into the engine (in the engine's dtype); returns seconds. Where they
+        went, in `refit_timings`: `perf/refit_cache_s` (torch's cache emptied first), `perf/refit_gather_s` (the
+        policy's side: its state dict, each tensor's whole value and cast, pulled by the engine one at a time)
+        and `perf/refit_engine_s` (the rest: the engine waking its weights and loading each tensor)."""
         t0 = time.monotonic()
         if self.engine is None:
             return 0.0
@@ -639,6 +643,25 @@ class Colocation:
             # A sleeping engine maps its weights back for refit: what training cached must go back
             # first (a 3B policy on one H200 ran out of memory there without this).
             torch.cuda.empty_cache()
-        self.engine.refit(self.policy.full_state_dict(self.engine.dtype))
+        cache_s = time.monotonic() - t0
+        gather = [0.0]
+        self.engine.refit(_clocked(self.policy.full_state_dict(self.engine.dtype), gather))
         self.engine_version = self.policy_version
-        return time.monotonic() - t0
+        total = time.monotonic() - t0
+        self.refit_timings = {"perf/refit_cache_s": cache_s, "perf/refit_gather_s": gather[0],
+                              "perf/refit_engine_s": total - cache_s - gather[0]}
+        return total
+
+
+def _clocked(items: Iterator, seconds: list[float]) -> Iterator:
+    """`items` as they come, adding to seconds[0] the time spent making each (the producer's side of a stream)."""
+    it = iter(items)
+    while True:
+        t = time.monotonic()
+        try:
+            item = next(it)
+        except StopIteration:
+            seconds[0] += time.monotonic() - t
+            return
+        seconds[0] += time.monotonic() - t
+        yield item

@@ -445,3 +445,28 @@ def test_generation_reports_the_engine_s_allocator_counts(monkeypatch):
     assert m["memory/device_frees_generation"] == 2.0 and m["memory/alloc_retries_update"] == 1.0
     peak.begin()
     assert "memory/device_allocs_generation" not in peak.phase_metrics()  # the next step starts afresh
+
+
+def test_a_refit_says_where_its_time_went(monkeypatch):
+    """The policy's side of the stream (making each tensor) and the engine's (taking it) are told apart."""
+    import rollout.colocation as colocation
+
+    clock = [0.0]
+    monkeypatch.setattr(colocation.time, "monotonic", lambda: clock[0])
+
+    class Slow(_FakePolicy):
+        def full_state_dict(self, dtype=None):
+            for name in ("a", "b", "c"):
+                clock[0] += 0.5  # gathering and casting one tensor
+                yield name, torch.zeros(2)
+
+    class Loading(_FakeEngine):
+        def refit(self, named):
+            for _ in named:
+                clock[0] += 0.25  # loading one tensor
+            clock[0] += 1.0  # waking, checking
+
+    colo = Colocation(Slow(), None, build_engine=lambda share: Loading(), needs=None)
+    colo.ensure_engine()
+    assert colo.refit() == 3.25
+    assert colo.refit_timings == {"perf/refit_cache_s": 0.0, "perf/refit_gather_s": 1.5, "perf/refit_engine_s": 1.75}

@@ -139,7 +139,8 @@ def summarize(rows: list[dict], from_step: int = 3, skip: int = 0) -> dict:
     out = {"steps": [r["step"] for r in steady], "loop_step_s": step,
            "loop_step_s_min": min(r["perf/step_s"] for r in steady),
            "loop_step_s_max": max(r["perf/step_s"] for r in steady)}
-    for k in ("gen_s", "logprob_s", "score_s", "train_s", "refit_s", "wake_s", "sleep_s", "offload_s", "other_s"):
+    for k in ("gen_s", "logprob_s", "score_s", "train_s", "refit_s", "wake_s", "sleep_s", "offload_s", "other_s",
+              "refit_cache_s", "refit_gather_s", "refit_engine_s", "logprob_pack_s"):
         out[k] = mean(f"perf/{k}")
     out.update(
         mfu_llm=mean("perf/mfu_llm"), gen_tokens_per_s=mean("perf/gen_tokens_per_s"),

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from data.batch import Batch
 from models.packing import (
@@ -308,9 +309,7 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
                 vision.backward()
     with phase_range("clip and optimizer step"):
         params = [p for p in policy.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_gradients(params, grad_clip if grad_clip > 0 else float("inf"))
         # the loss, the norm and the metric sums in one read back, queued behind the clip's kernels
         keys = list(sums)
         loss_total, grad_norm, *values = read_floats(
@@ -323,6 +322,51 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
         optimizer.zero_grad(set_to_none=True)
     return {"loss/total": loss_global, "loss/grad_norm": grad_norm, "loss/skipped_nonfinite": 0.0 if finite else 1.0,
             **sums}
+
+
+def local_tensors(tensors: list) -> list | None:
+    """The local tensors of `tensors` where each is a plain tensor or a DTensor on a mesh of one device (one rank,
+    no tensor parallelism: its local tensor is its whole value), else None. Taken without autograd, which would
+    wrap each in a tracked view."""
+    meshes = {id(m): m for m in (t.device_mesh for t in tensors if isinstance(t, DTensor))}  # one or two meshes
+    if not all(m.size() == 1 for m in meshes.values()):
+        return None
+    with torch.no_grad():
+        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_`: the 2-norm over every gradient, each gradient scaled in place by
+    min(1, max_norm / (norm + 1e-6)); returns the norm as a plain tensor. Where every gradient is on one device,
+    the same computation runs on their local tensors, without DTensor's dispatch of the lists through each op."""
+    grads = local_tensors([p.grad for p in params]) if params else None
+    if grads is None:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        torch._foreach_mul_(same, scale.to(same[0].device))
+    return norm
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, whose update runs on the local tensors of parameters that live on one device (one rank, no
+    tensor parallelism: their local tensor is the whole parameter): the same kernels, fused on CUDA, and bitwise
+    the same numbers, without DTensor's dispatch of the parameters, gradients and moments through each op. The
+    state stays keyed by the parameters and holds DTensors, so checkpoints see torch's AdamW."""
+
+    def _init_group(self, group, *lists):
+        has_complex = super()._init_group(group, *lists)
+        lists = [each for each in lists if isinstance(each, list)]
+        local = local_tensors([t for each in lists for t in each])
+        if local is not None:
+            for each in lists:
+                each[:], local = local[:len(each)], local[len(each):]
+        return has_complex
 
 
 def lr_at(step: int, cfg_optim, max_steps: int) -> float:
@@ -345,7 +389,7 @@ def build_optimizer(policy: Policy, cfg_optim) -> torch.optim.Optimizer:
                   weight_decay=cfg_optim.weight_decay)
     if policy.device.type == "cuda":
         kwargs["fused"] = True
-    optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], **kwargs)
+    optimizer = AdamW([p for p in policy.model.parameters() if p.requires_grad], **kwargs)
     if getattr(cfg_optim, "allocate_state_at_start", False):
         allocate_state(optimizer)
     return optimizer

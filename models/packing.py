@@ -333,6 +333,9 @@ def prompt_groups(batch: Batch) -> list[tuple[list[int], int]]:
         for i in group[1:]:
             if prefix == 0:
                 break
+            if torch.equal(ids[i][:prefix], ids[lead][:prefix]) and torch.equal(pos[i][:, :prefix],
+                                                                                pos[lead][:, :prefix]):
+                continue  # the whole prefix agrees (a prompt's responses): two comparisons, no mask
             same = (ids[i][:prefix] == ids[lead][:prefix]) & (pos[i][:, :prefix] == pos[lead][:, :prefix]).all(0)
             prefix = prefix if bool(same.all()) else int(torch.nonzero(~same).min())
         out.append((group, prefix))

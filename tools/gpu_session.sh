@@ -14,6 +14,7 @@
 #   fidelity  vLLM vs policy logprobs on the 3B-shaped model (SHARPEN=1, then SHARPEN=40 in a second call)
 #   scale     3B-shaped GRPO steps on one GPU, then on two (NPROCS="1 2"; policy sharded, one engine per GPU)
 #   loop      train.py with the 3B recipe on one GPU (STEPS=8; LOOP_ARGS for overrides); tools/loop_summary.py
+#   loopab    `loop` here and in OLD (another commit's tree), alternating (AB="new old new")
 #   profile   bench.py's update at the loop's shape under torch.profiler (and one step's phases without it: --phase-clock),
 #             and in-process vs standalone vLLM
 #   multi     two GPUs: GRPO steps with the policy sharded over both, vLLM TP=2 and TP=1 (TPS="2 1")
@@ -209,6 +210,18 @@ loop)
   build_3b
   recipe_loop $M loop "3B" ${STEPS:-8}
   if [ "${STANDALONE:-0}" = 1 ]; then standalone_vs_loop loop --size 3b; fi
+  ;;
+loopab)
+  # `loop` in this tree and in OLD (another commit's snapshot on the same machine, e.g. `git archive 34e2252`
+  # copied to /opt/old by an earlier call), in the order of AB (default "new old new"), STEPS (5) steps each,
+  # one line each (tools/loop_summary.py's last line): what a host-side change does to the loop, on one machine.
+  here=$PWD; n=0
+  for which in ${AB:-new old new}; do
+    dir=$here; [ "$which" = old ] && dir=${OLD:?OLD: the other tree}
+    (cd "$dir" && STEPS=${STEPS:-5} bash tools/gpu_session.sh loop "$OUT/${n}_$which") > "$OUT/${n}_$which.log" 2>&1
+    echo "$n $which rc=$?: $(tail -1 "$OUT/${n}_$which.log" | cut -c1-300)"
+    n=$((n+1))
+  done
   ;;
 profile)
   # The update alone at the loop's shape, profiled (op tables), and the engine in-process against a

@@ -86,3 +86,24 @@ def test_a_held_step_leaves_only_parameters_and_optimizer_state(tiny_model):
     assert all(p.grad is None for p in policy.model.parameters())
     grown = _live_tensor_bytes() - before
     assert state <= grown < state + 0.05 * params  # a gradient or compute copy would add ~params
+
+
+def test_the_hold_reaches_every_unit(tiny_model):
+    """The hold is set on each FSDP unit the policy finds once, the same units a walk of the model finds."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from grpo.update import _Hold
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+
+    init_distributed()
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    walked = [m for m in policy.model.modules() if isinstance(m, FSDPModule)]
+    assert policy.fsdp_units == walked and len(walked) > 2 and policy.fsdp_units is policy.fsdp_units
+    hold = _Hold(policy)
+    for held in (True, False, True, False):
+        hold(held)
+        for unit in walked:
+            group = unit._get_fsdp_state()._fsdp_param_group
+            if group is not None:  # a unit without parameters of its own has no group
+                assert group.reduce_grads is (not held) and group.reshard_after_backward is (not held)

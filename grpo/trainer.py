@@ -529,14 +529,14 @@ class Trainer:
         return {**self._rollout_metrics(episodes, rewards_info, rewards), **fidelity, **train, **timings,
                 **gen_detail, **self._throughput(step, timings)}
 
-    def _experience(self, episodes: list[Episode], old_logprobs: bool, timings: dict | None = None) -> PackedStep:
+    def _experience(self, episodes: list[Episode], old_logprobs: bool, timings: dict) -> PackedStep:
         """The step's episodes packed once onto the device, with engine, reference and (when the
         update cannot supply them: `old_logprobs`) old logprobs as packed per-token fields. Only
         model tokens are scored: prompt and tool tokens are context. `timings` gets `perf/logprob_pack_s`, the
         host's work before the first pass (the sequences, their positions, the packed rows and their copies to
         the device), during which the device has nothing queued."""
         cfg = self.cfg
-        with timed(timings if timings is not None else {}, "perf/logprob_pack_s"):
+        with timed(timings, "perf/logprob_pack_s"):
             batch = episode_batch(episodes, self.adapter)
             step = PackedStep(batch, cfg.optim.max_tokens_per_microbatch, self.policy.device,
                               self.policy.shared_prompts)

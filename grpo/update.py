@@ -21,6 +21,7 @@ from models.packing import (
     PackedMicrobatch, bins_fit, first_fit_decreasing, grouped_bins, image_groups, pack, plan_microbatches,
     prompt_groups, shared_row_tokens, unpack_per_sequence,
 )
+from models.parallel import local_tensors
 from models.phases import phase_range
 from models.policy import Policy, vision_plan
 
@@ -221,16 +222,17 @@ LossFn = Callable[[torch.Tensor, PackedMicrobatch, dict], tuple[torch.Tensor, di
 class _Hold:
     """FSDP2: skip (hold=True) or do the gradient reduce and the reshard after each backward, set on each of the
     policy's FSDP units (found once, not by a walk over every submodule), and only when it changes: twice a step,
-    however many micro-batches."""
+    however many micro-batches. A `kept` unit's reshard is left to its owner (`_kept_tower`)."""
 
-    def __init__(self, policy: Policy):
-        self.units, self.held = policy.fsdp_units, None
+    def __init__(self, policy: Policy, kept: torch.nn.Module | None = None):
+        self.units, self.kept, self.held = policy.fsdp_units, kept, None
 
     def __call__(self, hold: bool) -> None:
         if hold != self.held:
             for unit in self.units:
                 unit.set_requires_gradient_sync(not hold, recurse=False)
-                unit.set_reshard_after_backward(not hold, recurse=False)
+                if unit is not self.kept:
+                    unit.set_reshard_after_backward(not hold, recurse=False)
             self.held = hold
 
 
@@ -272,16 +274,16 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     totals: list[torch.Tensor] = []
     sums: dict[str, list] = {}
     hold = unsharded_accumulation and dp == 1 and hasattr(policy.model, "set_requires_gradient_sync")
-    held = _Hold(policy)
     last = len(step.microbatches) - 1
     with pass_vision(policy, step) as vision:
         tower = _kept_tower(policy, vision)
+        held = _Hold(policy, kept=tower)
+        if tower is not None:  # gathered for its features' forward: kept so through every micro-batch's backward
+            tower.set_reshard_after_backward(False, recurse=False)
         try:
             for i, (mb, fields) in enumerate(step):
                 if hold:
                     held(i < last)
-                if tower is not None:  # after the hold, which sets every unit; one unit, no walk
-                    tower.set_reshard_after_backward(False, recurse=False)
                 mb.fields = fields
                 if mb.sample_indices:
                     lp, ent = policy.logprobs(mb, temperature=temperature, with_entropy=True)
@@ -323,17 +325,6 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
         optimizer.zero_grad(set_to_none=True)
     return {"loss/total": loss_global, "loss/grad_norm": grad_norm, "loss/skipped_nonfinite": 0.0 if finite else 1.0,
             **sums}
-
-
-def local_tensors(tensors: list) -> list | None:
-    """The local tensors of `tensors` where each is a plain tensor or a DTensor on a mesh of one device (one rank,
-    no tensor parallelism: its local tensor is its whole value), else None. Taken without autograd, which would
-    wrap each in a tracked view."""
-    meshes = {id(m): m for m in (t.device_mesh for t in tensors if isinstance(t, DTensor))}  # one or two meshes
-    if not all(m.size() == 1 for m in meshes.values()):
-        return None
-    with torch.no_grad():
-        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

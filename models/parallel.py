@@ -205,8 +205,8 @@ def local_tensors(tensors: list) -> list | None:
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a collective over its mesh); a plain tensor as it is. On a mesh of one device the
-    local tensor itself (`local_tensors`): DTensor's gather costs ~0.1 ms of host time a tensor there (82-85 ms
-    for the 825 tensors of a 3B-depth model on a CPU core) and copies every tensor first."""
+    local tensor itself (`local_tensors`): DTensor's gather costs ~0.1 ms of host time a tensor there (`python
+    tools/host_cost.py --parts refit`) and copies every tensor first."""
     local = local_tensors([t])
     return local[0] if local is not None else t.full_tensor()
 

@@ -82,8 +82,19 @@ def test_the_trainer_builds_the_local_adamw(tiny_model):
 
 
 def test_the_cost_tool_times_both_sides():
-    from tools.optim_cost import measure
+    from tools.host_cost import measure
 
     out = measure(params=20, numel=8, repeats=2)
     for key in ("clip_torch_ms", "clip_local_ms", "adamw_torch_ms", "adamw_local_ms"):
         assert out[key] > 0, key
+
+
+def test_the_cost_tool_runs_every_part(tmp_path, capsys):
+    import json
+
+    from tools.host_cost import main
+
+    assert main(["--parts", "refit,gc,pack", "--repeats", "1", "--workdir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["refit_tensors"] > 0 and out["fsdp_units"] > 2 and out["gc_objects"] > out["gc_objects_frozen"]
+    assert out["pack_sequences"] == 128 and out["prompt_groups_ms"] > 0

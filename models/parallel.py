@@ -227,6 +227,12 @@ def apply_parallelism(
     gradients reduce in fp32. On CPU everything is fp32.
 
     Units: the vision tower, each decoder block (and a MoE block's experts), then the root.
+
+    A frozen model (the reference) on one device is left as it is, stored in the compute dtype by its
+    caller: FSDP would hold a second copy of every weight for each pass and run its hooks around every unit
+    in every micro-batch, and share nothing. Every floating input its units get is in the compute dtype
+    already, so the cast FSDP makes of them changes nothing (tests/test_gathered_passes.py: the same
+    logprobs, bit for bit, in every family).
     """
     if dims.tp_mesh is not None:
         _apply_tp(model, adapter, dims.tp_mesh)
@@ -237,6 +243,11 @@ def apply_parallelism(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
     if compile_blocks:
         apply_compile(adapter.decoder_layers(model))
+    if not trainable and dims.dp == 1 and dims.tp_mesh is None:
+        if param_dtype is not None:
+            for unit in _units(model, adapter)[:-1]:  # the root gets the micro-batch: its pixels reach the tower
+                unit.register_forward_pre_hook(_inputs_in(param_dtype), with_kwargs=True)
+        return model
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     # With one data-parallel rank nothing is sharded: keeping each unit's low-precision copy from
     # forward to backward saves re-casting every parameter in backward, for one model-sized copy.
@@ -244,10 +255,35 @@ def apply_parallelism(
     kwargs = {"mesh": dims.dp_mesh, "reshard_after_forward": dims.dp_mesh.size() > 1 or not trainable}
     if mp is not None:
         kwargs["mp_policy"] = mp
-    fully_shard(adapter.vision_tower(model), **kwargs)
-    for layer in adapter.decoder_layers(model):
-        for unit in adapter.block_units(layer):  # MoE: the block's experts, gathered on their own
-            fully_shard(unit, **kwargs)
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    for unit in _units(model, adapter):
+        fully_shard(unit, **kwargs)
     return model
+
+
+def _units(model: nn.Module, adapter) -> list[nn.Module]:
+    """The FSDP units, inner ones first: the vision tower, each decoder block's own units (a MoE block's experts,
+    gathered on their own) and the block, then the root."""
+    units = [adapter.vision_tower(model)]
+    for layer in adapter.decoder_layers(model):
+        units += [*adapter.block_units(layer), layer]
+    return units + [model]
+
+
+def _inputs_in(dtype: torch.dtype):
+    """A forward pre-hook that casts a module's floating inputs to `dtype`, as FSDP's mixed precision does at each
+    unit's entry (a tower's position-interpolation weights, say, which it gets in fp32)."""
+
+    def cast(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+        if isinstance(x, dict):
+            return {k: cast(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            values = [cast(v) for v in x]
+            return type(x)(*values) if hasattr(x, "_fields") else type(x)(values)
+        return x
+
+    def hook(module, args, kwargs):
+        return cast(args), cast(kwargs)
+
+    return hook

@@ -538,24 +538,16 @@ class Policy:
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """A forward-only pass over many micro-batches (reference or old logprobs) with one data-parallel
-        rank: each FSDP unit's compute copy is made at the first micro-batch and kept to the last, instead
-        of copied out and cast again for every micro-batch; freed when the pass ends. The same copies, so
-        the same logprobs. With more ranks (a real all-gather per unit and micro-batch) nothing changes."""
-        units = self.fsdp_units
-        if self.dims.dp != 1 or not units:
-            yield
-            return
-        # how apply_parallelism built the units with one rank: a frozen model reshards after forward
-        frozen = not any(p.requires_grad for p in self.model.parameters())
-        for unit in units:
-            unit.set_reshard_after_forward(False, recurse=False)
+        """A forward-only pass over many micro-batches (the old logprobs, or the reference's with LoRA). With one
+        data-parallel rank a trained model's FSDP units keep their compute copy after a forward (they do not
+        reshard then), so each is made at the first micro-batch and kept to the last; a pass without backward
+        would leave them all in place, and they are freed when it ends. A frozen model on one device has no
+        units (`apply_parallelism`); with more ranks every unit gathers and frees per micro-batch, as it must."""
         try:
             yield
         finally:
-            for unit in units:
-                unit.reshard()
-                unit.set_reshard_after_forward(frozen, recurse=False)
+            if self.dims.dp == 1:
+                self.reshard()
 
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Move only the optimizer state to CPU (the parameters stay where they are)."""

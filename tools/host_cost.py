@@ -16,6 +16,10 @@ Parts (`--parts`, comma-separated):
           GRPO steps, before and after `grpo.trainer.freeze_survivors` (trainer.gc_freeze), and the objects it walks.
   pack    `models.packing.prompt_groups` over the 3B recipe's step shape (16 prompts x 8 responses x 256 tokens,
           448x448 images) on the tiny model.
+  ref     the frozen reference's logprob pass on one device (`--ref-seqs` text sequences of `--ref-len` tokens, two
+          to a micro-batch) over the 3B model's depths at a tiny width, in fp32 and in bf16: the plain module the
+          trainer builds, against the same model in FSDP units as before (one gather per unit and pass, its hooks
+          and input casts in every micro-batch); the two passes' logprobs compared bit for bit.
 Medians of `--repeats` calls after one warm-up, in milliseconds. Models and data are made under `--workdir`.
 """
 
@@ -36,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpo.update import AdamW, clip_gradients  # noqa: E402
 from models.parallel import init_distributed  # noqa: E402
 
-PARTS = ("optim", "refit", "gc", "pack")
+PARTS = ("optim", "refit", "gc", "pack", "ref")
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -173,12 +177,74 @@ def measure_pack(workdir: Path, repeats: int) -> dict:
     return {"pack_sequences": len(batch), "prompt_groups_ms": _median_ms(lambda: prompt_groups(batch), repeats)}
 
 
+def _text_batch(adapter, seqs: int, length: int):
+    from data.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(10, 1000, (length,), generator=g) for _ in range(seqs)]
+    masks = [torch.cat([torch.zeros(length // 2, dtype=torch.long), torch.ones(length - length // 2, dtype=torch.long)])
+             for _ in range(seqs)]
+    batch = Batch({"input_ids": ids, "loss_mask": masks, "pixel_values": [None] * seqs,
+                   "image_grid_thw": [None] * seqs})
+    batch["position_ids"] = [adapter.position_ids(seq, None) for seq in ids]
+    return batch
+
+
+def _in_fsdp_units(policy) -> None:
+    """The frozen model in FSDP units as `apply_parallelism` made them on one device before: each unit reshards
+    after its forward, and a pass keeps every unit's copy from its first micro-batch to its last."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from models.parallel import _units
+
+    mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32) \
+        if policy.dtype != torch.float32 else None
+    for unit in _units(policy.model, policy.adapter):
+        for hook in list(unit._forward_pre_hooks):  # the plain model's input casts: FSDP's own do it now
+            unit._forward_pre_hooks.pop(hook)
+        fully_shard(unit, mesh=policy.dims.dp_mesh, reshard_after_forward=True,
+                    **({"mp_policy": mp} if mp is not None else {}))
+
+
+def measure_ref(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
+    from grpo.config import ModelConfig
+    from grpo.update import PackedStep, packed_logprobs
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy
+
+    init_distributed()
+    out = {"ref_seqs": seqs, "ref_len": length}
+    for dtype in ("float32", "bfloat16"):
+        cfg = ModelConfig(path=str(_model(workdir, "tiny_hd128_deep")), dtype=dtype)
+        plain = build_policy(cfg, build_parallel_dims(), trainable=False)
+        units = build_policy(cfg, build_parallel_dims(), trainable=False)
+        _in_fsdp_units(units)
+        step = PackedStep(_text_batch(plain.adapter, seqs, length), 2 * length, plain.device)
+
+        def held_pass(policy=units):
+            for unit in policy.fsdp_units:
+                unit.set_reshard_after_forward(False, recurse=False)
+            packed_logprobs(policy, step, "units")  # resharded at its end
+            for unit in policy.fsdp_units:
+                unit.set_reshard_after_forward(True, recurse=False)
+
+        tag = "fp32" if dtype == "float32" else "bf16"
+        out[f"ref_units_{tag}_ms"] = _median_ms(held_pass, repeats)
+        out[f"ref_plain_{tag}_ms"] = _median_ms(lambda: packed_logprobs(plain, step, "plain"), repeats)
+        out[f"ref_{tag}_equal"] = all(torch.equal(f["plain"], f["units"]) for _, f in step)
+    out["ref_microbatches"] = len(step.microbatches)
+    out["ref_units"] = len(units.fsdp_units)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--params", type=int, default=825, help="optim: parameters")
     p.add_argument("--numel", type=int, default=64, help="optim: values per parameter")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--ref-seqs", type=int, default=8, help="ref: text sequences in the pass")
+    p.add_argument("--ref-len", type=int, default=64, help="ref: tokens a sequence")
     p.add_argument("--workdir", default="/tmp/vlrl_host_cost")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
@@ -196,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         out.update(measure_gc(workdir, max(args.repeats // 4, 3)))
     if "pack" in parts:
         out.update(measure_pack(workdir, args.repeats))
+    if "ref" in parts:
+        out.update(measure_ref(workdir, max(args.repeats // 4, 3), args.ref_seqs, args.ref_len))
     print(json.dumps(out))
     return 0
 

@@ -94,9 +94,10 @@ def test_the_cost_tool_runs_every_part(tmp_path, capsys):
 
     from tools.host_cost import main
 
-    assert main(["--parts", "refit,gc,pack,ref", "--repeats", "1", "--ref-seqs", "4", "--ref-len", "16",
+    assert main(["--parts", "refit,gc,pack,ref,train", "--repeats", "1", "--ref-seqs", "4", "--ref-len", "16",
                  "--workdir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["refit_tensors"] > 0 and out["fsdp_units"] > 2 and out["gc_objects"] > out["gc_objects_frozen"]
     assert out["pack_sequences"] == 128 and out["prompt_groups_ms"] > 0
     assert out["ref_units"] > 2 and out["ref_microbatches"] == 2 and out["ref_fp32_equal"] and out["ref_bf16_equal"]
+    assert out["train_microbatches"] == 2 and out["train_equal"] and out["train_plain_ms"] > 0

@@ -20,6 +20,9 @@ Parts (`--parts`, comma-separated):
           to a micro-batch) over the 3B model's depths at a tiny width, in fp32 and in bf16: the plain module the
           trainer builds, against the same model in FSDP units as before (one gather per unit and pass, its hooks
           and input casts in every micro-batch); the two passes' logprobs compared bit for bit.
+  train   the update's forward and backward over the same micro-batches in fp32: the policy in FSDP units, held as
+          the trainer holds them (`grpo.update._Hold`: no reshard, no reduce until the last), against the same model
+          as a plain module: what FSDP's hooks cost a micro-batch on one rank, where they share nothing.
 Medians of `--repeats` calls after one warm-up, in milliseconds. Models and data are made under `--workdir`.
 """
 
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpo.update import AdamW, clip_gradients  # noqa: E402
 from models.parallel import init_distributed  # noqa: E402
 
-PARTS = ("optim", "refit", "gc", "pack", "ref")
+PARTS = ("optim", "refit", "gc", "pack", "ref", "train")
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -237,14 +240,45 @@ def measure_ref(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
     return out
 
 
+def measure_train(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
+    from grpo.config import ModelConfig
+    from grpo.update import PackedStep, _Hold
+    from models.parallel import build_parallel_dims
+    from models.policy import build_policy
+
+    init_distributed()
+    cfg = ModelConfig(path=str(_model(workdir, "tiny_hd128_deep")), dtype="float32")
+    units = build_policy(cfg, build_parallel_dims())
+    plain = build_policy(cfg, build_parallel_dims(), trainable=False)  # one device: a plain module
+    plain.model.requires_grad_(True)
+    step = PackedStep(_text_batch(units.adapter, seqs, length), 2 * length, units.device)
+    firsts = {}
+
+    def update(policy, name, hold=None):
+        def run():
+            for i, (mb, _) in enumerate(step):
+                if hold is not None:
+                    hold(i < len(step.microbatches) - 1)
+                lp, _ = policy.logprobs(mb, with_entropy=True)
+                firsts.setdefault(name, lp.detach().clone())
+                lp.sum().backward()
+            policy.model.zero_grad(set_to_none=True)
+        return run
+
+    return {"train_microbatches": len(step.microbatches),
+            "train_units_ms": _median_ms(update(units, "units", _Hold(units)), repeats),
+            "train_plain_ms": _median_ms(update(plain, "plain"), repeats),
+            "train_equal": torch.equal(firsts["units"], firsts["plain"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--params", type=int, default=825, help="optim: parameters")
     p.add_argument("--numel", type=int, default=64, help="optim: values per parameter")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--ref-seqs", type=int, default=8, help="ref: text sequences in the pass")
-    p.add_argument("--ref-len", type=int, default=64, help="ref: tokens a sequence")
+    p.add_argument("--ref-seqs", type=int, default=8, help="ref, train: text sequences in the pass")
+    p.add_argument("--ref-len", type=int, default=64, help="ref, train: tokens a sequence")
     p.add_argument("--workdir", default="/tmp/vlrl_host_cost")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
@@ -264,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         out.update(measure_pack(workdir, args.repeats))
     if "ref" in parts:
         out.update(measure_ref(workdir, max(args.repeats // 4, 3), args.ref_seqs, args.ref_len))
+    if "train" in parts:
+        out.update(measure_train(workdir, max(args.repeats // 4, 3), args.ref_seqs, args.ref_len))
     print(json.dumps(out))
     return 0
 

@@ -370,6 +370,12 @@ class ParallelConfig:
     # cache and retries once a step (memory/alloc_retries; each retry waits for the device). vLLM 0.26's sleep
     # mode turns it off around its own pool. Off until measured on a GPU
     expandable_segments: bool = False
+    # how the policy trains on one device (one rank, parallel.tp=1): fsdp (FSDP units over a mesh of one, which
+    # hold each unit's bf16 copy and the fp32 gradients between micro-batches) or plain (a plain module: fp32
+    # master weights, a bf16 copy made once a step and swapped in, the gradients added into fp32 after each
+    # backward by the trainer: no FSDP hooks around each unit in each micro-batch; the same numbers,
+    # tests/test_one_device.py). Ignored with more ranks. Off until measured on a GPU
+    one_device: Literal["fsdp", "plain"] = "fsdp"
 
 
 @dataclass

@@ -94,7 +94,7 @@ class Trainer:
         # start-up seconds, logged with the first step's metrics (perf/*_build_s), with the engine's once it is built
         self._startup: dict[str, float] = {}
         preflight(cfg, dist.get_world_size())
-        self.dims = build_parallel_dims(cfg.parallel.tp, cfg.parallel.replicate)
+        self.dims = build_parallel_dims(cfg.parallel.tp, cfg.parallel.replicate, cfg.parallel.one_device)
         self.telemetry = build_telemetry(cfg.trainer.gpu_telemetry, self.dims.device,
                                          cfg.trainer.gpu_telemetry_interval_s, STEP_PHASES)
         # every rank samples or none does: its step metrics are a collective
@@ -248,6 +248,10 @@ class Trainer:
             compute_copy = tensor_elements(model.parameters())
         else:
             compute_copy = 2 * max(n for n, _ in units)
+        if self.policy.compute is not None:  # parallel.one_device=plain: the copies' gradients, until added in
+            grad_buffers = sum(p.numel() for p in model.parameters() if p.requires_grad) * engine_dtype
+        else:
+            grad_buffers = max(n for _, n in units) * (engine_dtype + 4)
         tp = cfg.rollout.tensor_parallel_size
         seq_tokens = context_tokens(cfg)  # the engine's max_model_len: a whole episode
         free, total = torch.cuda.mem_get_info(self.policy.device)
@@ -257,7 +261,7 @@ class Trainer:
             parameters=params, gradients=trainable, optimizer=2 * trainable,
             reference=0 if self.ref is None or self.ref is self.policy else tensor_bytes(self.ref.model.parameters()),
             compute_copy=compute_copy * engine_dtype,
-            grad_buffers=max(n for _, n in units) * (engine_dtype + 4),
+            grad_buffers=grad_buffers,
             activations=activation_bytes(config, cfg.optim.max_tokens_per_microbatch, cfg.model.activation_checkpointing),
             microbatch_tokens=cfg.optim.max_tokens_per_microbatch,
             engine_weights=count * engine_dtype // tp,

@@ -299,6 +299,7 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
                     loss, m = lp.sum() * 0.0, {}
                 with phase_range("backward"):
                     (loss * dp).backward()
+                    policy.after_backward()
                 totals.append(loss.detach().float().reshape(()))
                 for k, v in m.items():
                     sums.setdefault(k, []).append(v)
@@ -310,6 +311,9 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
         if vision is not None:  # a trained tower's backward, once, from its features' summed gradients
             with phase_range("vision tower backward"):
                 vision.backward()
+                policy.after_backward()
+    if policy.compute is not None:  # the masters back in the model, holding the step's gradients
+        policy.reshard()
     with phase_range("clip and optimizer step"):
         params = [p for p in policy.model.parameters() if p.grad is not None]
         grad_norm = clip_gradients(params, grad_clip if grad_clip > 0 else float("inf"))

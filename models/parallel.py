@@ -87,6 +87,9 @@ class ParallelDims:
     tp: int
     device_type: str
     replicate: int = 1
+    # parallel.one_device: how a policy that trains lives on one device (one rank, no tensor parallelism):
+    # "fsdp" (FSDP units over a mesh of one) or "plain" (a plain module, `ComputeCopy`)
+    one_device: str = "fsdp"
 
     def __post_init__(self):
         if self.world_size % self.tp:
@@ -113,6 +116,11 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         return self.mesh["tp"] if self.tp > 1 else None
+
+    @property
+    def one_device_mesh(self) -> bool:
+        """One rank, no tensor parallelism: FSDP would shard over nothing."""
+        return self.dp == 1 and self.tp == 1
 
     @property
     def dp_rank(self) -> int:
@@ -151,11 +159,11 @@ def resolve_replicate(replicate: int, world_size: int) -> int:
     return max(world_size // max(local, 1), 1)
 
 
-def build_parallel_dims(tp: int = 1, replicate: int = 1) -> ParallelDims:
+def build_parallel_dims(tp: int = 1, replicate: int = 1, one_device: str = "fsdp") -> ParallelDims:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     world = dist.get_world_size()
     return ParallelDims(world_size=world, tp=tp, device_type=device_type,
-                        replicate=resolve_replicate(replicate, world))
+                        replicate=resolve_replicate(replicate, world), one_device=one_device)
 
 
 def _apply_tp(model: nn.Module, adapter, tp_mesh: DeviceMesh) -> None:
@@ -190,6 +198,85 @@ def apply_compile(layers) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+class ComputeCopy:
+    """Mixed precision on one device without FSDP (`parallel.one_device=plain`): the module keeps its fp32 master
+    parameters, which the optimizer steps and checkpoints hold; a forward swaps in a copy of each in the compute
+    dtype, made once and kept until `release`, and the copies' gradients are added into the masters' in fp32 as a
+    backward makes them: group by group (the units FSDP would make: the vision tower, each decoder block, the
+    rest), once every trainable copy of the group has its gradient, so no more than a group's gradients wait in
+    the compute dtype; `accumulate` adds what a backward left (a group it did not reach whole). The numbers FSDP's
+    mixed precision gives with one rank and its gradients held between micro-batches: the same casts, the fp32
+    gradient summed in the same order."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, groups: list[nn.Module]):
+        self.dtype = dtype
+        self.slots = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+        self.masters = list({id(p): p for _, _, p in self.slots}.values())  # tied parameters once
+        owner: dict[int, int] = {}
+        for i, group in enumerate(groups):  # inner groups first: each claims its parameters before an outer one
+            for p in group.parameters():
+                owner.setdefault(id(p), i)
+        self.group_of = {id(p): owner.get(id(p), len(groups)) for p in self.masters}
+        self.groups = [[p for p in self.masters if p.requires_grad and self.group_of[id(p)] == i]
+                       for i in range(len(groups) + 1)]
+        self.arrived = [0] * len(self.groups)
+        self.copies: dict[int, nn.Parameter] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.copies is not None
+
+    def swap_in(self) -> None:
+        """The compute copies in the modules, made from the masters now if they are not there."""
+        if self.copies is not None:
+            return
+        copies = {}
+        with torch.no_grad():
+            for p in self.masters:
+                c = nn.Parameter(p.to(self.dtype) if p.is_floating_point() else p, requires_grad=p.requires_grad)
+                if p.requires_grad:
+                    c.register_post_accumulate_grad_hook(self._hook(self.group_of[id(p)]))
+                copies[id(p)] = c
+        self.copies = copies
+        for module, name, p in self.slots:
+            module._parameters[name] = copies[id(p)]
+
+    def _hook(self, group: int):
+        def arrived(_copy: torch.Tensor) -> None:
+            self.arrived[group] += 1
+            if self.arrived[group] == len(self.groups[group]):
+                self._add(self.groups[group])
+                self.arrived[group] = 0
+        return arrived
+
+    def _add(self, masters: list[torch.Tensor]) -> None:
+        pairs = [(p, c) for p, c in ((p, self.copies[id(p)]) for p in masters) if c.grad is not None]
+        held = [(p, c) for p, c in pairs if p.grad is not None]
+        with torch.no_grad():
+            if held:
+                torch._foreach_add_([p.grad for p, _ in held], [c.grad for _, c in held])
+            for p, c in pairs:
+                if p.grad is None:
+                    p.grad = c.grad.to(p.dtype)
+                c.grad = None
+
+    def accumulate(self) -> None:
+        """Whatever gradients the copies still hold, added into the masters' (made on the first) in fp32."""
+        if self.copies is None:
+            return
+        self._add([p for group in self.groups for p in group])
+        self.arrived = [0] * len(self.groups)
+
+    def release(self) -> None:
+        """The masters back in the modules, with every gradient the copies had; the copies freed."""
+        if self.copies is None:
+            return
+        self.accumulate()
+        for module, name, p in self.slots:
+            module._parameters[name] = p
+        self.copies = None
 
 
 def local_tensors(tensors: list) -> list | None:
@@ -228,11 +315,12 @@ def apply_parallelism(
 
     Units: the vision tower, each decoder block (and a MoE block's experts), then the root.
 
-    A frozen model (the reference) on one device is left as it is, stored in the compute dtype by its
-    caller: FSDP would hold a second copy of every weight for each pass and run its hooks around every unit
-    in every micro-batch, and share nothing. Every floating input its units get is in the compute dtype
-    already, so the cast FSDP makes of them changes nothing (tests/test_gathered_passes.py: the same
-    logprobs, bit for bit, in every family).
+    On one device (one rank, no tensor parallelism) a frozen model (the reference, stored in the compute dtype
+    by its caller) is left a plain module: FSDP would hold a second copy of every weight for each pass and run
+    its hooks around every unit in every micro-batch, and share nothing. So is a model that trains there with
+    `parallel.one_device=plain` (its caller adds a `ComputeCopy`). Each would-be unit casts its floating inputs
+    to the compute dtype, as FSDP's mixed precision does (tests/test_gathered_passes.py: the same logprobs, bit
+    for bit, in every family).
     """
     if dims.tp_mesh is not None:
         _apply_tp(model, adapter, dims.tp_mesh)
@@ -243,9 +331,9 @@ def apply_parallelism(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
     if compile_blocks:
         apply_compile(adapter.decoder_layers(model))
-    if not trainable and dims.dp == 1 and dims.tp_mesh is None:
+    if dims.one_device_mesh and (not trainable or dims.one_device == "plain"):
         if param_dtype is not None:
-            for unit in _units(model, adapter)[:-1]:  # the root gets the micro-batch: its pixels reach the tower
+            for unit in unit_modules(model, adapter)[:-1]:  # the root gets the micro-batch: its pixels reach the tower
                 unit.register_forward_pre_hook(_inputs_in(param_dtype), with_kwargs=True)
         return model
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
@@ -255,12 +343,12 @@ def apply_parallelism(
     kwargs = {"mesh": dims.dp_mesh, "reshard_after_forward": dims.dp_mesh.size() > 1 or not trainable}
     if mp is not None:
         kwargs["mp_policy"] = mp
-    for unit in _units(model, adapter):
+    for unit in unit_modules(model, adapter):
         fully_shard(unit, **kwargs)
     return model
 
 
-def _units(model: nn.Module, adapter) -> list[nn.Module]:
+def unit_modules(model: nn.Module, adapter) -> list[nn.Module]:
     """The FSDP units, inner ones first: the vision tower, each decoder block's own units (a MoE block's experts,
     gathered on their own) and the block, then the root."""
     units = [adapter.vision_tower(model)]

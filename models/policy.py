@@ -34,7 +34,7 @@ from models.lora import (
 )
 from models.moe import apply_routing_replay, load_balancing_loss, routes_as
 from models.packing import PackedMicrobatch
-from models.parallel import ParallelDims, apply_parallelism, full_value
+from models.parallel import ComputeCopy, ParallelDims, apply_parallelism, full_value, unit_modules
 from models.phases import phase_range
 
 log = logging.getLogger("vlrl")
@@ -278,6 +278,8 @@ class Policy:
         self.torch_rms_norms = torch_rms_norms
         # model.flash_direct as settled for this device: the varlen attention's kernel called directly
         self.flash_direct = flash_direct
+        # parallel.one_device=plain with a compute dtype below fp32: the masters' compute copies (build_policy)
+        self.compute: ComputeCopy | None = None
 
     # --- forward ---------------------------------------------------------------------------
     def _vision_keepalive(self) -> torch.Tensor:
@@ -510,6 +512,8 @@ class Policy:
     # --- memory ----------------------------------------------------------------------------
     def offload(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Move the sharded parameters (and optimizer state) to CPU so a colocated engine can use the GPU."""
+        if self.compute is not None:
+            self.compute.release()
         _move_model(self.model, torch.device("cpu"))
         if optimizer is not None:
             move_optimizer_state(optimizer, torch.device("cpu"))
@@ -532,9 +536,18 @@ class Policy:
 
     def reshard(self) -> None:
         """Free any unsharded compute copy FSDP still holds (one data-parallel rank keeps it from
-        forward to backward; a forward without backward would leave it in place)."""
+        forward to backward; a forward without backward would leave it in place), or the `ComputeCopy`'s,
+        whose gradients go into the masters first."""
         for unit in self.fsdp_units:
             unit.reshard()
+        if self.compute is not None:
+            self.compute.release()
+
+    def after_backward(self) -> None:
+        """With a `ComputeCopy`: the backward's gradients added into the masters' fp32 ones (FSDP's units do
+        this themselves, in their hooks)."""
+        if self.compute is not None:
+            self.compute.accumulate()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -566,6 +579,8 @@ class Policy:
         With LoRA, each adapted layer's weight is yielded merged, W + (alpha / rank)·B·A computed in
         fp32 and then cast, and the adapters themselves are not yielded: consumers see base names only.
         """
+        if self.compute is not None:
+            self.compute.release()  # the masters, not their copies
         adapted = lora_modules(self.model)
         for name, tensor in self.model.state_dict().items():
             if is_adapter_name(name):
@@ -731,6 +746,9 @@ def build_policy(cfg_model, dims: ParallelDims, trainable: bool = True) -> Polic
                     pad_vision_mlp=pad, padded_vision_mlps=padded, torch_rms_norm=torch_norm, torch_rms_norms=normed,
                     flash_direct=flash_direct)
     model._vlrl_policy = policy
+    if trainable and dims.one_device_mesh and dims.one_device == "plain" and dtype != torch.float32:
+        policy.compute = ComputeCopy(model, dtype, unit_modules(model, adapter)[:-1])
+        model.register_forward_pre_hook(lambda module, args: policy.compute.swap_in())
     if trainable and coef > 0:
         policy.watch_routers(coef)
     return policy

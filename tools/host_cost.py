@@ -20,9 +20,9 @@ Parts (`--parts`, comma-separated):
           to a micro-batch) over the 3B model's depths at a tiny width, in fp32 and in bf16: the plain module the
           trainer builds, against the same model in FSDP units as before (one gather per unit and pass, its hooks
           and input casts in every micro-batch); the two passes' logprobs compared bit for bit.
-  train   the update's forward and backward over the same micro-batches in fp32: the policy in FSDP units, held as
-          the trainer holds them (`grpo.update._Hold`: no reshard, no reduce until the last), against the same model
-          as a plain module: what FSDP's hooks cost a micro-batch on one rank, where they share nothing.
+  train   the update's forward and backward over the same micro-batches, in fp32 and in bf16: the policy in FSDP
+          units, held as the trainer holds them (`grpo.update._Hold`: no reshard, no reduce until the last), against
+          `parallel.one_device=plain` (a plain module; in bf16 its compute copies): what FSDP costs on one rank.
 Medians of `--repeats` calls after one warm-up, in milliseconds. Models and data are made under `--workdir`.
 """
 
@@ -198,11 +198,11 @@ def _in_fsdp_units(policy) -> None:
     after its forward, and a pass keeps every unit's copy from its first micro-batch to its last."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from models.parallel import _units
+    from models.parallel import unit_modules
 
     mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32) \
         if policy.dtype != torch.float32 else None
-    for unit in _units(policy.model, policy.adapter):
+    for unit in unit_modules(policy.model, policy.adapter):
         for hook in list(unit._forward_pre_hooks):  # the plain model's input casts: FSDP's own do it now
             unit._forward_pre_hooks.pop(hook)
         fully_shard(unit, mesh=policy.dims.dp_mesh, reshard_after_forward=True,
@@ -247,28 +247,34 @@ def measure_train(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
     from models.policy import build_policy
 
     init_distributed()
-    cfg = ModelConfig(path=str(_model(workdir, "tiny_hd128_deep")), dtype="float32")
-    units = build_policy(cfg, build_parallel_dims())
-    plain = build_policy(cfg, build_parallel_dims(), trainable=False)  # one device: a plain module
-    plain.model.requires_grad_(True)
-    step = PackedStep(_text_batch(units.adapter, seqs, length), 2 * length, units.device)
-    firsts = {}
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = ModelConfig(path=str(_model(workdir, "tiny_hd128_deep")), dtype=dtype)
+        units = build_policy(cfg, build_parallel_dims(one_device="fsdp"))
+        plain = build_policy(cfg, build_parallel_dims(one_device="plain"))
+        step = PackedStep(_text_batch(units.adapter, seqs, length), 2 * length, units.device)
+        firsts = {}
 
-    def update(policy, name, hold=None):
-        def run():
-            for i, (mb, _) in enumerate(step):
-                if hold is not None:
+        def update(policy, name):
+            hold = _Hold(policy)
+
+            def run():  # the update's passes as grpo.update.optimizer_step makes them, without the optimizer
+                for i, (mb, _) in enumerate(step):
                     hold(i < len(step.microbatches) - 1)
-                lp, _ = policy.logprobs(mb, with_entropy=True)
-                firsts.setdefault(name, lp.detach().clone())
-                lp.sum().backward()
-            policy.model.zero_grad(set_to_none=True)
-        return run
+                    lp, _ = policy.logprobs(mb, with_entropy=True)
+                    firsts.setdefault(name, lp.detach().clone())
+                    lp.sum().backward()
+                    policy.after_backward()
+                policy.reshard()
+                policy.model.zero_grad(set_to_none=True)
+            return run
 
-    return {"train_microbatches": len(step.microbatches),
-            "train_units_ms": _median_ms(update(units, "units", _Hold(units)), repeats),
-            "train_plain_ms": _median_ms(update(plain, "plain"), repeats),
-            "train_equal": torch.equal(firsts["units"], firsts["plain"])}
+        tag = "fp32" if dtype == "float32" else "bf16"
+        out[f"train_units_{tag}_ms"] = _median_ms(update(units, "units"), repeats)
+        out[f"train_plain_{tag}_ms"] = _median_ms(update(plain, "plain"), repeats)
+        out[f"train_{tag}_equal"] = torch.equal(firsts["units"], firsts["plain"])
+    out["train_microbatches"] = len(step.microbatches)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

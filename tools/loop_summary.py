@@ -77,7 +77,8 @@ SETTINGS = {
     "shared_prompts": ("model", "shared_prompts"), "fp32_logits": ("model", "fp32_logits"),
     "vision_once": ("model", "vision_once"), "pad_vision_mlp": ("model", "pad_vision_mlp"),
     "torch_rms_norm": ("model", "torch_rms_norm"), "flash_direct": ("model", "flash_direct"),
-    "liger_mlp": ("model", "liger_mlp"),
+    "liger_mlp": ("model", "liger_mlp"), "one_device": ("parallel", "one_device"),
+    "gc_freeze": ("trainer", "gc_freeze"),
     "engine_warmup": ("rollout", "engine_warmup"), "engine_startup_plan": ("rollout", "engine_startup_plan"),
     "gen_breakdown": ("rollout", "gen_breakdown"), "profile_step": ("trainer", "profile_step"),
 }

@@ -160,3 +160,17 @@ def test_the_trainer_takes_the_same_steps_and_resumes(tiny_model, clevr_parquet,
         assert fsdp.keys() == plain.keys()
         for name, p in plain.items():
             assert p.dtype == torch.float32 and torch.equal(_full(fsdp[name]), p), (k, name)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_across_the_setting(tiny_model, clevr_parquet, tmp_path):
+    """A checkpoint FSDP's policy wrote (DTensor shards) resumes into the plain module, and its third step is the
+    one FSDP takes."""
+    _run(tiny_model, clevr_parquet, tmp_path / "a", "fsdp", "sft", steps=2)
+    fsdp = _run(tiny_model, clevr_parquet, tmp_path / "a", "fsdp", "sft", steps=3, resume="auto")
+    _run(tiny_model, clevr_parquet, tmp_path / "b", "fsdp", "sft", steps=2)
+    plain = _run(tiny_model, clevr_parquet, tmp_path / "b", "plain", "sft", steps=3, resume="auto")
+    assert plain.step == 3 and isinstance(plain.policy.compute, ComputeCopy)
+    named = dict(fsdp.policy.model.named_parameters())
+    for name, p in plain.policy.model.named_parameters():
+        assert torch.equal(_full(named[name]), p), name

@@ -233,9 +233,14 @@ class ComputeCopy:
         if self.copies is not None:
             return
         copies = {}
-        with torch.no_grad():
+        with torch.no_grad():  # one buffer, filled by one foreach copy (each view rounded as `.to` rounds)
+            floating = [p for p in self.masters if p.is_floating_point()]
+            flat = torch.empty(sum(p.numel() for p in floating), dtype=self.dtype, device=floating[0].device)
+            views = [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in floating]), floating)]
+            torch._foreach_copy_(views, floating)
+            made = {id(p): v for p, v in zip(floating, views)}
             for p in self.masters:
-                c = nn.Parameter(p.to(self.dtype) if p.is_floating_point() else p, requires_grad=p.requires_grad)
+                c = nn.Parameter(made.get(id(p), p), requires_grad=p.requires_grad)
                 if p.requires_grad:
                     c.register_post_accumulate_grad_hook(self._hook(self.group_of[id(p)]))
                 copies[id(p)] = c

@@ -20,9 +20,10 @@ Parts (`--parts`, comma-separated):
           to a micro-batch) over the 3B model's depths at a tiny width, in fp32 and in bf16: the plain module the
           trainer builds, against the same model in FSDP units as before (one gather per unit and pass, its hooks
           and input casts in every micro-batch); the two passes' logprobs compared bit for bit.
-  train   the update's forward and backward over the same micro-batches, in fp32 and in bf16: the policy in FSDP
-          units, held as the trainer holds them (`grpo.update._Hold`: no reshard, no reduce until the last), against
-          `parallel.one_device=plain` (a plain module; in bf16 its compute copies): what FSDP costs on one rank.
+  train   the trainer's update (`grpo.update.optimizer_step`: the passes, the clip, the reads; an optimizer that
+          moves nothing) over the same micro-batches, in fp32 and in bf16: the policy in FSDP units, held as the
+          trainer holds them, against `parallel.one_device=plain` (a plain module; in bf16 its compute copies):
+          what FSDP costs on one rank. The two updates' loss and gradient norm compared bit for bit.
 Medians of `--repeats` calls after one warm-up, in milliseconds. Models and data are made under `--workdir`.
 """
 
@@ -240,9 +241,22 @@ def measure_ref(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
     return out
 
 
+class _NoStep:
+    """An optimizer that clears the gradients and moves nothing: `optimizer_step`'s passes, clip and reads alone."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        pass
+
+
 def measure_train(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
     from grpo.config import ModelConfig
-    from grpo.update import PackedStep, _Hold
+    from grpo.update import PackedStep, optimizer_step
     from models.parallel import build_parallel_dims
     from models.policy import build_policy
 
@@ -253,26 +267,19 @@ def measure_train(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
         units = build_policy(cfg, build_parallel_dims(one_device="fsdp"))
         plain = build_policy(cfg, build_parallel_dims(one_device="plain"))
         step = PackedStep(_text_batch(units.adapter, seqs, length), 2 * length, units.device)
-        firsts = {}
+        results = {}
 
         def update(policy, name):
-            hold = _Hold(policy)
-
-            def run():  # the update's passes as grpo.update.optimizer_step makes them, without the optimizer
-                for i, (mb, _) in enumerate(step):
-                    hold(i < len(step.microbatches) - 1)
-                    lp, _ = policy.logprobs(mb, with_entropy=True)
-                    firsts.setdefault(name, lp.detach().clone())
-                    lp.sum().backward()
-                    policy.after_backward()
-                policy.reshard()
-                policy.model.zero_grad(set_to_none=True)
+            def run():  # the trainer's update (grpo.update.optimizer_step) with an optimizer that moves nothing
+                results[name] = optimizer_step(policy, _NoStep(policy.model), step, lambda lp, mb, d: (lp.sum(), {}),
+                                               max_tokens=2 * length, grad_clip=1.0, denominators={},
+                                               unsharded_accumulation=True)
             return run
 
         tag = "fp32" if dtype == "float32" else "bf16"
         out[f"train_units_{tag}_ms"] = _median_ms(update(units, "units"), repeats)
         out[f"train_plain_{tag}_ms"] = _median_ms(update(plain, "plain"), repeats)
-        out[f"train_{tag}_equal"] = torch.equal(firsts["units"], firsts["plain"])
+        out[f"train_{tag}_equal"] = results["units"] == results["plain"]  # the loss and the gradient norm
     out["train_microbatches"] = len(step.microbatches)
     return out
 

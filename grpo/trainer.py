@@ -278,8 +278,7 @@ class Trainer:
         if path is None:
             return
         check_resume_data(path, len(self.feeder.dataset), self.cfg.data.train_path)
-        if self.policy.compute is not None:
-            self.policy.reshard()
+        self.policy.reshard()
         state = load_checkpoint(path, self.policy.model, self.optimizer)
         self.step = self._saved_step = int(state["step"])
         self.feeder.stream.load_state_dict(state["data"]["stream"])
@@ -295,8 +294,7 @@ class Trainer:
     def save(self) -> Path:
         counters = {**self.counters, "skipped_samples_before": self._skipped_total()}
         state = {"data": self.feeder.state_dict(), "counters": counters}
-        if self.policy.compute is not None:  # parallel.one_device=plain: the fp32 masters in the model, not copies
-            self.policy.reshard()
+        self.policy.reshard()  # the parameters the optimizer holds in the model, not compute copies
         path = save_checkpoint(self.run_dir, self.step, self.policy.model, self.optimizer, state,
                                self.cfg.model.path, keep=self.cfg.checkpoint.keep)
         self._saved_step = self.step

@@ -312,8 +312,7 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
             with phase_range("vision tower backward"):
                 vision.backward()
                 policy.after_backward()
-    if policy.compute is not None:  # the masters back in the model, holding the step's gradients
-        policy.reshard()
+    policy.reshard()  # the parameters the optimizer holds back in the model, with the step's gradients
     with phase_range("clip and optimizer step"):
         params = [p for p in policy.model.parameters() if p.grad is not None]
         grad_norm = clip_gradients(params, grad_clip if grad_clip > 0 else float("inf"))

@@ -105,6 +105,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         """One line for the log: the mesh in words."""
+        if self.one_device_mesh and self.one_device == "plain":
+            return f"{self.world_size} rank: one device, a plain module (parallel.one_device=plain)"
         dp = f"{self.replicate} replicas × {self.shard} shards (HSDP)" if self.replicate > 1 else f"{self.dp} (FSDP)"
         return f"{self.world_size} ranks: data parallel {dp}, tensor parallel {self.tp}"
 

@@ -17,7 +17,7 @@ from PIL import Image
 from grpo.config import ModelConfig
 from models.families.gemma4 import Gemma4Images, patch_positions, target_size
 from models.packing import pack, unpack_per_sequence
-from models.parallel import build_parallel_dims, init_distributed
+from models.parallel import build_parallel_dims, full_value, init_distributed
 from models.policy import build_policy
 from rollout.base import Generation
 from rollout.weight_names import vllm_param_for
@@ -56,7 +56,7 @@ def _logprobs_and_grads(policy, batch, bins):
         per_seq = unpack_per_sequence(lp, mb)
         sum((t * torch.linspace(-1.0, 1.0, t.numel()) * (1 + i)).sum() for i, t in zip(b, per_seq)).backward()
         out.update(zip(b, (t.detach() for t in per_seq)))
-    grads = {n: p.grad.full_tensor().detach().clone() for n, p in policy.model.named_parameters()
+    grads = {n: full_value(p.grad).detach().clone() for n, p in policy.model.named_parameters()
              if p.grad is not None}
     return [out[i] for i in sorted(out)], grads
 

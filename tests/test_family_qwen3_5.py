@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from grpo.config import ModelConfig
 from models.packing import pack, unpack_per_sequence
-from models.parallel import build_parallel_dims, init_distributed
+from models.parallel import build_parallel_dims, full_value, init_distributed
 from models.policy import build_policy
 from rollout.base import Generation
 from rollout.weight_names import ExpertShard, vllm_param_for
@@ -63,7 +63,7 @@ def _logprobs_and_grads(policy, batch, bins):
         # A weight per token that depends only on its sequence and place, however the bins fall.
         sum((t * torch.linspace(-1.0, 1.0, t.numel()) * (1 + i)).sum() for i, t in zip(b, per_seq)).backward()
         out.update(zip(b, (t.detach() for t in per_seq)))
-    grads = {n: p.grad.full_tensor().detach().clone() for n, p in policy.model.named_parameters()
+    grads = {n: full_value(p.grad).detach().clone() for n, p in policy.model.named_parameters()
              if p.grad is not None}
     return [out[i] for i in sorted(out)], grads
 
@@ -578,7 +578,7 @@ def test_router_aux_loss_reaches_the_update(moe_folder, folder):
         grads, clear = [], optimizer.zero_grad
 
         def zero_grad(set_to_none=True):  # read the router gradients before the step clears them
-            grads.append([p.grad.full_tensor().clone() for r in policy.adapter.routers(policy.model)
+            grads.append([full_value(p.grad).clone() for r in policy.adapter.routers(policy.model)
                           for p in r.parameters() if p.grad is not None])
             clear(set_to_none=set_to_none)
 

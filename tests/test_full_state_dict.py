@@ -15,7 +15,7 @@ def _policy(tiny_model, **kw):
 
     init_distributed()
     torch.manual_seed(0)
-    return build_policy(ModelConfig(path=str(tiny_model), **kw), build_parallel_dims())
+    return build_policy(ModelConfig(path=str(tiny_model), **kw), build_parallel_dims(one_device="fsdp"))
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
@@ -32,6 +32,18 @@ def test_one_rank_takes_the_whole_tensors_without_gathering(tiny_model, monkeypa
     for name, t in full.items():
         assert not isinstance(t, DTensor) and t.dtype == (dtype or gathered[name].dtype)
         assert torch.equal(t, gathered[name].to(t.dtype)), name
+
+
+def set_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a parameter's whole value: a DTensor keeps its own shard of it (the same `value` on every rank), a
+    plain tensor all of it (tests that change weights by hand, whatever `parallel.one_device` is)."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            from torch.distributed.tensor import distribute_tensor
+
+            param.to_local().copy_(distribute_tensor(value, param.device_mesh, param.placements).to_local())
+        else:
+            param.copy_(value)
 
 
 def test_full_value_of_plain_and_one_device_tensors():

@@ -24,7 +24,7 @@ def test_a_forward_only_pass_gathers_each_unit_once(tiny_model):
     from models.policy import build_policy
 
     init_distributed()
-    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims(one_device="fsdp"))
     units = [m for m in policy.model.modules() if isinstance(m, FSDPModule)]
     gathers = []
 
@@ -65,8 +65,8 @@ def test_frozen_reference_is_stored_in_the_compute_dtype(tiny_model):
 
     init_distributed()
     cfg = ModelConfig(path=str(tiny_model), dtype="bfloat16")
-    policy = build_policy(cfg, build_parallel_dims())
-    ref = build_policy(cfg, build_parallel_dims(), trainable=False)
+    policy = build_policy(cfg, build_parallel_dims(one_device="fsdp"))
+    ref = build_policy(cfg, build_parallel_dims(one_device="fsdp"), trainable=False)
     assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
     assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}
     batch = mixed_batch(policy.adapter)  # images of three sizes, a text-only row, two images in one sample
@@ -94,8 +94,8 @@ def test_a_frozen_reference_on_one_device_runs_without_fsdp(family, tmp_path):
     init_distributed()
     path = make_tiny_model(tmp_path / family, family=family, size="tiny", seed=0)
     cfg = ModelConfig(path=str(path), dtype="bfloat16", attn_implementation="sdpa")
-    policy = build_policy(cfg, build_parallel_dims())
-    ref = build_policy(cfg, build_parallel_dims(), trainable=False)
+    policy = build_policy(cfg, build_parallel_dims(one_device="fsdp"))
+    ref = build_policy(cfg, build_parallel_dims(one_device="fsdp"), trainable=False)
     assert any(isinstance(m, FSDPModule) for m in policy.model.modules())
     assert ref.fsdp_units == [] and not any(isinstance(p, DTensor) for p in ref.model.parameters())
     assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}

@@ -24,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from models import attention
 from models.packing import pack
+from models.parallel import full_value
 from tests.test_packing import mixed_batch
 
 _READS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "argwhere", "masked_select",
@@ -399,7 +400,7 @@ def _logprobs_and_grads(policy, mb) -> tuple[torch.Tensor, dict[str, torch.Tenso
     policy.model.zero_grad(set_to_none=True)
     lp, _ = policy.logprobs(mb)
     (lp * torch.linspace(-1.0, 1.0, lp.numel())).sum().backward()
-    grads = {n: p.grad.full_tensor().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    grads = {n: full_value(p.grad).clone() for n, p in policy.model.named_parameters() if p.grad is not None}
     policy.model.zero_grad(set_to_none=True)
     return lp.detach(), grads
 

@@ -15,7 +15,7 @@ def _policy(tiny_model):
 
     init_distributed()
     torch.manual_seed(0)
-    return build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    return build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims(one_device="fsdp"))
 
 
 def _set_grads(params, seed: int, scale: float = 1.0) -> None:

@@ -15,10 +15,11 @@ from models.lora import (
     DEFAULT_TARGETS, LoraLinear, is_adapter_name, lora_module_names, lora_modules, merge_lora, merged_weight,
 )
 from models.packing import pack, unpack_per_sequence
-from models.parallel import build_parallel_dims, init_distributed
+from models.parallel import build_parallel_dims, full_value, init_distributed
 from models.policy import build_policy
 from rollout.base import PromptInput, SamplingParams
 from rollout.torch_engine import TorchEngine
+from tests.test_full_state_dict import set_full_value
 
 RANK, ALPHA = 4, 8.0
 
@@ -43,10 +44,8 @@ def lora(tiny_model):
 def randomize_adapters(policy, seed=1, scale=0.05):
     """Give B (zero at start) random values, so the merge has something to fold in."""
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in lora_modules(policy.model).values():
-            local = m.lora_B.to_local()
-            local.copy_(torch.randn(local.shape, generator=g) * scale)
+    for m in lora_modules(policy.model).values():
+        set_full_value(m.lora_B, torch.randn(m.lora_B.shape, generator=g) * scale)
 
 
 def sequences(adapter, count=3, seed=0):
@@ -149,7 +148,7 @@ def test_refit_gives_the_engine_merged_weights_and_equal_logprobs(tiny_model, lo
     held = dict(engine.model.named_parameters())
     for name, module in lora_modules(lora.model).items():
         assert torch.equal(held[name + ".weight"], merged_weight(module).to(engine.dtype))
-        assert not torch.equal(merged_weight(module), module.weight.full_tensor().detach())  # the adapters did change it
+        assert not torch.equal(merged_weight(module), full_value(module.weight).detach())  # the adapters did change it
     a = lora.adapter
     prompt = [1, 2, 3, a.vision_start_token_id] + [a.image_token_id] * 4 + [a.vision_end_token_id, 4, 5]
     dim = 3 * a.temporal_patch_size * a.patch_size**2
@@ -195,7 +194,7 @@ def test_checkpoint_resumes_adapters_and_merge_folds_them_in(tiny_model, lora, t
     fresh_opt = build_optimizer(fresh, OptimConfig(lr=1e-2))
     load_checkpoint(folder, fresh.model, fresh_opt)
     for (n, a), b in zip(lora.model.state_dict().items(), fresh.model.state_dict().values()):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), n
+        assert torch.equal(full_value(a), full_value(b)), n
     assert len(fresh_opt.state) == 2 * len(lora_modules(fresh.model))
     other = build_policy(model_cfg(tiny_model, rank=2), build_parallel_dims())
     with pytest.raises(CheckpointError, match="rank 4.*rank 2"):
@@ -220,8 +219,8 @@ def test_activation_checkpointing_gives_the_same_adapter_gradients(tiny_model, l
         randomize_adapters(p)
         lp, _ = p.logprobs(sequences(p.adapter))
         (-lp.mean()).backward()
-    plain = {n: q.grad.full_tensor() for n, q in lora.model.named_parameters() if q.grad is not None}
-    again = {n: q.grad.full_tensor() for n, q in recomputed.model.named_parameters() if q.grad is not None}
+    plain = {n: full_value(q.grad) for n, q in lora.model.named_parameters() if q.grad is not None}
+    again = {n: full_value(q.grad) for n, q in recomputed.model.named_parameters() if q.grad is not None}
     assert plain.keys() == again.keys() and len(plain) == 2 * len(lora_modules(lora.model))
     for n in plain:
         assert torch.allclose(plain[n], again[n], atol=1e-6), n

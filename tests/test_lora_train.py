@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import distribute_tensor
 
 import grpo.trainer as trainer_module
 import rollout.rollouts as rollouts_module
@@ -14,8 +13,9 @@ from data.rewards import RewardResult
 from grpo.config import LoraConfig, ModelConfig, OptimConfig, load_config
 from grpo.update import PackedStep, build_optimizer, packed_logprobs
 from models.lora import adapters_off, is_adapter_name, lora_modules, merged_weight
-from models.parallel import build_parallel_dims, init_distributed
+from models.parallel import build_parallel_dims, full_value, init_distributed
 from models.policy import build_policy
+from tests.test_full_state_dict import set_full_value
 from tests.test_nonfinite import text_batch
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2", "logging.tensorboard=false",
@@ -33,7 +33,7 @@ def run_trainer(config, overrides):
     init_distributed()
     cfg = load_config(config, overrides)
     trainer = trainer_module.Trainer(cfg)
-    base = {n: t.full_tensor().clone() for n, t in trainer.policy.model.state_dict().items() if not is_adapter_name(n)}
+    base = {n: full_value(t).clone() for n, t in trainer.policy.model.state_dict().items() if not is_adapter_name(n)}
     trainer.train()
     return trainer, base
 
@@ -42,8 +42,8 @@ def check_only_adapters_moved(trainer, base, run_dir):
     policy = trainer.policy
     for name, tensor in policy.model.state_dict().items():
         if not is_adapter_name(name):
-            assert torch.equal(tensor.full_tensor(), base[name]), name  # frozen
-    moved = [m for m in lora_modules(policy.model).values() if float(m.lora_B.detach().full_tensor().abs().sum()) > 0]
+            assert torch.equal(full_value(tensor), base[name]), name  # frozen
+    moved = [m for m in lora_modules(policy.model).values() if float(full_value(m.lora_B.detach()).abs().sum()) > 0]
     assert moved, "no adapter moved"
     assert len(trainer.optimizer.state) == 2 * len(lora_modules(policy.model))
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
@@ -100,8 +100,7 @@ def one_update(model_path: str) -> tuple[dict, dict]:
     g = torch.Generator().manual_seed(3)
     for m in lora_modules(policy.model).values():  # the same full B on every rank; each keeps its shard
         full = torch.randn(m.lora_B.shape, generator=g) * 0.05
-        with torch.no_grad():
-            m.lora_B.to_local().copy_(distribute_tensor(full, m.lora_B.device_mesh, m.lora_B.placements).to_local())
+        set_full_value(m.lora_B, full)
     before = {n: t.clone() for n, t in policy.full_state_dict()}
     opt = build_optimizer(policy, OptimConfig(lr=1e-2))
     lp, _ = policy.logprobs(sequences(policy.adapter))

@@ -18,7 +18,7 @@ def moe_folder(tiny_moe_model):
 
 def _policy(path: str):
     policy = build_policy(ModelConfig(path=path, dtype="float32", attn_implementation="sdpa",
-                                      router_aux_loss_coef=0.5), build_parallel_dims())
+                                      router_aux_loss_coef=0.5), build_parallel_dims(one_device="fsdp"))
     return policy
 
 

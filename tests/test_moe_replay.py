@@ -10,10 +10,11 @@ import torch
 from grpo.config import ModelConfig
 from models.moe import RouteRecorder, replay_topk
 from models.packing import pack, unpack_per_sequence
-from models.parallel import build_parallel_dims, init_distributed
+from models.parallel import build_parallel_dims, full_value, init_distributed
 from models.policy import build_policy
 from rollout.base import SamplingParams
 from tests.test_families import _prompts
+from tests.test_full_state_dict import set_full_value
 from tests.test_torch_engine import generation_batch
 
 
@@ -73,10 +74,9 @@ def _perturbed(policy, layer: int, expert: int, scale: float) -> torch.Tensor:
     top-k differs from the engine's for many tokens; returns the router's new full weight."""
     weight = policy.adapter.routers(policy.model)[layer].weight
     with torch.no_grad():
-        full = weight.full_tensor()
+        full = full_value(weight).clone()
         full[expert] += scale * full.std()
-        weight.to_local().copy_(torch.distributed.tensor.distribute_tensor(full, weight.device_mesh,
-                                                                           weight.placements).to_local())
+    set_full_value(weight, full)
     return full
 
 
@@ -130,7 +130,7 @@ def test_replay_survives_activation_checkpointing(moe_folder, rollout):
         _perturbed(policy, 1, 1, -3.0)  # the policy's own top-k would differ from the engine's
         lp, _ = policy.logprobs(_micro_batch(policy, prompts, gens))
         lp.sum().backward()
-        grads.append({n: p.grad.full_tensor().clone() for n, p in policy.model.named_parameters()
+        grads.append({n: full_value(p.grad).clone() for n, p in policy.model.named_parameters()
                       if p.grad is not None})
     assert any(".mlp.gate." in n for n in grads[0]) and grads[0].keys() == grads[1].keys()
     for name in grads[0]:

@@ -114,6 +114,9 @@ def test_the_config_key(tmp_path):
     assert load_config(None, ["parallel.one_device=plain"]).parallel.one_device == "plain"
     with pytest.raises(ConfigError, match="one_device"):
         load_config(None, ["parallel.one_device=sharded"])
+    init_distributed()  # the start-up line says which it is
+    assert "plain module" in build_parallel_dims(one_device="plain").describe()
+    assert "(FSDP)" in build_parallel_dims(one_device="fsdp").describe()
 
 
 def _run(tiny_model, clevr_parquet, run_dir, one_device: str, mode: str, steps: int, resume: str = "never"):

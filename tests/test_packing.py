@@ -5,6 +5,7 @@ import torch
 
 from data.batch import Batch, PackedGenericDataItem
 from models.packing import bins_fit, grouped_bins, pack, plan_microbatches, unpack_per_sequence
+from models.parallel import full_value
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +364,7 @@ def test_qwen3_5_varlen_gives_sdpa_logprobs_and_gradients(qwen3_5_folder, monkey
         policy.model.zero_grad(set_to_none=True)
         lp, _ = policy.logprobs(mb)
         (lp * torch.linspace(-1.0, 1.0, lp.numel())).sum().backward()
-        return lp.detach(), {n: p.grad.full_tensor() for n, p in policy.model.named_parameters() if p.grad is not None}
+        return lp.detach(), {n: full_value(p.grad) for n, p in policy.model.named_parameters() if p.grad is not None}
 
     want = logprobs_and_grads(sdpa)
     causal_calls = []

@@ -16,7 +16,7 @@ def _step_weights(tiny_model, hold: bool) -> tuple[dict, float, list]:
 
     init_distributed()
     torch.manual_seed(0)
-    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims(one_device="fsdp"))
     optimizer = build_optimizer(policy, OptimConfig(lr=1e-2))
     batch = text_batch(policy, vocab=int(policy.model.config.get_text_config().vocab_size), lengths=(12, 9, 11))
     calls = []
@@ -73,7 +73,7 @@ def test_a_held_step_leaves_only_parameters_and_optimizer_state(tiny_model):
 
     init_distributed()
     torch.manual_seed(0)
-    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims(one_device="fsdp"))
     optimizer = build_optimizer(policy, OptimConfig(lr=1e-2))
     batch = text_batch(policy, vocab=int(policy.model.config.get_text_config().vocab_size))
     params = tensor_bytes(policy.model.parameters())
@@ -97,7 +97,7 @@ def test_the_hold_reaches_every_unit(tiny_model):
     from models.policy import build_policy
 
     init_distributed()
-    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims())
+    policy = build_policy(ModelConfig(path=str(tiny_model)), build_parallel_dims(one_device="fsdp"))
     walked = [m for m in policy.model.modules() if isinstance(m, FSDPModule)]
     assert policy.fsdp_units == walked and len(walked) > 2 and policy.fsdp_units is policy.fsdp_units
     hold = _Hold(policy)

@@ -285,7 +285,7 @@ def test_a_trained_tower_is_gathered_once_a_step(tiny_model, batch, monkeypatch,
     def run(keep: bool):
         torch.manual_seed(0)
         policy = build_policy(ModelConfig(path=str(tiny_model), shared_prompts=True, vision_once="on"),
-                              build_parallel_dims())
+                              build_parallel_dims(one_device="fsdp"))
         optimizer = update.build_optimizer(policy, OptimConfig(lr=1e-2))
         made = _tower_gathers(policy)
         if not keep:

@@ -104,7 +104,8 @@ def measure_refit(workdir: Path, repeats: int) -> dict:
     from models.policy import build_policy
 
     init_distributed()
-    policy = build_policy(ModelConfig(path=str(_model(workdir, "tiny_hd128_deep"))), build_parallel_dims())
+    policy = build_policy(ModelConfig(path=str(_model(workdir, "tiny_hd128_deep"))),
+                          build_parallel_dims(one_device="fsdp"))  # FSDP units: the hold and the gather
 
     def gathered():
         for t in policy.model.state_dict().values():

@@ -249,7 +249,7 @@ class Trainer:
         else:
             compute_copy = 2 * max(n for n, _ in units)
         if self.policy.compute is not None:  # parallel.one_device=plain: the copies' gradients, until added in
-            grad_buffers = sum(p.numel() for p in model.parameters() if p.requires_grad) * engine_dtype
+            grad_buffers = self.policy.compute.gradient_bytes()
         else:
             grad_buffers = max(n for _, n in units) * (engine_dtype + 4)
         tp = cfg.rollout.tensor_parallel_size

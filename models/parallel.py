@@ -230,6 +230,13 @@ class ComputeCopy:
     def active(self) -> bool:
         return self.copies is not None
 
+    def gradient_bytes(self) -> int:
+        """The most the copies' gradients hold at once in a backward (the memory plan's gradient buffers): the two
+        largest groups' (a block's wait for the block's last; the rest's, the lm_head's first and the embedding's
+        last, through the whole backward; the tower's through its own)."""
+        sizes = sorted((sum(p.numel() for p in group) for group in self.groups), reverse=True)
+        return sum(sizes[:2]) * torch.finfo(self.dtype).bits // 8
+
     def swap_in(self) -> None:
         """The compute copies in the modules, made from the masters now if they are not there."""
         if self.copies is not None:

@@ -103,6 +103,34 @@ def test_the_copies_come_and_go(tiny_model):
     assert {p.device.type for p in plain.model.parameters()} == {"cpu"} and not plain.compute.active
 
 
+@pytest.mark.parametrize("vision_once", ["off", "on"])
+def test_the_copies_gradients_stay_within_the_plan(tiny_model, vision_once):
+    """What the memory plan counts for the copies' gradients (`ComputeCopy.gradient_bytes`) holds their peak in a
+    backward over images and text, and is not the whole model's."""
+    from grpo.update import optimizer_step
+
+    _, plain = _policies(tiny_model, vision_once=vision_once)
+    compute, peak = plain.compute, [0]
+    inner = compute._hook
+
+    def hook(group):
+        arrived = inner(group)
+
+        def measured(copy):  # each copy's gradient just accumulated, before its group's are added in
+            peak[0] = max(peak[0], sum(c.grad.numel() * c.grad.element_size()
+                                       for c in compute.copies.values() if c.grad is not None))
+            arrived(copy)
+        return measured
+
+    compute._hook = hook
+    step = PackedStep(mixed_batch(plain.adapter), 40, plain.device)
+    optimizer_step(plain, build_optimizer(plain, OptimConfig(lr=1e-2)), step, lambda lp, mb, d: (lp.sum(), {}),
+                   max_tokens=40, grad_clip=1.0, denominators={}, unsharded_accumulation=True)
+    whole = sum(p.numel() for p in compute.masters if p.requires_grad) * 2
+    largest = max(sum(p.numel() for p in group) for group in compute.groups) * 2
+    assert largest <= peak[0] <= compute.gradient_bytes() < whole, (largest, peak[0], compute.gradient_bytes(), whole)
+
+
 def test_fp32_needs_no_copy(tiny_model):
     _, plain = _policies(tiny_model, dtype="float32")
     assert plain.compute is None and plain.fsdp_units == []

@@ -23,7 +23,9 @@ Parts (`--parts`, comma-separated):
   train   the trainer's update (`grpo.update.optimizer_step`: the passes, the clip, the reads; an optimizer that
           moves nothing) over the same micro-batches, in fp32 and in bf16: the policy in FSDP units, held as the
           trainer holds them, against `parallel.one_device=plain` (a plain module; in bf16 its compute copies):
-          what FSDP costs on one rank. The two updates' loss and gradient norm compared bit for bit.
+          what FSDP costs on one rank. The two updates' loss and gradient norm compared bit for bit. The model is
+          the 3B's depths at width 256 (`--train-size`; tiny_deep: at width 64, where a CPU's time is mostly the
+          host's work per module and op, as on a GPU that waits for its host).
 Medians of `--repeats` calls after one warm-up, in milliseconds. Models and data are made under `--workdir`.
 """
 
@@ -255,7 +257,7 @@ class _NoStep:
         pass
 
 
-def measure_train(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
+def measure_train(workdir: Path, repeats: int, seqs: int, length: int, size: str = "tiny_hd128_deep") -> dict:
     from grpo.config import ModelConfig
     from grpo.update import PackedStep, optimizer_step
     from models.parallel import build_parallel_dims
@@ -264,7 +266,7 @@ def measure_train(workdir: Path, repeats: int, seqs: int, length: int) -> dict:
     init_distributed()
     out = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = ModelConfig(path=str(_model(workdir, "tiny_hd128_deep")), dtype=dtype)
+        cfg = ModelConfig(path=str(_model(workdir, size)), dtype=dtype)
         units = build_policy(cfg, build_parallel_dims(one_device="fsdp"))
         plain = build_policy(cfg, build_parallel_dims(one_device="plain"))
         step = PackedStep(_text_batch(units.adapter, seqs, length), 2 * length, units.device)
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--ref-seqs", type=int, default=8, help="ref, train: text sequences in the pass")
     p.add_argument("--ref-len", type=int, default=64, help="ref, train: tokens a sequence")
+    p.add_argument("--train-size", default="tiny_hd128_deep", help="train: make_tiny_model size (tiny_deep: narrower)")
     p.add_argument("--workdir", default="/tmp/vlrl_host_cost")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
@@ -313,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     if "ref" in parts:
         out.update(measure_ref(workdir, max(args.repeats // 4, 3), args.ref_seqs, args.ref_len))
     if "train" in parts:
-        out.update(measure_train(workdir, max(args.repeats // 4, 3), args.ref_seqs, args.ref_len))
+        out.update(measure_train(workdir, max(args.repeats // 4, 3), args.ref_seqs, args.ref_len, args.train_size))
+        out["train_size"] = args.train_size
     print(json.dumps(out))
     return 0
 

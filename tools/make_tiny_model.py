@@ -178,6 +178,10 @@ SIZES.update({
     "tiny_hd128_deep": dataclasses.replace(_HD128, text_layers=_3B.text_layers, vision_depth=_3B.vision_depth,
                                            window_size=_3B.window_size, fullatt_blocks=_3B.fullatt_blocks),
 })
+# tiny at the 3b's depths: so narrow that a CPU's time for a pass is mostly the host's work per module and op
+# (tools/host_cost.py --train-size tiny_deep)
+SIZES["tiny_deep"] = dataclasses.replace(SIZES["tiny"], text_layers=_3B.text_layers, vision_depth=_3B.vision_depth,
+                                         fullatt_blocks=_3B.fullatt_blocks)
 
 
 def _lookup(table: dict, key: str, what: str):

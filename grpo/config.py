@@ -374,8 +374,9 @@ class ParallelConfig:
     # hold each unit's bf16 copy and the fp32 gradients between micro-batches) or plain (a plain module: fp32
     # master weights, a bf16 copy made once a step and swapped in, the gradients added into fp32 after each
     # backward by the trainer: no FSDP hooks around each unit in each micro-batch; the same numbers,
-    # tests/test_one_device.py). Ignored with more ranks. Off until measured on a GPU
-    one_device: Literal["fsdp", "plain"] = "fsdp"
+    # tests/test_one_device.py). Ignored with more ranks. plain: the 3B update alone 18% faster on an H100
+    # (docs/benchmarks.md, 2026-12-05)
+    one_device: Literal["fsdp", "plain"] = "plain"
 
 
 @dataclass

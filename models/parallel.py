@@ -89,7 +89,7 @@ class ParallelDims:
     replicate: int = 1
     # parallel.one_device: how a policy that trains lives on one device (one rank, no tensor parallelism):
     # "fsdp" (FSDP units over a mesh of one) or "plain" (a plain module, `ComputeCopy`)
-    one_device: str = "fsdp"
+    one_device: str = "plain"
 
     def __post_init__(self):
         if self.world_size % self.tp:
@@ -161,7 +161,7 @@ def resolve_replicate(replicate: int, world_size: int) -> int:
     return max(world_size // max(local, 1), 1)
 
 
-def build_parallel_dims(tp: int = 1, replicate: int = 1, one_device: str = "fsdp") -> ParallelDims:
+def build_parallel_dims(tp: int = 1, replicate: int = 1, one_device: str = "plain") -> ParallelDims:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     world = dist.get_world_size()
     return ParallelDims(world_size=world, tp=tp, device_type=device_type,

@@ -442,7 +442,8 @@ def run(args) -> dict:
         result["plan_training_peak_gb"] = plan.training_peak / 2**30
         result["plan_warnings"] = plan.warnings
     result["attn_implementation"] = trainer.policy.model.config._attn_implementation
-    result["activation_checkpointing"] = args.activation_checkpointing
+    result["activation_checkpointing"] = cfg.model.activation_checkpointing  # as run: a --set of it comes later
+    result["one_device"] = cfg.parallel.one_device
     result["liger_kernel"] = trainer.policy.liger_kernel  # model.liger_kernel as settled (auto: family and device)
     if "train" in phases:
         result.update(bench_train(trainer, args))

@@ -512,8 +512,7 @@ class Policy:
     # --- memory ----------------------------------------------------------------------------
     def offload(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Move the sharded parameters (and optimizer state) to CPU so a colocated engine can use the GPU."""
-        if self.compute is not None:
-            self.compute.release()
+        self.reshard()  # the parameters the optimizer holds, no compute copy left behind on the device
         _move_model(self.model, torch.device("cpu"))
         if optimizer is not None:
             move_optimizer_state(optimizer, torch.device("cpu"))
@@ -579,8 +578,7 @@ class Policy:
         With LoRA, each adapted layer's weight is yielded merged, W + (alpha / rank)·B·A computed in
         fp32 and then cast, and the adapters themselves are not yielded: consumers see base names only.
         """
-        if self.compute is not None:
-            self.compute.release()  # the masters, not their copies
+        self.reshard()  # the parameters the optimizer holds (a `ComputeCopy`'s masters), not compute copies
         adapted = lora_modules(self.model)
         for name, tensor in self.model.state_dict().items():
             if is_adapter_name(name):

@@ -39,8 +39,9 @@
 #   tests     TESTS (default tests/gpu/test_device_peak.py) under pytest, up to TEST_S=120 s
 #   onedevice parallel.one_device on the GPU, no vLLM: its CPU-built tests on CUDA (tests/test_gathered_passes.py,
 #             tests/test_one_device.py: bitwise against FSDP with the GPU's kernels), the update alone in FSDP
-#             units and as a plain module, alternating (ONE_SETS; MAX_TOKENS, default the recipe's 8192; ONE_ARGS,
-#             overrides for both, e.g. model.activation_checkpointing=true to fit a 78 GiB card), then
+#             units and as a plain module, alternating (ONE_SETS, each side named; MAX_TOKENS, default the
+#             recipe's 8192; ONE_ARGS, overrides for both, e.g. model.activation_checkpointing=true to fit a 78 GiB
+#             card), then
 #             tools/host_cost.py's ref and train parts (the 3B depths at width 256: the host's cost with CUDA)
 #   levers    the update's host-side levers, no vLLM (~7 min): the GPU tests of model.flash_direct and
 #             model.torch_rms_norm (LEVER_TESTS=0 skips them), one call of RMSNorm, SwiGLU and rotary by
@@ -408,7 +409,9 @@ onedevice)
   timeout ${TEST_S:-240} $PY -m pytest -q -x -p no:cacheprovider tests/test_gathered_passes.py tests/test_one_device.py \
     > "$OUT/one_device_tests.log" 2>&1
   echo "one-device tests rc=$?"; tail -2 "$OUT/one_device_tests.log"
-  sets=""; IFS=";" read -ra ones <<< "${ONE_SETS:--;parallel.one_device=plain;-}"
+  # each side named: "-" (no override) is whatever the default is now
+  one_sets="parallel.one_device=fsdp;parallel.one_device=plain;parallel.one_device=fsdp"
+  sets=""; IFS=";" read -ra ones <<< "${ONE_SETS:-$one_sets}"
   for v in "${ones[@]}"; do [ "$v" = - ] && v=""; sets="$sets;${ONE_ARGS:-} $v"; done
   UPDATE_PROFILE=0 update_sets "" "${sets#;}" ${ONE_UPDATE_S:-200} update --size 3b --max-tokens ${MAX_TOKENS:-8192}
   timeout ${HOST_COST_S:-100} $PY tools/host_cost.py --parts ref,train > "$OUT/host_cost.json" 2> "$OUT/host_cost.err"

@@ -107,3 +107,23 @@ def test_the_hold_reaches_every_unit(tiny_model):
             group = unit._get_fsdp_state()._fsdp_param_group
             if group is not None:  # a unit without parameters of its own has no group
                 assert group.reduce_grads is (not held) and group.reshard_after_backward is (not held)
+
+
+def test_a_text_only_step_holds_a_tower_no_forward_has_gathered(tiny_model):
+    """With model.vision_once a text-only step never runs the vision tower, so FSDP never gathered its unit; the
+    hold's no-sync post-backward reads every unit's gathered parameters (FSDP2 raised AttributeError there)."""
+    from models.parallel import build_parallel_dims, init_distributed
+    from models.policy import build_policy
+
+    init_distributed()
+    norms = {}
+    for vision_once in ("on", "off"):
+        torch.manual_seed(0)
+        policy = build_policy(ModelConfig(path=str(tiny_model), dtype="bfloat16", vision_once=vision_once),
+                              build_parallel_dims(one_device="fsdp"))
+        optimizer = build_optimizer(policy, OptimConfig(lr=1e-2))
+        batch = text_batch(policy, vocab=int(policy.model.config.get_text_config().vocab_size), lengths=(12, 9, 11))
+        out = optimizer_step(policy, optimizer, batch, mean_nll, max_tokens=12, grad_clip=1.0,
+                             denominators={"tokens": 12}, unsharded_accumulation=True)
+        norms[vision_once] = out["loss/grad_norm"]
+    assert norms["on"] == norms["off"] and norms["on"] > 0

@@ -274,8 +274,6 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: "Bat
     totals: list[torch.Tensor] = []
     sums: dict[str, list] = {}
     hold = unsharded_accumulation and dp == 1 and hasattr(policy.model, "set_requires_gradient_sync")
-    if hold:
-        policy.gather_units_once()  # the hold's no-sync post-backward needs every unit gathered once
     last = len(step.microbatches) - 1
     with pass_vision(policy, step) as vision:
         tower = _kept_tower(policy, vision)

@@ -268,7 +268,6 @@ class Policy:
         # model.vision_once as settled for this family and device (models.policy.runs_vision_once)
         self.vision_once = vision_once
         self._fsdp_units: list[nn.Module] | None = None  # `fsdp_units`, found on first use
-        self._units_gathered = False  # `gather_units_once`
         # model.pad_vision_mlp as settled for this device (models.policy.cuda_switch), and how many of the
         # tower's MLPs it widened (build_policy)
         self.pad_vision_mlp = pad_vision_mlp
@@ -535,16 +534,13 @@ class Policy:
         return self._fsdp_units
 
     def gather_units_once(self) -> None:
-        """Gather and free each FSDP unit that no forward has gathered yet, once per policy. FSDP2's post-backward
-        under no-sync (the update's hold) reads every unit's gathered parameters, which a unit has only after its
-        first gather: a VLM's vision tower that a text-only step never runs (model.vision_once) would raise
-        AttributeError there. One unit at a time, so the peak is one unit's compute copy."""
-        if self._units_gathered:
-            return
+        """Gather and free each FSDP unit once (`build_policy`, for a trainable policy on one data-parallel rank).
+        FSDP2's post-backward under no-sync (the update's hold) reads every unit's gathered parameters, which a unit
+        has only after its first gather: a VLM's vision tower that a text-only step never runs (model.vision_once)
+        would raise AttributeError there. One unit at a time, so the peak is one unit's compute copy."""
         for unit in self.fsdp_units:  # the root first (model.modules() order): its lazy init sets up every unit
             unit.unshard()
             unit.reshard()
-        self._units_gathered = True
 
     def reshard(self) -> None:
         """Free any unsharded compute copy FSDP still holds (one data-parallel rank keeps it from

@@ -41,8 +41,8 @@
 #             tests/test_one_device.py: bitwise against FSDP with the GPU's kernels), the update alone in FSDP
 #             units and as a plain module, alternating (ONE_SETS, each side named; MAX_TOKENS, default the
 #             recipe's 8192; ONE_ARGS, overrides for both, e.g. model.activation_checkpointing=true to fit a 78 GiB
-#             card), then
-#             tools/host_cost.py's ref and train parts (the 3B depths at width 256: the host's cost with CUDA)
+#             card), then tools/host_cost.py's ref and train parts (the 3B depths at width 256: the host's cost
+#             with CUDA)
 #   levers    the update's host-side levers, no vLLM (~7 min): the GPU tests of model.flash_direct and
 #             model.torch_rms_norm (LEVER_TESTS=0 skips them), one call of RMSNorm, SwiGLU and rotary by
 #             implementation (tools/norm_cost.py at the 3B update's shapes; LEVER_COST=0 skips it), then the update
